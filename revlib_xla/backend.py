@@ -1,0 +1,231 @@
+"""The one module that knows about devices.
+
+Everything device-specific that the features need goes through here: which kind of device a tensor lives on
+(``cpu``, ``cuda``, ``xla``), how to capture and replay its random-number state, how to capture and replay the
+autocast state, how to stop XLA from merging a recomputation with the forward (optimization barriers), and how to
+end a step (``torch_xla.sync()``). Features call these functions and never branch on devices themselves.
+
+torch_xla is optional: it is imported lazily, only when an XLA tensor or device is seen or asked for.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import os
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+DeviceLike = Union[str, torch.device, torch.Tensor, None]
+
+__all__ = [
+    "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
+    "device_for", "RngState", "AutocastState", "optimization_barrier_", "sync", "is_tracing_lazily",
+]
+
+
+def _as_device(device: DeviceLike) -> torch.device:
+    if isinstance(device, torch.Tensor):
+        return device.device
+    if device is None:
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def device_kind(device: DeviceLike) -> str:
+    """``'cpu'``, ``'cuda'``, ``'xla'`` or the raw ``torch.device.type`` for anything else."""
+    return _as_device(device).type
+
+
+@functools.lru_cache(maxsize=None)
+def xla_available() -> bool:
+    """True when torch_xla is installed and imports (it needs torch 2.9.x)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return False
+    try:
+        _xla()
+    except Exception:  # a torch_xla built for another torch raises on import
+        return False
+    return True
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _xla():
+    os.environ.setdefault("PJRT_DEVICE", "CPU" if not os.environ.get("TPU_NAME") else "TPU")
+    import torch_xla  # noqa: F401
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+def available_kinds() -> List[str]:
+    """Device kinds present on this machine, in the order tests run them."""
+    kinds = ["cpu"]
+    if xla_available():
+        kinds.append("xla")
+    if cuda_available():
+        kinds.append("cuda")
+    return kinds
+
+
+def device_for(kind: str) -> torch.device:
+    """A concrete device of the given kind (the default XLA device for ``'xla'``)."""
+    if kind == "xla":
+        _xla()
+        import torch_xla
+
+        return torch_xla.device()
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def default_device() -> torch.device:
+    """Where a user's run goes by default: a TPU if torch_xla finds one, else a GPU, else the CPU."""
+    if xla_available():
+        import torch_xla.runtime as xr
+
+        if xr.device_type() not in (None, "CPU"):
+            return device_for("xla")
+    if cuda_available():
+        return device_for("cuda")
+    return torch.device("cpu")
+
+
+def sync(device: DeviceLike = None) -> None:
+    """End a step: on XLA, cut the lazy graph and run it (``torch_xla.sync()``); on cuda, synchronize the stream."""
+    kind = device_kind(device) if device is not None else None
+    if kind in (None, "xla") and xla_available() and (kind == "xla" or "torch_xla" in _loaded_modules()):
+        import torch_xla
+
+        torch_xla.sync()
+    if kind in (None, "cuda") and cuda_available():
+        torch.cuda.synchronize()
+
+
+def _loaded_modules():
+    import sys
+
+    return sys.modules
+
+
+def is_tracing_lazily(tensor: torch.Tensor) -> bool:
+    """True for lazy (XLA) tensors, whose memory is decided by the compiled graph rather than by Python lifetimes."""
+    return device_kind(tensor) == "xla"
+
+
+def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
+    """Stop the compiler from moving work across this point or merging it with identical work before it.
+
+    On XLA, a recomputation in the backward pass computes exactly what the forward computed; without a barrier,
+    XLA's common-subexpression elimination merges the two and keeps the forward's activations alive, which undoes
+    the memory saving (and can use more memory than no saving at all). Eager devices execute op by op, so there is
+    nothing to protect and this is a no-op.
+    """
+    xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and device_kind(t) == "xla"]
+    if xla_tensors:
+        _xla().optimization_barrier_(xla_tensors)
+
+
+@dataclasses.dataclass
+class RngState:
+    """The random-number state of one device, captured so that a recomputation draws the same numbers.
+
+    Captured for the device the tensors live on (cpu, cuda or xla); on cuda and xla the CPU generator is captured
+    too, since blocks may draw on it (``torch.randn`` without a device).
+    """
+
+    device: torch.device
+    cpu: Optional[torch.Tensor]
+    accel: Any
+
+    @classmethod
+    def capture(cls, device: DeviceLike) -> "RngState":
+        dev = _as_device(device)
+        kind = dev.type
+        accel = None
+        if kind == "cuda":
+            accel = torch.cuda.get_rng_state(dev)
+        elif kind == "xla":
+            accel = _xla().get_rng_state(str(dev))
+        return cls(dev, torch.get_rng_state(), accel)
+
+    def restore(self) -> None:
+        if self.cpu is not None:
+            torch.set_rng_state(self.cpu)
+        kind = self.device.type
+        if kind == "cuda":
+            torch.cuda.set_rng_state(self.accel, self.device)
+        elif kind == "xla":
+            _xla().set_rng_state(self.accel, str(self.device))
+
+
+@contextlib.contextmanager
+def replay_rng(state: Optional[RngState]) -> Iterator[None]:
+    """Run the body with ``state`` as the random state, then put back whatever state was current before."""
+    if state is None:
+        yield
+        return
+    current = RngState.capture(state.device)
+    state.restore()
+    try:
+        yield
+    finally:
+        current.restore()
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    """Whether autocast was on, and with which dtype, for one device type (and for the CPU) at forward time."""
+
+    device_type: str
+    enabled: bool
+    dtype: Optional[torch.dtype]
+    cpu_enabled: bool
+    cpu_dtype: Optional[torch.dtype]
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device: DeviceLike) -> "AutocastState":
+        kind = device_kind(device)
+        enabled, dtype = _autocast_of(kind)
+        cpu_enabled, cpu_dtype = _autocast_of("cpu")
+        return cls(kind, enabled, dtype, cpu_enabled, cpu_dtype, torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Enter exactly this autocast state (switching autocast off if it was off at forward time)."""
+        with contextlib.ExitStack() as stack:
+            if self.device_type != "cpu" and _autocast_supported(self.device_type):
+                stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled,
+                                                   cache_enabled=self.cache_enabled))
+            stack.enter_context(torch.autocast("cpu", dtype=self.cpu_dtype, enabled=self.cpu_enabled,
+                                               cache_enabled=self.cache_enabled))
+            yield
+
+
+def _autocast_supported(kind: str) -> bool:
+    return kind in ("cuda", "xla", "cpu")
+
+
+def _autocast_of(kind: str):
+    if not _autocast_supported(kind):
+        return False, None
+    return torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)
+
+
+def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
+    """Every tensor inside nested lists, tuples and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)

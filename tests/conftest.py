@@ -1,0 +1,50 @@
+"""Shared fixtures: every numerical test runs on each device kind present (cpu, xla, cuda)."""
+import os
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from revlib_xla import backend
+
+ALL_KINDS = ("cpu", "xla", "cuda")
+
+
+def _skip_reason(kind):
+    if kind == "xla" and not backend.xla_available():
+        return "torch_xla is not installed (pip install 'revlib_xla[xla]')"
+    if kind == "cuda" and not backend.cuda_available():
+        return "no CUDA GPU on this machine"
+    return None
+
+
+@pytest.fixture(params=ALL_KINDS)
+def device(request):
+    """A torch.device of each kind; cuda is skipped with a visible reason when no GPU is present."""
+    reason = _skip_reason(request.param)
+    if reason:
+        pytest.skip(reason)
+    return backend.device_for(request.param)
+
+
+def to_host(t):
+    """Bring a tensor (or nested structure) back to the CPU, syncing XLA first."""
+    if isinstance(t, torch.Tensor):
+        return t.detach().cpu()
+    if isinstance(t, (list, tuple)):
+        return type(t)(to_host(x) for x in t)
+    if isinstance(t, dict):
+        return {k: to_host(v) for k, v in t.items()}
+    return t
+
+
+def max_rel_err(a, b):
+    """max |a - b| / max |b|, elementwise over the whole tensor (0 when both are 0)."""
+    a, b = to_host(a).double(), to_host(b).double()
+    denom = b.abs().max()
+    diff = (a - b).abs().max()
+    if denom == 0:
+        return float(diff)
+    return float(diff / denom)
