@@ -1,0 +1,609 @@
+"""Reversible sequences: activation memory that does not grow with depth.
+
+A reversible layer maps two streams ``(x0, x1)`` to ``(x1, coupling_forward(x0, f(x1)))`` ("half residual and
+swap"); a RevNet block with functions F and G is two such layers. Because ``x0 = coupling_inverse(y1, f(y0))``,
+the backward pass rebuilds every layer's input from its output, so nothing but the final output has to be kept.
+
+Design (what differs from RevLib and why):
+
+* One ``autograd.Function`` owns the whole sequence and saves only the final two streams. Under XLA, lifetimes are
+  decided by graph dataflow, and a per-layer Function would keep every layer's output alive until its backward
+  (O(depth)); one Function over the sequence is what makes the compiled step O(1) in depth.
+* Before each layer's recomputation the backward places an optimization barrier over what it reads, so XLA cannot
+  merge the recomputation with the forward (which would keep the forward's activations alive).
+* Parameters and tensor arguments are explicit inputs of the Function, so they get gradients whether or not the
+  input requires grad, and gradients of the other stream come from the coupling's own vector-Jacobian product.
+* Random state and autocast state are captured per layer at forward time, for the device the streams live on
+  (cpu, cuda or xla), and replayed in the recomputation.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+
+from . import backend
+from .coupling import COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, pick
+
+Tensor = torch.Tensor
+DUAL_OR_QUAD_TENSOR = Union[Tuple[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor]]
+FUSED_OPTIMIZER = Optional[Callable[[Iterable], torch.optim.Optimizer]]
+LAYERWISE_ARGS_KWARGS = Optional[List[Tuple[List[Any], Dict[str, Any]]]]
+
+__all__ = [
+    "MemoryModes", "ReversibleModule", "ReversibleSequential", "ReversibleModuleCache", "ReversibleError",
+    "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR", "FUSED_OPTIMIZER",
+]
+
+
+class MemoryModes(enum.IntEnum):
+    """RevLib's memory modes. ``checkpoint`` and ``autograd_graph`` run as ``autograd_function`` (see
+    :class:`ReversibleSequential`): RevLib's cache modes peak above ``no_savings``."""
+
+    no_savings = 0
+    checkpoint = 1
+    autograd_graph = 2
+    autograd_function = 3
+
+
+class ReversibleError(ValueError):
+    """A reversible model was given input it cannot handle; the message names the layer and the problem."""
+
+
+def _not_yet(feature: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{feature} is not implemented yet in revlib_xla (it is delivered by the issue '{issue}'); "
+        f"leave it at its default for now")
+
+
+_OFFLOAD_ISSUE = "Parameters off the device: target_device, fused optimizer and OffloadModel"
+
+
+def offload_tensor(inp: Tensor, reference: Tensor) -> Tensor:
+    """RevLib's ``offload_tensor``: not available yet (see the error)."""
+    raise _not_yet("offload_tensor", _OFFLOAD_ISSUE)
+
+
+class ReversibleModuleCache:
+    """Kept so RevLib code that builds one still runs. revlib_xla's reversible backward needs no cache: every
+    memory mode that saves memory runs the sequence-level Function, whose peak does not grow with depth."""
+
+    def __init__(self) -> None:
+        self.x0 = self.x1 = None
+
+    def __call__(self, x0: Tensor, x1: Tensor) -> None:
+        self.x0, self.x1 = x0.detach(), x1.detach()
+
+
+class ReversibleWrapper(nn.Module):
+    """Holds the user's block and its coupling pair; computes one half-residual step."""
+
+    def __init__(self, wrapped_module: nn.Module, coupling_forward: Optional[COUPLING] = None,
+                 coupling_inverse: Optional[COUPLING] = None):
+        super().__init__()
+        self.wrapped_module = wrapped_module
+        self.coupling_forward = coupling_forward or additive_coupling_forward
+        self.coupling_inverse = coupling_inverse or additive_coupling_inverse
+
+    def fn(self, x1: Tensor, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None):
+        return self.wrapped_module(x1, *args, **(kwargs or {}))
+
+    def couple(self, x0: Tensor, fn_out) -> Tensor:
+        return first_tensor(self.coupling_forward(x0, fn_out))
+
+    def uncouple(self, y1: Tensor, fn_out) -> Tensor:
+        return first_tensor(self.coupling_inverse(y1, fn_out))
+
+    def forward(self, x0: Tensor, x1: Tensor, *args, **kwargs) -> Tensor:
+        return self.couple(x0, self.fn(x1, args, kwargs))
+
+    def inverse(self, y0: Tensor, y1: Tensor, *args, **kwargs) -> Tensor:
+        return self.uncouple(y1, self.fn(y0, args, kwargs))
+
+
+class ReversibleModule(nn.Module):
+    """One reversible layer: ``(x0, x1) -> (x1, coupling_forward(x0, wrapped_module(x1)))``.
+
+    Standalone, it runs with plain autograd (RevLib-compatible signature; a 4-tuple input passes its last two
+    entries through). Inside a :class:`ReversibleSequential` it is run by the sequence-level reversible backward.
+    The user's block is reachable as ``.wrapped_module.wrapped_module`` (RevLib's state-dict layout).
+    """
+
+    def __init__(self, wrapped_module: nn.Module, coupling_forward: Optional[COUPLING] = None,
+                 coupling_inverse: Optional[COUPLING] = None, memory_savings: bool = True,
+                 cache: Optional[ReversibleModuleCache] = None, target_device: str = "",
+                 fused_optimizer: FUSED_OPTIMIZER = None):
+        super().__init__()
+        if target_device:
+            raise _not_yet("target_device (parameter offload)", _OFFLOAD_ISSUE)
+        if fused_optimizer is not None:
+            raise _not_yet("fused_optimizer", _OFFLOAD_ISSUE)
+        self.wrapped_module = ReversibleWrapper(wrapped_module, coupling_forward, coupling_inverse)
+        self.memory_savings = memory_savings
+        self.cache = cache
+
+    @property
+    def block(self) -> nn.Module:
+        return self.wrapped_module.wrapped_module
+
+    def forward(self, inp: DUAL_OR_QUAD_TENSOR, *args, **kwargs) -> DUAL_OR_QUAD_TENSOR:
+        if not isinstance(inp, (tuple, list)) or len(inp) not in (2, 4):
+            raise ReversibleError("ReversibleModule expects a tuple of 2 streams (x0, x1) (or RevLib's 4-tuple)")
+        x0, x1 = inp[0], inp[1]
+        y1 = self.wrapped_module(x0, x1, *args, **kwargs)
+        return (x1, y1) + tuple(inp[2:])
+
+    def inverse(self, out: Tuple[Tensor, Tensor], *args, **kwargs) -> Tuple[Tensor, Tensor]:
+        y0, y1 = out[0], out[1]
+        return self.wrapped_module.inverse(y0, y1, *args, **kwargs), y0
+
+    def extra_repr(self) -> str:
+        wrapper = self.wrapped_module
+        return (f"coupling_forward={getattr(wrapper.coupling_forward, '__name__', wrapper.coupling_forward)}, "
+                f"coupling_inverse={getattr(wrapper.coupling_inverse, '__name__', wrapper.coupling_inverse)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Arguments: tensors inside args/kwargs become explicit Function inputs (so they get gradients and their in-place
+# modification is detected); everything else is passed through unchanged.
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+def _replace_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_replace_tensors(o, fn) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_replace_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _replace_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _fill_slots(obj: Any, tensors: Sequence[Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_fill_slots(o, tensors) for o in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill_slots(o, tensors) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _fill_slots(v, tensors) for k, v in obj.items()}
+    return obj
+
+
+def _slots_in(obj: Any) -> List[int]:
+    if isinstance(obj, _Slot):
+        return [obj.index]
+    if isinstance(obj, (list, tuple)):
+        return [i for o in obj for i in _slots_in(o)]
+    if isinstance(obj, dict):
+        return [i for o in obj.values() for i in _slots_in(o)]
+    return []
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the sequence Function needs besides tensors: the layers, their arguments with tensors replaced by
+    slots, and which (deduplicated) parameters each layer uses."""
+
+    layers: List[ReversibleModule]
+    names: List[str]
+    layer_args: List[Tuple[Any, Any]]
+    layer_arg_slots: List[List[int]]
+    params: List[nn.Parameter]
+    layer_params: List[List[int]]
+    preserve_rng: bool
+    stream_dtype: Optional[torch.dtype]
+    compute_dtype: Optional[torch.dtype]
+
+    def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
+        args, kwargs = self.layer_args[i]
+        return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
+
+    def describe(self, i: int) -> str:
+        block = self.layers[i].block
+        return f"layer {i} ('{self.names[i]}': {type(block).__name__})"
+
+
+def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
+    return x if plan.compute_dtype is None else x.to(plan.compute_dtype)
+
+
+def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs) -> Tensor:
+    """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
+    wrapper = plan.layers[i].wrapped_module
+    version = x1._version
+    fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+    if x1._version != version:
+        raise ReversibleError(
+            f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
+            f"first operation); a reversible block must not change its input stream. Use the out-of-place form.")
+    y1 = wrapper.couple(x0, fn_out)
+    if not isinstance(y1, torch.Tensor):
+        raise ReversibleError(f"{plan.describe(i)}: the coupling returned {type(y1).__name__}, expected a tensor")
+    if y1.shape != x0.shape:
+        raise ReversibleError(
+            f"{plan.describe(i)} changed its stream's shape: the stream is {tuple(x0.shape)} but the coupled output "
+            f"is {tuple(y1.shape)}. A reversible block must return a tensor of its input's shape (the block's output "
+            f"was {tuple(first_tensor(fn_out).shape)}).")
+    if plan.stream_dtype is not None and y1.dtype != plan.stream_dtype:
+        y1 = y1.to(plan.stream_dtype)
+    if y1.dtype != x0.dtype:
+        raise ReversibleError(
+            f"{plan.describe(i)} changed its stream's dtype from {x0.dtype} to {y1.dtype}. Return the input's dtype, "
+            f"or pass stream_dtype=... to keep both streams in one dtype while blocks compute in another.")
+    return y1
+
+
+class _BufferGuard:
+    """Keeps normalization running statistics from being updated twice (once in the forward, once in the
+    recomputation): snapshots them before the recomputation and puts them back after."""
+
+    def __init__(self, module: nn.Module):
+        self.buffers = [b for m in module.modules()
+                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+                        for b in m.buffers() if b is not None]
+        self.saved: List[Tensor] = []
+
+    def __enter__(self):
+        self.saved = [b.detach().clone() for b in self.buffers]
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                b.copy_(s)
+        self.saved = []
+
+
+_INPLACE_HINT = "modified by an inplace operation"
+
+
+class _ReversibleSequenceFn(torch.autograd.Function):
+    """Runs every layer of a reversible sequence without autograd and keeps only the final two streams; the
+    backward walks the layers in reverse, rebuilding each layer's input from its output."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x0: Tensor, x1: Tensor, *flat: Tensor):
+        arg_tensors = flat[len(plan.params):]
+        device = x0.device
+        ctx.plan = plan
+        ctx.autocast = backend.AutocastState.capture(device)
+        ctx.rng = []
+        with torch.no_grad():
+            for i in range(len(plan.layers)):
+                args, kwargs = plan.args_for(i, arg_tensors)
+                ctx.rng.append(backend.RngState.capture(device) if plan.preserve_rng else None)
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+        ctx.save_for_backward(x0, x1, *plan.params, *arg_tensors)
+        return x0, x1
+
+    @staticmethod
+    def backward(ctx, dy0: Tensor, dy1: Tensor):
+        plan: _Plan = ctx.plan
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as err:
+            if _INPLACE_HINT not in str(err):
+                raise
+            raise ReversibleError(
+                "a tensor the reversible backward needs was modified in place after the forward: the sequence's "
+                "output, one of its parameters, or a tensor argument (mask, memory, ...). Clone it before "
+                "changing it, or change it only after backward().") from None
+        y0, y1 = saved[0], saved[1]
+        n_params = len(plan.params)
+        arg_tensors = saved[2 + n_params:]
+        needs_arg_grad = ctx.needs_input_grad[3 + n_params:]
+        recompute_args = [a.detach().requires_grad_() if need else a for a, need in zip(arg_tensors, needs_arg_grad)]
+        param_grads: List[Optional[Tensor]] = [None] * n_params
+        arg_grads: List[Optional[Tensor]] = [None] * len(arg_tensors)
+
+        for i in reversed(range(len(plan.layers))):
+            layer = plan.layers[i]
+            wrapper = layer.wrapped_module
+            own_params = [plan.params[k] for k in plan.layer_params[i]]
+            own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
+            backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
+            args, kwargs = plan.args_for(i, recompute_args)
+            rng = ctx.rng[i]
+            with torch.enable_grad(), backend.replay_rng(rng), ctx.autocast.replay(), _BufferGuard(layer):
+                x1 = y0.detach().requires_grad_()
+                fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+                with torch.no_grad():
+                    x0 = wrapper.uncouple(y1, _detach_all(fn_out))
+                    if plan.stream_dtype is not None:
+                        x0 = x0.to(plan.stream_dtype)
+                x0_leaf = x0.detach().requires_grad_()
+                out = wrapper.couple(x0_leaf, fn_out)
+                if plan.stream_dtype is not None:
+                    out = out.to(plan.stream_dtype)
+            inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
+            grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
+            dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
+            dx1 = dy0 if grads[1] is None else dy0 + grads[1]
+            for k, g in zip(plan.layer_params[i], grads[2:2 + len(own_params)]):
+                if g is not None:
+                    param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+            for k, g in zip(own_args, grads[2 + len(own_params):]):
+                if g is not None:
+                    arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
+            y0, y1, dy0, dy1 = x0, x1.detach(), dx0, dx1
+            del fn_out, out, grads, x0_leaf
+        return (None, dy0, dy1, *param_grads, *arg_grads)
+
+
+def _detach_all(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach_all(v) for v in value)
+    return value
+
+
+class ReversibleSequential(nn.Sequential):
+    """A sequence of reversible layers whose activation memory does not grow with depth.
+
+    Drop-in for RevLib's ``ReversibleSequential``: each module becomes one reversible layer ``(x0, x1) ->
+    (x1, coupling_forward(x0, module(x1)))``; ``coupling_forward``/``coupling_inverse`` lists are cycled per layer
+    (``None`` = additive); children are named ``'0-0', '0-1', '1-0', ...`` so state-dict keys read
+    ``'0-1.wrapped_module.wrapped_module.weight'`` (stable, documented).
+
+    Args:
+        split_dim: the dimension along which the input is split into the two streams (and the output
+            concatenated). ``None`` replicates the input into both streams and returns the mean of the two output
+            streams. A ``(x0, x1)`` tuple input skips the split and returns a ``(y0, y1)`` tuple.
+        memory_mode: ``autograd_function`` (default) keeps only the final output; ``no_savings`` runs plain
+            autograd (the reference). ``checkpoint`` and ``autograd_graph`` run as ``autograd_function`` with a
+            warning: RevLib's cache modes peak above ``no_savings``, this mode never does.
+        stream_dtype: keep both residual streams in this dtype (e.g. ``torch.float32``) while the blocks compute in
+            the input's dtype (e.g. bfloat16): bounds the reconstruction drift of deep low-precision stacks.
+        preserve_rng_state: capture each layer's random state in the forward and replay it in the recomputation
+            (needed for dropout; costs a few microseconds per layer).
+        verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
+            :func:`check_invertible`) and raise naming the first layer that does not.
+        target_device, fused_optimizer: RevLib's parameter offload and fused optimizer (not available yet: raise).
+    """
+
+    def __init__(self, *modules: nn.Module, split_dim: Optional[int] = 1,
+                 coupling_forward: Optional[List[Optional[COUPLING]]] = None,
+                 coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
+                 memory_mode: MemoryModes = MemoryModes.autograd_function,
+                 target_device: str = "", fused_optimizer: FUSED_OPTIMIZER = None,
+                 stream_dtype: Optional[torch.dtype] = None, preserve_rng_state: bool = True,
+                 verify_inverse: bool = False):
+        if target_device:
+            raise _not_yet("target_device (parameter offload)", _OFFLOAD_ISSUE)
+        if fused_optimizer is not None:
+            raise _not_yet("fused_optimizer", _OFFLOAD_ISSUE)
+        if not modules:
+            raise ReversibleError("ReversibleSequential needs at least one module")
+        memory_mode = MemoryModes(memory_mode)
+        if memory_mode in (MemoryModes.checkpoint, MemoryModes.autograd_graph):
+            warnings.warn(
+                f"MemoryModes.{memory_mode.name} runs as MemoryModes.autograd_function in revlib_xla: RevLib's cache "
+                f"modes keep every recomputed tensor until the next forward (a higher peak than no_savings); "
+                f"autograd_function gives the same gradients with a peak that does not grow with depth.",
+                stacklevel=2)
+        layers = collections.OrderedDict()
+        for i, module in enumerate(modules):
+            if not isinstance(module, nn.Module):
+                raise ReversibleError(f"ReversibleSequential: argument {i} is a {type(module).__name__}, "
+                                      f"expected a torch.nn.Module")
+            if not isinstance(module, ReversibleModule):
+                module = ReversibleModule(module, pick(coupling_forward, i), pick(coupling_inverse, i),
+                                          memory_savings=memory_mode != MemoryModes.no_savings)
+            layers[f"{i // 2}-{i % 2}"] = module
+        super().__init__(layers)
+        self.split_dim = split_dim
+        self.memory_mode = memory_mode
+        self.stream_dtype = stream_dtype
+        self.preserve_rng_state = preserve_rng_state
+        self.verify_inverse = verify_inverse
+        self._verified = False
+
+    # -- streams --------------------------------------------------------------------------------------------------
+    def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
+        if isinstance(inp, (tuple, list)):
+            if len(inp) != 2 or not all(isinstance(t, torch.Tensor) for t in inp):
+                raise ReversibleError(
+                    f"ReversibleSequential: a tuple input must be two stream tensors (x0, x1), got "
+                    f"{[type(t).__name__ for t in inp]}")
+            x0, x1 = inp
+            if x0.shape != x1.shape or x0.dtype != x1.dtype:
+                raise ReversibleError(
+                    f"ReversibleSequential: the two input streams must match in shape and dtype, got "
+                    f"{tuple(x0.shape)} {x0.dtype} and {tuple(x1.shape)} {x1.dtype}")
+            return x0, x1, True
+        if not isinstance(inp, torch.Tensor):
+            raise ReversibleError(f"ReversibleSequential expects a tensor (or a (x0, x1) tuple of streams), got "
+                                  f"{type(inp).__name__}")
+        if self.split_dim is None:
+            return inp, inp, False
+        dim = self.split_dim
+        if not -inp.dim() <= dim < inp.dim():
+            raise ReversibleError(f"ReversibleSequential: split_dim={dim} is out of range for an input of shape "
+                                  f"{tuple(inp.shape)}")
+        if inp.shape[dim] % 2:
+            raise ReversibleError(
+                f"ReversibleSequential: the input has size {inp.shape[dim]} along split_dim={dim} (shape "
+                f"{tuple(inp.shape)}), which cannot be split into two equal streams; make it even (e.g. double the "
+                f"features before the reversible part)")
+        x0, x1 = inp.chunk(2, dim)
+        return x0, x1, False
+
+    def _merge(self, y0: Tensor, y1: Tensor, two_stream: bool):
+        if two_stream:
+            return y0, y1
+        if self.split_dim is None:
+            return (y0 + y1) / 2
+        return torch.cat([y0, y1], self.split_dim)
+
+    # -- arguments ------------------------------------------------------------------------------------------------
+    def _plan(self, x0: Tensor, args, kwargs, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS,
+              stream_dtype: Optional[torch.dtype]) -> Tuple[_Plan, List[Tensor]]:
+        layers = list(self._modules.values())
+        names = list(self._modules.keys())
+        if layerwise_args_kwargs is not None:
+            if len(layerwise_args_kwargs) != len(layers):
+                raise ReversibleError(
+                    f"ReversibleSequential: layerwise_args_kwargs has {len(layerwise_args_kwargs)} entries but the "
+                    f"model has {len(layers)} layers; give one (args, kwargs) pair per layer")
+        arg_tensors: List[Tensor] = []
+        seen: Dict[int, int] = {}
+
+        def slot(t: Tensor) -> _Slot:
+            if id(t) not in seen:
+                seen[id(t)] = len(arg_tensors)
+                arg_tensors.append(t)
+            return _Slot(seen[id(t)])
+
+        shared_args = _replace_tensors(tuple(args), slot)
+        shared_kwargs = _replace_tensors(dict(kwargs), slot)
+        layer_args = []
+        for i in range(len(layers)):
+            if layerwise_args_kwargs is None:
+                layer_args.append((shared_args, shared_kwargs))
+                continue
+            entry = layerwise_args_kwargs[i]
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], dict)):
+                raise ReversibleError(f"ReversibleSequential: layerwise_args_kwargs[{i}] must be an (args, kwargs) "
+                                      f"pair with kwargs a dict, got {entry!r}")
+            own_args = _replace_tensors(tuple(entry[0]), slot)
+            own_kwargs = _replace_tensors(dict(entry[1]), slot)
+            layer_args.append((shared_args + own_args, {**shared_kwargs, **own_kwargs}))
+
+        params: List[nn.Parameter] = []
+        index: Dict[int, int] = {}
+        layer_params = []
+        for layer in layers:
+            own = []
+            for p in layer.parameters():
+                if not p.requires_grad:
+                    continue
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append(p)
+                if index[id(p)] not in own:
+                    own.append(index[id(p)])
+            layer_params.append(own)
+        compute_dtype = x0.dtype if stream_dtype is not None and stream_dtype != x0.dtype else None
+        plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
+                     layer_params, self.preserve_rng_state, stream_dtype, compute_dtype)
+        return plan, arg_tensors
+
+    # -- forward / inverse ----------------------------------------------------------------------------------------
+    def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,
+                layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
+        x0, x1, two_stream = self._split(inp)
+        out_dtype = x0.dtype
+        stream_dtype = self.stream_dtype if self.stream_dtype is not None and self.stream_dtype != x0.dtype else None
+        plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs, stream_dtype)
+        if self.verify_inverse and not self._verified:
+            check_invertible(self, inp, *args, layerwise_args_kwargs=layerwise_args_kwargs, **kwargs)
+            self._verified = True
+        if stream_dtype is not None:
+            x0, x1 = x0.to(stream_dtype), x1.to(stream_dtype)
+
+        if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
+            for i in range(len(plan.layers)):
+                a, k = plan.args_for(i, arg_tensors)
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
+        else:
+            x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
+        if stream_dtype is not None:
+            x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
+        return self._merge(x0, x1, two_stream)
+
+    def inverse(self, output: Union[Tensor, Tuple[Tensor, Tensor]], *args,
+                layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
+        """Reconstruct the input from the output (same ``args``/``kwargs`` as the forward).
+
+        A tensor output is split along ``split_dim`` and the reconstructed input concatenated; a ``(y0, y1)``
+        tuple gives back ``(x0, x1)``. With ``split_dim=None`` the output is a mean of two streams, which cannot
+        be inverted: pass the two streams instead. Blocks with dropout reconstruct exactly only in eval mode.
+        """
+        if self.split_dim is None and isinstance(output, torch.Tensor):
+            raise ReversibleError("ReversibleSequential.inverse: with split_dim=None the output averages the two "
+                                  "streams and cannot be inverted; run forward and inverse on (x0, x1) tuples")
+        y0, y1, two_stream = self._split(output)
+        out_dtype = y0.dtype
+        stream_dtype = self.stream_dtype if self.stream_dtype is not None and self.stream_dtype != y0.dtype else None
+        plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs, stream_dtype)
+        if stream_dtype is not None:
+            y0, y1 = y0.to(stream_dtype), y1.to(stream_dtype)
+        for i in reversed(range(len(plan.layers))):
+            a, k = plan.args_for(i, arg_tensors)
+            y0, y1 = _inverse_layer(plan, i, y0, y1, a, k), y0
+        if stream_dtype is not None:
+            y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
+        return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
+
+
+def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs) -> Tensor:
+    wrapper = plan.layers[i].wrapped_module
+    x0 = wrapper.uncouple(y1, wrapper.fn(_to_compute(y0, plan), args, kwargs))
+    if plan.stream_dtype is not None:
+        x0 = x0.to(plan.stream_dtype)
+    return x0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class InvertibilityReport:
+    """Per-layer reconstruction error of :func:`check_invertible` (max |x - inverse(forward(x))| / max |x|)."""
+
+    errors: List[float]
+    tolerance: float
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors) if self.errors else 0.0
+
+
+_DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+@torch.no_grad()
+def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Tensor, Tensor]], *args,
+                     tolerance: Optional[float] = None, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None,
+                     **kwargs) -> InvertibilityReport:
+    """Check on ``sample`` that every layer's coupling pair inverts, layer by layer.
+
+    Runs each layer forward and then its inverse on the same random state, and compares the reconstructed input
+    stream with the real one. Raises :class:`ReversibleError` naming the first layer whose relative error exceeds
+    ``tolerance`` (by default 1e-4 in float32, 1e-9 in float64, 3e-2 in bfloat16); returns the per-layer errors.
+    """
+    if not isinstance(model, ReversibleSequential):
+        raise ReversibleError(f"check_invertible expects a ReversibleSequential, got {type(model).__name__}")
+    x0, x1, _ = model._split(sample)
+    stream_dtype = model.stream_dtype if model.stream_dtype is not None and model.stream_dtype != x0.dtype else None
+    plan, arg_tensors = model._plan(x0, args, kwargs, layerwise_args_kwargs, stream_dtype)
+    if stream_dtype is not None:
+        x0, x1 = x0.to(stream_dtype), x1.to(stream_dtype)
+    tol = tolerance if tolerance is not None else _DEFAULT_TOL.get(x0.dtype, 1e-4)
+    errors = []
+    for i in range(len(plan.layers)):
+        a, k = plan.args_for(i, arg_tensors)
+        rng = backend.RngState.capture(x0.device)
+        y1 = _forward_layer(plan, i, x0, x1, a, k)
+        with backend.replay_rng(rng):
+            rebuilt = _inverse_layer(plan, i, x1, y1, a, k)
+        scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
+        err = float((rebuilt - x0).abs().max().cpu()) / scale
+        errors.append(err)
+        if not err <= tol:
+            raise ReversibleError(
+                f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
+                f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
+                f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
+        x0, x1 = x1, y1
+    return InvertibilityReport(errors, tol)
