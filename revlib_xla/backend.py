@@ -22,7 +22,7 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "AutocastState", "optimization_barrier_", "sync", "is_tracing_lazily",
+    "device_for", "RngState", "AutocastState", "optimization_barrier_", "sync", "is_tracing_lazily", "checkpoint",
 ]
 
 
@@ -132,6 +132,26 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         _xla().optimization_barrier_(xla_tensors)
 
 
+def checkpoint(function, *args: Any, preserve_rng_state: bool = True) -> Any:
+    """Activation checkpointing of ``function(*args)`` on the device its tensor arguments live on: keep only the
+    inputs, recompute the rest in the backward pass.
+
+    Eager devices use ``torch.utils.checkpoint`` (non-reentrant). XLA tensors use ``torch_xla.utils.checkpoint``:
+    ``torch.utils.checkpoint`` crashes on them in torch 2.9, and torch_xla's version puts optimization barriers before
+    the recomputation so the compiler cannot merge it back into the forward. That version is reentrant: parameters
+    used by ``function`` get gradients only when one of ``args`` requires grad.
+    """
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors and device_kind(tensors[0]) == "xla":
+        _xla()
+        from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+        return xla_checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve_rng_state)
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    return torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
 @dataclasses.dataclass
 class RngState:
     """The random-number state of one device, captured so that a recomputation draws the same numbers.
@@ -198,14 +218,19 @@ class AutocastState:
         return cls(kind, enabled, dtype, cpu_enabled, cpu_dtype, torch.is_autocast_cache_enabled())
 
     @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        """Enter exactly this autocast state (switching autocast off if it was off at forward time)."""
+    def replay(self, cache_enabled: Optional[bool] = False) -> Iterator[None]:
+        """Enter exactly this autocast state (switching autocast off if it was off at forward time).
+
+        The weight-cast cache is off by default: casts made under ``no_grad`` in a forward would otherwise be cached
+        without their autograd history and reused by the recomputation, and the parameters would get no gradient.
+        """
+        cache = self.cache_enabled if cache_enabled is None else cache_enabled
         with contextlib.ExitStack() as stack:
             if self.device_type != "cpu" and _autocast_supported(self.device_type):
                 stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled,
-                                                   cache_enabled=self.cache_enabled))
+                                                   cache_enabled=cache))
             stack.enter_context(torch.autocast("cpu", dtype=self.cpu_dtype, enabled=self.cpu_enabled,
-                                               cache_enabled=self.cache_enabled))
+                                               cache_enabled=cache))
             yield
 
 
@@ -229,3 +254,16 @@ def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from tensors_in(item)
+
+
+def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:
+    """The StableHLO text of the pending XLA graph that computes ``tensors`` (nothing is compiled or run).
+
+    Call it before the step is synced: after ``torch_xla.sync()`` the tensors are plain device data and the graph is
+    gone. Tensors already on the device when the step began (parameters, inputs) appear as graph arguments.
+    """
+    tensors = list(tensors)
+    xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and device_kind(t) == "xla"]
+    if not xla_tensors or len(xla_tensors) != len(tensors):
+        raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
+    return _xla().get_stablehlo(xla_tensors)

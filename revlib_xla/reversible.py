@@ -215,6 +215,12 @@ class _Plan:
         return f"layer {i} ('{self.names[i]}': {type(block).__name__})"
 
 
+def _to_streams(plan: _Plan, x0: Tensor, x1: Tensor) -> Tuple[Tensor, Tensor]:
+    if plan.stream_dtype is None:
+        return x0, x1
+    return x0.to(plan.stream_dtype), x1.to(plan.stream_dtype)
+
+
 def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
     return x if plan.compute_dtype is None else x.to(plan.compute_dtype)
 
@@ -228,7 +234,13 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs) ->
         raise ReversibleError(
             f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
             f"first operation); a reversible block must not change its input stream. Use the out-of-place form.")
-    y1 = wrapper.couple(x0, fn_out)
+    try:
+        y1 = wrapper.couple(x0, fn_out)
+    except RuntimeError as err:
+        raise ReversibleError(
+            f"{plan.describe(i)}: coupling its output {_shape_of(fn_out)} with the other stream "
+            f"{tuple(x0.shape)} failed ({err}). A reversible block must return a tensor the coupling can merge "
+            f"with its input stream, normally of the same shape.") from None
     if not isinstance(y1, torch.Tensor):
         raise ReversibleError(f"{plan.describe(i)}: the coupling returned {type(y1).__name__}, expected a tensor")
     if y1.shape != x0.shape:
@@ -243,6 +255,11 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs) ->
             f"{plan.describe(i)} changed its stream's dtype from {x0.dtype} to {y1.dtype}. Return the input's dtype, "
             f"or pass stream_dtype=... to keep both streams in one dtype while blocks compute in another.")
     return y1
+
+
+def _shape_of(value) -> str:
+    t = first_tensor(value)
+    return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 class _BufferGuard:
@@ -279,7 +296,7 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         ctx.plan = plan
         ctx.autocast = backend.AutocastState.capture(device)
         ctx.rng = []
-        with torch.no_grad():
+        with torch.no_grad(), ctx.autocast.replay():
             for i in range(len(plan.layers)):
                 args, kwargs = plan.args_for(i, arg_tensors)
                 ctx.rng.append(backend.RngState.capture(device) if plan.preserve_rng else None)
@@ -314,20 +331,20 @@ class _ReversibleSequenceFn(torch.autograd.Function):
             own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
             backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
             args, kwargs = plan.args_for(i, recompute_args)
-            rng = ctx.rng[i]
-            with torch.enable_grad(), backend.replay_rng(rng), ctx.autocast.replay(), _BufferGuard(layer):
-                x1 = y0.detach().requires_grad_()
-                fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
-                with torch.no_grad():
-                    x0 = wrapper.uncouple(y1, _detach_all(fn_out))
+            with _BufferGuard(layer):  # normalization statistics are put back after the gradient is taken
+                with torch.enable_grad(), backend.replay_rng(ctx.rng[i]), ctx.autocast.replay():
+                    x1 = y0.detach().requires_grad_()
+                    fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+                    with torch.no_grad():
+                        x0 = wrapper.uncouple(y1, _detach_all(fn_out))
+                        if plan.stream_dtype is not None:
+                            x0 = x0.to(plan.stream_dtype)
+                    x0_leaf = x0.detach().requires_grad_()
+                    out = wrapper.couple(x0_leaf, fn_out)
                     if plan.stream_dtype is not None:
-                        x0 = x0.to(plan.stream_dtype)
-                x0_leaf = x0.detach().requires_grad_()
-                out = wrapper.couple(x0_leaf, fn_out)
-                if plan.stream_dtype is not None:
-                    out = out.to(plan.stream_dtype)
-            inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
-            grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
+                        out = out.to(plan.stream_dtype)
+                inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
+                grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
             dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
             dx1 = dy0 if grads[1] is None else dy0 + grads[1]
             for k, g in zip(plan.layer_params[i], grads[2:2 + len(own_params)]):
@@ -365,7 +382,10 @@ class ReversibleSequential(nn.Sequential):
             autograd (the reference). ``checkpoint`` and ``autograd_graph`` run as ``autograd_function`` with a
             warning: RevLib's cache modes peak above ``no_savings``, this mode never does.
         stream_dtype: keep both residual streams in this dtype (e.g. ``torch.float32``) while the blocks compute in
-            the input's dtype (e.g. bfloat16): bounds the reconstruction drift of deep low-precision stacks.
+            the input's dtype (e.g. bfloat16): bounds the reconstruction drift of deep low-precision stacks. The
+            output is returned in the input's dtype.
+        compute_dtype: the dtype the blocks see (default: the input's dtype); useful with a two-stream input
+            already in ``stream_dtype``.
         preserve_rng_state: capture each layer's random state in the forward and replay it in the recomputation
             (needed for dropout; costs a few microseconds per layer).
         verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
@@ -378,8 +398,8 @@ class ReversibleSequential(nn.Sequential):
                  coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
                  memory_mode: MemoryModes = MemoryModes.autograd_function,
                  target_device: str = "", fused_optimizer: FUSED_OPTIMIZER = None,
-                 stream_dtype: Optional[torch.dtype] = None, preserve_rng_state: bool = True,
-                 verify_inverse: bool = False):
+                 stream_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
+                 preserve_rng_state: bool = True, verify_inverse: bool = False):
         if target_device:
             raise _not_yet("target_device (parameter offload)", _OFFLOAD_ISSUE)
         if fused_optimizer is not None:
@@ -406,6 +426,7 @@ class ReversibleSequential(nn.Sequential):
         self.split_dim = split_dim
         self.memory_mode = memory_mode
         self.stream_dtype = stream_dtype
+        self.compute_dtype = compute_dtype
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
         self._verified = False
@@ -448,8 +469,9 @@ class ReversibleSequential(nn.Sequential):
         return torch.cat([y0, y1], self.split_dim)
 
     # -- arguments ------------------------------------------------------------------------------------------------
-    def _plan(self, x0: Tensor, args, kwargs, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS,
-              stream_dtype: Optional[torch.dtype]) -> Tuple[_Plan, List[Tensor]]:
+    def _plan(self, x0: Tensor, args, kwargs,
+              layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS) -> Tuple[_Plan, List[Tensor]]:
+        """Deduplicated parameters and tensor arguments of every layer, and the stream and compute dtypes."""
         layers = list(self._modules.values())
         names = list(self._modules.keys())
         if layerwise_args_kwargs is not None:
@@ -495,7 +517,9 @@ class ReversibleSequential(nn.Sequential):
                 if index[id(p)] not in own:
                     own.append(index[id(p)])
             layer_params.append(own)
-        compute_dtype = x0.dtype if stream_dtype is not None and stream_dtype != x0.dtype else None
+        stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
+        compute_dtype = self.compute_dtype or x0.dtype
+        compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, self.preserve_rng_state, stream_dtype, compute_dtype)
         return plan, arg_tensors
@@ -505,13 +529,11 @@ class ReversibleSequential(nn.Sequential):
                 layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
-        stream_dtype = self.stream_dtype if self.stream_dtype is not None and self.stream_dtype != x0.dtype else None
-        plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs, stream_dtype)
+        plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
         if self.verify_inverse and not self._verified:
             check_invertible(self, inp, *args, layerwise_args_kwargs=layerwise_args_kwargs, **kwargs)
             self._verified = True
-        if stream_dtype is not None:
-            x0, x1 = x0.to(stream_dtype), x1.to(stream_dtype)
+        x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
             for i in range(len(plan.layers)):
@@ -519,8 +541,7 @@ class ReversibleSequential(nn.Sequential):
                 x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
         else:
             x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
-        if stream_dtype is not None:
-            x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
+        x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
 
     def inverse(self, output: Union[Tensor, Tuple[Tensor, Tensor]], *args,
@@ -536,15 +557,12 @@ class ReversibleSequential(nn.Sequential):
                                   "streams and cannot be inverted; run forward and inverse on (x0, x1) tuples")
         y0, y1, two_stream = self._split(output)
         out_dtype = y0.dtype
-        stream_dtype = self.stream_dtype if self.stream_dtype is not None and self.stream_dtype != y0.dtype else None
-        plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs, stream_dtype)
-        if stream_dtype is not None:
-            y0, y1 = y0.to(stream_dtype), y1.to(stream_dtype)
+        plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs)
+        y0, y1 = _to_streams(plan, y0, y1)
         for i in reversed(range(len(plan.layers))):
             a, k = plan.args_for(i, arg_tensors)
             y0, y1 = _inverse_layer(plan, i, y0, y1, a, k), y0
-        if stream_dtype is not None:
-            y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
+        y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
 
 
@@ -585,10 +603,8 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
     if not isinstance(model, ReversibleSequential):
         raise ReversibleError(f"check_invertible expects a ReversibleSequential, got {type(model).__name__}")
     x0, x1, _ = model._split(sample)
-    stream_dtype = model.stream_dtype if model.stream_dtype is not None and model.stream_dtype != x0.dtype else None
-    plan, arg_tensors = model._plan(x0, args, kwargs, layerwise_args_kwargs, stream_dtype)
-    if stream_dtype is not None:
-        x0, x1 = x0.to(stream_dtype), x1.to(stream_dtype)
+    plan, arg_tensors = model._plan(x0, args, kwargs, layerwise_args_kwargs)
+    x0, x1 = _to_streams(plan, x0, x1)
     tol = tolerance if tolerance is not None else _DEFAULT_TOL.get(x0.dtype, 1e-4)
     errors = []
     for i in range(len(plan.layers)):
