@@ -1,0 +1,781 @@
+"""Deterministic memory measurement for training steps: what autograd keeps, the eager peak, and compiled XLA memory.
+
+Three questions, three tools, all giving the same bytes when asked twice:
+
+1. **What does autograd keep for the backward pass?** :class:`SavedTensorCounter` / :func:`saved_bytes` count the
+   bytes of tensors saved for backward (``torch.autograd.graph.saved_tensors_hooks``), each storage once. This is
+   the right number for "this block saves only its output" or "compression halves what is kept" assertions.
+2. **What is the eager peak of a step, and what is it made of?** :func:`eager_peak` runs a step under PyTorch's
+   ``MemTracker`` and splits the peak into parameters, gradients, activations, temporaries, optimizer state,
+   buffers and inputs. It works for CPU and CUDA tensors, and under ``FakeTensorMode`` (``fake=True``) so a model
+   that does not fit anywhere can be sized on a laptop. :func:`cuda_peak` gives the CUDA caching allocator's own
+   ``max_memory_allocated`` for a call.
+3. **How much memory does the compiled XLA step need?** On XLA the Python lifetimes above mean nothing: the compiler
+   decides what lives when. :func:`step_stablehlo` traces one training step on the XLA device and returns its
+   StableHLO (loss and every parameter gradient); :func:`xla_cpu_memory` compiles it for XLA:CPU in-process and
+   :func:`tpu_memory` compiles it for a TPU generation (v5e by default; v5p, v6e) *without a TPU*, with libtpu's
+   deviceless compiler in a child process. TPU figures are what the TPU compiler plans for one chip - they come
+   from the TPU compiler, not from a TPU run. XLA:CPU numbers are useful for execution-level sanity checks but
+   cannot judge rematerialisation, reversible or offload policies (XLA:CPU removes optimization barriers early
+   and CSE merges recomputation back into the forward); use the TPU compiler for those.
+
+Compiled results are cached by a hash of the StableHLO text (plus compiler versions and flags): in memory always,
+and on disk when asked (``disk_cache=True`` or the ``REVLIB_XLA_CACHE`` environment variable). Nothing here prints;
+progress and timings go to the ``revlib_xla.memory`` logger at DEBUG level.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import backend
+from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
+
+__all__ = [
+    "SavedTensorCounter", "saved_bytes",
+    "MemoryBreakdown", "EagerPeak", "eager_peak", "CudaPeak", "cuda_peak",
+    "CompiledMemory", "stablehlo_of", "step_stablehlo", "xla_cpu_memory", "tpu_memory", "tpu_memory_many",
+    "clear_compile_cache", "TPU_GENERATIONS", "MATMUL_PATTERN", "MissingDependencyError", "TpuCompileError",
+    "format_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Regular expression matching matrix-multiply instructions in optimized HLO text (TPU turns dots into
+#: convolutions). Counting them shows whether a recomputation survived the compiler.
+MATMUL_PATTERN = r"(dot|convolution)\("
+
+
+_TPU_EXTRA_HINT = "pip install 'revlib_xla[tpu-compile]'"
+_JAX_EXTRA_HINT = "pip install 'revlib_xla[jax]'  (or 'revlib_xla[tpu-compile]')"
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency of a measurement (jax, jaxlib, libtpu, torch_xla) is not installed."""
+
+
+class TpuCompileError(RuntimeError):
+    """The deviceless TPU compile failed; the message carries the compiler's error or the worker's stderr tail."""
+
+
+def format_bytes(n: int) -> str:
+    """``1536`` -> ``'1.50 KiB'``: binary units, two decimals, exact bytes below 1 KiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+# =================================================================================================================
+# 1. Bytes saved for backward
+
+
+class SavedTensorCounter:
+    """Count the bytes autograd saves for backward inside a ``with`` block, each storage once.
+
+    Every tensor an autograd node saves (``ctx.save_for_backward``, the inputs of ``addmm``, the output of
+    ``tanh``, ...) passes through a ``saved_tensors_hooks`` pack hook; the counter adds the size of its *storage*
+    unless that storage was already counted. A tensor saved by two nodes (``tanh`` saves its output, the next
+    ``Linear`` saves it as its input) and a view of a saved tensor (``weight.t()``) therefore count once, at the
+    size of the memory actually held. Storages are recognised through a weak reference, so a storage freed and
+    reallocated at the same address is a new one. Nothing is copied or kept alive.
+
+    Attributes: ``bytes`` (deduplicated bytes), ``count`` (distinct storages counted) and ``packed`` (pack-hook
+    calls, duplicates included).
+
+    ``exclude`` lists tensors whose storages are never counted, e.g. ``model.parameters()`` to count activations
+    only (autograd also saves weights: ``Linear`` keeps its weight to compute the input gradient).
+
+    Device notes: cpu and cuda tensors are deduplicated by storage. XLA tensors have no addressable storage (the
+    compiler decides what exists), so they are deduplicated by tensor object - a view by its base tensor - and
+    counted at their logical size ``numel * element_size``: the number says what autograd asks to keep, not what
+    the compiled graph holds (use :func:`tpu_memory` for that).
+
+    Pitfall: saved-tensor hooks do not nest. Hooks installed inside the block (``torch.utils.checkpoint`` with
+    ``use_reentrant=False``, activation compression or offload hooks) take over for the tensors saved under them, so
+    those are not seen here.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.bytes = 0
+        self.count = 0
+        self.packed = 0
+        self._seen: Dict[int, Tuple[weakref.ReferenceType, int]] = {}
+        self._hooks: Optional[contextlib.AbstractContextManager] = None
+        for tensor in exclude:
+            self._admit(tensor)
+
+    def reset(self) -> None:
+        """Forget everything counted so far (excluded storages stay excluded)."""
+        self.bytes = self.count = self.packed = 0
+        self._seen = {key: entry for key, entry in self._seen.items() if entry[1] < 0}
+
+    @staticmethod
+    def _identity(tensor: torch.Tensor) -> Tuple[Any, int]:
+        if backend.is_tracing_lazily(tensor):
+            base = tensor._base if tensor._base is not None else tensor  # a view holds its base alive
+            return base, base.numel() * base.element_size()
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses without one storage
+            return tensor, tensor.numel() * tensor.element_size()
+        return storage, storage.nbytes()
+
+    def _admit(self, tensor: torch.Tensor) -> None:
+        # Excluded storages are recorded with a negative size, so reset() can keep them.
+        owner, nbytes = self._identity(tensor)
+        self._seen[id(owner)] = (weakref.ref(owner), -1 - nbytes)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.packed += 1
+        owner, nbytes = self._identity(tensor)
+        entry = self._seen.get(id(owner))
+        if entry is None or entry[0]() is not owner:
+            self._seen[id(owner)] = (weakref.ref(owner), nbytes)
+            self.bytes += nbytes
+            self.count += 1
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def __enter__(self) -> "SavedTensorCounter":
+        if self._hooks is not None:
+            raise RuntimeError("a SavedTensorCounter cannot be entered twice at the same time")
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return f"SavedTensorCounter(bytes={self.bytes}, count={self.count}, packed={self.packed})"
+
+
+def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] = (), **kwargs: Any) -> int:
+    """Bytes saved for backward while ``fn(*args, **kwargs)`` runs, each storage once (see :class:`SavedTensorCounter`).
+
+    ``fn`` is typically a forward pass; its result is dropped afterwards, which frees the saved tensors.
+    """
+    with SavedTensorCounter(exclude) as counter:
+        fn(*args, **kwargs)
+    return counter.bytes
+
+
+# =================================================================================================================
+# 2. Eager peak
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes live at one moment, by what they are (the categories of PyTorch's ``MemTracker``).
+
+    ``activations`` are tensors made in the forward pass (including recomputation), ``temporaries`` those made in
+    the backward pass (activation gradients, and parameter gradients until autograd hands them to ``.grad``),
+    ``other`` the step's inputs and any other tensor created before the step.
+    """
+
+    total: int
+    parameters: int
+    gradients: int
+    activations: int
+    temporaries: int
+    optimizer: int
+    buffers: int
+    other: int
+
+    def _parts(self) -> str:
+        names = ("parameters", "gradients", "activations", "temporaries", "optimizer", "buffers", "other")
+        return ", ".join(f"{name} {format_bytes(getattr(self, name))}" for name in names)
+
+    def __str__(self) -> str:
+        return f"{format_bytes(self.total)} ({self._parts()})"
+
+
+@dataclasses.dataclass(frozen=True)
+class EagerPeak(MemoryBreakdown):
+    """The peak of an eager step (fields of :class:`MemoryBreakdown`, at the moment of the peak) on ``device``.
+
+    ``end`` is the breakdown once the step is over (gradients and optimizer state are complete there); ``fake``
+    tells whether the step ran under ``FakeTensorMode`` (no memory was allocated).
+    """
+
+    device: str
+    end: MemoryBreakdown
+    fake: bool
+
+    def __str__(self) -> str:
+        how = ", FakeTensorMode" if self.fake else ""
+        return (f"eager peak on {self.device}{how}: {format_bytes(self.total)} ({self._parts()}); "
+                f"after the step: {format_bytes(self.end.total)}")
+
+
+_CATEGORIES = {  # MemoryBreakdown field -> _MemRefType member name
+    "parameters": "PARAM", "gradients": "GRAD", "activations": "ACT", "temporaries": "TEMP",
+    "optimizer": "OPT", "buffers": "BUFFER", "other": "OTH",
+}
+
+
+def _mem_tracker() -> Tuple[type, Any]:
+    """``MemTracker`` and ``_MemRefType``, or a clear error naming the torch this needs."""
+    hint = (f"eager_peak needs torch.distributed._tools.mem_tracker.MemTracker (torch >= 2.5 built with "
+            f"distributed support; written against torch 2.9); this is torch {torch.__version__}")
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    except Exception as exc:  # ImportError, or torch.distributed unavailable in this build
+        raise RuntimeError(f"{hint}: {type(exc).__name__}: {exc}") from exc
+    missing = [name for name in _CATEGORIES.values() if not hasattr(_MemRefType, name)]
+    missing += [name for name in ("track_external", "get_tracker_snapshot") if not hasattr(MemTracker, name)]
+    if missing:
+        raise RuntimeError(f"{hint}, whose MemTracker lacks {', '.join(missing)}")
+    return MemTracker, _MemRefType
+
+
+def _breakdown(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device, ref_type: Any
+               ) -> MemoryBreakdown:
+    per_device = snapshot.get(device)
+    if per_device is None:  # torch.device("cuda") asked for, torch.device("cuda", 0) tracked
+        per_device = next((v for k, v in snapshot.items()
+                           if k.type == device.type and (device.index is None or k.index == device.index)), {})
+
+    def get(name: str) -> int:
+        member = getattr(ref_type, name)
+        return int(per_device.get(member, per_device.get(getattr(member, "value", member), 0)))
+
+    parts = {field: get(name) for field, name in _CATEGORIES.items()}
+    total = int(per_device.get("Total", sum(parts.values())))
+    return MemoryBreakdown(total=total, **parts)
+
+
+def _is_factory(obj: Any) -> bool:
+    return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.Tensor, torch.optim.Optimizer))
+
+
+def _fake_copy(model: torch.nn.Module, fake_mode: Any, keep_grads: bool) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake tensors (no data is copied)."""
+    memo: Dict[int, Any] = {}
+    for param in model.parameters():
+        fake = torch.nn.Parameter(fake_mode.from_tensor(param.detach()), requires_grad=param.requires_grad)
+        if keep_grads and param.grad is not None:
+            fake.grad = fake_mode.from_tensor(param.grad)
+        memo[id(param)] = fake
+    for buf in model.buffers():
+        memo[id(buf)] = fake_mode.from_tensor(buf)
+    return copy.deepcopy(model, memo)
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(item, fn) for item in obj)
+    if isinstance(obj, dict):
+        return {key: _map_tensors(value, fn) for key, value in obj.items()}
+    return obj
+
+
+def eager_peak(
+    step_fn: Callable[..., Any],
+    model: Union[torch.nn.Module, Callable[[], torch.nn.Module]],
+    *inputs: Any,
+    optimizer: Union[torch.optim.Optimizer, Callable[[torch.nn.Module], torch.optim.Optimizer], None] = None,
+    fake: bool = False,
+    device: backend.DeviceLike = None,
+    zero_grad: bool = True,
+) -> EagerPeak:
+    """Peak memory of one eager training step, split by category, measured by tracking tensor storages.
+
+    The measured step is ``step_fn(model, *inputs)`` (forward and backward; its return value is dropped), followed
+    by ``optimizer.step()`` when an optimizer is given. Numbers count tensor storages (PyTorch's
+    ``torch.distributed._tools.mem_tracker.MemTracker``; on cuda rounded to the allocator's 512-byte blocks), not
+    allocator caches or fragmentation, so they are exact and identical from run to run, on any device.
+
+    ``model`` is a module or a zero-argument factory; each input is a tensor (or nested list/tuple/dict of them),
+    any other value, or a zero-argument factory; ``optimizer`` is an optimizer or a factory taking the model.
+
+    With ``fake=True`` everything runs under ``FakeTensorMode``: factories are called inside it, so nothing is
+    ever allocated and a model far larger than this machine's memory can be sized (fake tensors keep their device,
+    so the figures are those of the device the factory builds on). Real modules and tensors passed with
+    ``fake=True`` are replaced by fake copies; an optimizer must then be given as a factory.
+
+    ``zero_grad`` (default) sets gradients to ``None`` first, so the step starts from the same state each call and
+    gradients are counted as new memory. An optimizer that creates its state lazily (Adam) allocates it in the
+    first step; measure twice with the same optimizer to see the steady state.
+
+    ``device``: whose memory to report (default: that of the first parameter, else of the first input tensor).
+
+    Limitation (MemTracker's): the root module may be called once per step.
+    """
+    MemTracker, ref_type = _mem_tracker()
+    fake_mode = None
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode()
+        if isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError("with fake=True pass the optimizer as a factory, e.g. lambda m: torch.optim.Adam("
+                             "m.parameters()), so that it is built on the fake parameters")
+    if not isinstance(model, torch.nn.Module) and not _is_factory(model):
+        raise TypeError(f"model must be an nn.Module or a factory returning one, not {type(model).__name__}")
+    # Real objects become fake outside the mode (copying a real tensor inside it is an error); factories are
+    # called inside it, so what they build is fake from the start.
+    if fake_mode is not None and isinstance(model, torch.nn.Module):
+        model = _fake_copy(model, fake_mode, not zero_grad)
+    to_fake = (lambda t: t if _is_fake(t) else fake_mode.from_tensor(t)) if fake_mode is not None else None
+    if to_fake is not None:
+        inputs = tuple(item if _is_factory(item) else _map_tensors(item, to_fake) for item in inputs)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        module = model() if _is_factory(model) else model
+        args = [item() if _is_factory(item) else item for item in inputs]
+        opt = optimizer(module) if _is_factory(optimizer) else optimizer
+        if zero_grad:
+            for param in module.parameters():
+                param.grad = None
+        where = _report_device(device, module, args)
+        lazy = [t for t in list(module.parameters()) + [t for a in args for t in backend.tensors_in(a)]
+                if backend.is_tracing_lazily(t)]
+        if lazy or where.type == "xla":
+            raise ValueError("eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
+                             "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()")
+        tracker = MemTracker()
+        tracker.track_external(module, *[t for a in args for t in backend.tensors_in(a)],
+                               *([opt] if opt is not None else []))
+        start = time.perf_counter()
+        with tracker:
+            step_fn(module, *args)
+            if opt is not None:
+                opt.step()
+        peak = tracker.get_tracker_snapshot("peak")
+        end = tracker.get_tracker_snapshot("current")
+    logger.debug("eager_peak: step tracked in %.2f s", time.perf_counter() - start)
+    at_peak = _breakdown(peak, where, ref_type)
+    return EagerPeak(**dataclasses.asdict(at_peak), device=str(where), end=_breakdown(end, where, ref_type),
+                     fake=fake)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _as_device(device: backend.DeviceLike) -> torch.device:
+    return device.device if isinstance(device, torch.Tensor) else torch.device(device)
+
+
+def _report_device(device: backend.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
+    if device is not None:
+        return _as_device(device)
+    for param in module.parameters():
+        return param.device
+    for arg in args:
+        for tensor in backend.tensors_in(arg):
+            return tensor.device
+    return torch.device("cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaPeak:
+    """The CUDA caching allocator's view of a call: ``torch.cuda.memory_allocated`` before and after it, and
+    ``torch.cuda.max_memory_allocated`` during it (peak statistics are reset first). All in bytes."""
+
+    peak: int
+    before: int
+    after: int
+    device: str
+
+    @property
+    def increase(self) -> int:
+        """How far the peak rose above what was allocated before the call."""
+        return self.peak - self.before
+
+    def __str__(self) -> str:
+        return (f"cuda peak on {self.device}: {format_bytes(self.peak)} (+{format_bytes(self.increase)} over "
+                f"{format_bytes(self.before)} before; {format_bytes(self.after)} after)")
+
+
+def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = None, **kwargs: Any) -> CudaPeak:
+    """Run ``fn(*args, **kwargs)`` and report the CUDA allocator's peak (``max_memory_allocated``) during it.
+
+    This is what the GPU really had to hold, allocator block rounding included; unlike :func:`eager_peak` it also
+    sees memory allocated outside PyTorch tensors' storages (cuBLAS workspaces are excluded by the allocator
+    statistics, as always). The function's result is dropped before ``after`` is read.
+    """
+    if not backend.cuda_available():
+        raise RuntimeError("cuda_peak needs a CUDA GPU; use eager_peak for a device-independent count")
+    dev = _as_device(device) if device is not None else backend.device_for("cuda")
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    result = fn(*args, **kwargs)
+    torch.cuda.synchronize(dev)
+    del result
+    return CudaPeak(peak=torch.cuda.max_memory_allocated(dev), before=before,
+                    after=torch.cuda.memory_allocated(dev), device=str(dev))
+
+
+# =================================================================================================================
+# 3. Compiled XLA memory
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Memory that XLA plans for a compiled program (``CompiledMemoryStats``), with the HLO it planned it for.
+
+    For a TPU, these figures come from the TPU compiler (libtpu, compiling deviceless for one chip of
+    ``topology``), not from a TPU run; no TPU was needed or used.
+
+    ``peak_bytes`` is the compiler's peak, which on TPU *includes* buffers placed in host memory by offloading;
+    ``hbm_peak_bytes`` = ``peak_bytes - host_bytes`` is what the chip's HBM must hold, and ``host_bytes`` the sum of
+    host argument, output and temporary buffers. On XLA:CPU there is no host/device split (``host_bytes`` is 0).
+    ``argument_bytes``, ``output_bytes``, ``temp_bytes`` and ``alias_bytes`` are the device-side sizes. On TPU the
+    peak is the number to use: ``temp_bytes`` is often 0 on v5e/v6e, and on v5p (megacore) it can even exceed the
+    peak.
+
+    ``optimized_hlo`` is the HLO after the compiler's passes: count recomputation there with :meth:`count_ops`.
+    ``pre_optimization_hlo`` (HLO before any pass) and ``stablehlo`` (the input) are where to assert that
+    optimization barriers (``opt-barrier`` / ``stablehlo.optimization_barrier``) and host-offload annotations
+    (``annotate_device_placement``) were emitted.
+    """
+
+    platform: str
+    topology: Optional[str]
+    device_kind: str
+    peak_bytes: int
+    hbm_peak_bytes: int
+    host_bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    generated_code_bytes: int
+    host_argument_bytes: int
+    host_output_bytes: int
+    host_temp_bytes: int
+    versions: Tuple[Tuple[str, str], ...]
+    optimized_hlo: str = dataclasses.field(repr=False, compare=False)
+    pre_optimization_hlo: str = dataclasses.field(repr=False, compare=False)
+    stablehlo: str = dataclasses.field(repr=False, compare=False)
+
+    def count_ops(self, pattern: str = MATMUL_PATTERN, text: str = "optimized") -> int:
+        """Matches of the regular expression ``pattern`` in one of the texts: ``'optimized'`` (default),
+        ``'pre_optimization'`` or ``'stablehlo'``. The default pattern counts matrix multiplies."""
+        texts = {"optimized": self.optimized_hlo, "pre_optimization": self.pre_optimization_hlo,
+                 "stablehlo": self.stablehlo}
+        if text not in texts:
+            raise ValueError(f"text must be one of {sorted(texts)}, not {text!r}")
+        return len(re.findall(pattern, texts[text]))
+
+    def __str__(self) -> str:
+        where = f"TPU {self.topology} ({self.device_kind}), from the TPU compiler" if self.platform == "tpu" \
+            else "XLA:CPU"
+        return (f"{where}: peak {format_bytes(self.peak_bytes)}, HBM peak {format_bytes(self.hbm_peak_bytes)}, "
+                f"host {format_bytes(self.host_bytes)} (arguments {format_bytes(self.argument_bytes)}, outputs "
+                f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)})")
+
+
+def stablehlo_of(outputs: Sequence[torch.Tensor]) -> str:
+    """StableHLO text of the pending XLA graph computing ``outputs`` (XLA tensors; nested lists are flattened).
+
+    Call it before the step is synced (``torch_xla.sync()`` executes the graph and forgets it). Tensors that were
+    already on the device when the graph began (parameters, inputs moved there and synced) become its arguments.
+    """
+    tensors = list(backend.tensors_in(list(outputs)))
+    if not tensors:
+        raise ValueError("stablehlo_of needs at least one XLA tensor")
+    return backend.lazy_stablehlo(tensors)
+
+
+def step_stablehlo(step_fn: Callable[..., Any], model: torch.nn.Module, *inputs: Any,
+                   require_grads: bool = True) -> str:
+    """Trace one training step on the XLA device and return the StableHLO of its loss and parameter gradients.
+
+    ``model`` is moved to the XLA device (``nn.Module.to`` is in place) and tensor ``inputs`` are copied there;
+    after a sync they are device data, i.e. arguments of the traced graph. Then ``step_fn(model, *inputs)`` runs
+    (forward and backward; it returns the loss, or any tensors to include), and the StableHLO of the returned
+    XLA tensors plus every parameter's ``.grad`` is returned. Nothing is compiled or executed: the gradients are
+    reset to ``None`` afterwards, which drops the pending graph. If ``step_fn`` updates parameters (an optimizer
+    step), return them so that the update is part of the graph.
+
+    ``require_grads``: raise if trainable parameters got no gradient (a forgotten ``backward()``).
+    """
+    dev = backend.device_for("xla")
+    model.to(dev)
+    moved = [_map_tensors(item, lambda t: t.to(dev)) for item in inputs]
+    params = list(model.parameters())
+    for param in params:
+        param.grad = None
+    backend.sync(dev)
+    result = step_fn(model, *moved)
+    grads = [p.grad for p in params if p.grad is not None]
+    if require_grads and not grads and any(p.requires_grad for p in params):
+        raise ValueError("step_fn produced no parameter gradients; it must run the backward pass "
+                         "(or pass require_grads=False)")
+    outputs: List[torch.Tensor] = []
+    seen = set()
+    for tensor in list(backend.tensors_in(result)) + grads:
+        if backend.device_kind(tensor) == "xla" and id(tensor) not in seen:
+            seen.add(id(tensor))
+            outputs.append(tensor)
+    try:
+        return stablehlo_of(outputs)
+    finally:
+        for param in params:
+            param.grad = None
+
+
+_COMPILE_CACHE: Dict[str, CompiledMemory] = {}
+
+
+def clear_compile_cache() -> None:
+    """Empty the in-memory cache of compiled results (the disk cache is left alone)."""
+    _COMPILE_CACHE.clear()
+
+
+def _compile_helpers():
+    from . import tpu_compile
+
+    return tpu_compile
+
+
+def _require(modules: Sequence[str], hint: str, what: str) -> None:
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if "libtpu" in missing and os.environ.get("TPU_LIBRARY_PATH") and os.path.exists(os.environ["TPU_LIBRARY_PATH"]):
+        missing.remove("libtpu")
+    if missing:
+        raise MissingDependencyError(f"{what} needs {', '.join(missing)}, which is not installed: {hint}")
+
+
+def _cache_key(platform: str, topology: Optional[str], device_index: int, text: str) -> str:
+    tc = _compile_helpers()
+    header = json.dumps({
+        "format": 1, "platform": platform, "topology": topology, "device_index": device_index,
+        "versions": tc.versions(),
+        # Flags that can change compiled numbers.
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
+    }, sort_keys=True)
+    return hashlib.sha256(header.encode() + b"\0" + text.encode()).hexdigest()
+
+
+def _disk_dir(disk_cache: Union[bool, str, "os.PathLike[str]", None]) -> Optional[Path]:
+    if disk_cache is False:
+        return None
+    env = os.environ.get("REVLIB_XLA_CACHE")
+    if disk_cache is None:
+        if not env:
+            return None
+        disk_cache = True
+    if disk_cache is True:
+        return Path(env) if env else Path.home() / ".cache" / "revlib_xla"
+    return Path(disk_cache)
+
+
+def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[str], text: str,
+                 versions: Mapping[str, Optional[str]]) -> CompiledMemory:
+    host = result["host_argument_size_in_bytes"] + result["host_output_size_in_bytes"] + \
+        result["host_temp_size_in_bytes"]
+    return CompiledMemory(
+        platform=platform, topology=topology, device_kind=result.get("device_kind", ""),
+        peak_bytes=result["peak_memory_in_bytes"], hbm_peak_bytes=result["peak_memory_in_bytes"] - host,
+        host_bytes=host, argument_bytes=result["argument_size_in_bytes"],
+        output_bytes=result["output_size_in_bytes"], temp_bytes=result["temp_size_in_bytes"],
+        alias_bytes=result["alias_size_in_bytes"], generated_code_bytes=result["generated_code_size_in_bytes"],
+        host_argument_bytes=result["host_argument_size_in_bytes"],
+        host_output_bytes=result["host_output_size_in_bytes"], host_temp_bytes=result["host_temp_size_in_bytes"],
+        versions=tuple(sorted((k, str(v)) for k, v in versions.items())),
+        optimized_hlo=result["optimized_hlo"], pre_optimization_hlo=result["pre_optimization_hlo"], stablehlo=text,
+    )
+
+
+def _lookup(key: str, directory: Optional[Path]) -> Optional[Dict[str, Any]]:
+    if directory is None:
+        return None
+    path = directory / f"{key}.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _store(key: str, directory: Optional[Path], result: Mapping[str, Any]) -> None:
+    if directory is None:
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(result, f)
+        os.replace(tmp, directory / f"{key}.json")
+    except OSError as exc:  # a read-only or full cache directory must not fail the measurement
+        logger.warning("revlib_xla: could not write the compile cache in %s: %s", directory, exc)
+
+
+def _cached_result(key: str, cache: bool, directory: Optional[Path]) -> Tuple[Optional[CompiledMemory],
+                                                                             Optional[Dict[str, Any]]]:
+    if not cache:
+        return None, None
+    if key in _COMPILE_CACHE:
+        return _COMPILE_CACHE[key], None
+    return None, _lookup(key, directory)
+
+
+def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
+                   disk_cache: Union[bool, str, "os.PathLike[str]", None] = None) -> CompiledMemory:
+    """Compile StableHLO for XLA:CPU in this process (jaxlib's CPU client) and return its memory plan.
+
+    This matches what torch_xla's own XLA:CPU compile assigns. Good for checking that a step compiles and for
+    XLA:CPU numbers; not for judging remat/reversible/offload policies (XLA:CPU drops optimization barriers before
+    its CSE runs) - use :func:`tpu_memory` for those. ``cache``/``disk_cache``: see :func:`tpu_memory_many`.
+    """
+    _require(("jax", "jaxlib"), _JAX_EXTRA_HINT, "xla_cpu_memory")
+    tc = _compile_helpers()
+    key = _cache_key("cpu", None, 0, stablehlo_text)
+    directory = _disk_dir(disk_cache)
+    hit, stored = _cached_result(key, cache, directory)
+    if hit is not None:
+        return hit
+    if stored is None:
+        stored = tc.compile_for_cpu(stablehlo_text)
+        stored["versions"] = tc.versions()
+        logger.debug("xla_cpu_memory: compiled in %.2f s", stored["compile_seconds"])
+        _store(key, directory if cache else None, stored)
+    memory = _from_result(stored, "xla:cpu", None, stablehlo_text, stored.get("versions", {}))
+    if cache:
+        _COMPILE_CACHE[key] = memory
+    return memory
+
+
+def _resolve_topology(generation: str, topology: Optional[str]) -> str:
+    if topology:
+        return topology
+    if generation in TPU_GENERATIONS:
+        return TPU_GENERATIONS[generation]
+    if ":" in generation:
+        return generation
+    raise ValueError(f"unknown TPU generation {generation!r}; choose one of {sorted(TPU_GENERATIONS)} or pass a "
+                     f"topology string such as 'v5e:2x2'")
+
+
+def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Optional[str] = None,
+               device_index: int = 0, cache: bool = True,
+               disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
+               timeout: float = 600.0) -> CompiledMemory:
+    """Memory the TPU compiler plans for this StableHLO on one chip of a TPU ``generation``, without a TPU.
+
+    The figures come from the TPU compiler (libtpu, compiling deviceless against a topology description), not from
+    a TPU run; they are deterministic. ``generation`` is ``'v5e'`` (default), ``'v6e'`` or ``'v5p'`` (see
+    :data:`TPU_GENERATIONS`), or a raw topology string; ``topology`` overrides it. The compile runs in a child
+    process (``python revlib_xla/tpu_compile.py``) so that libtpu never loads into the caller's process; starting
+    it costs about two seconds, so use :func:`tpu_memory_many` for several graphs.
+
+    Caveat: this uses the libtpu that jax finds (0.0.20 with jax 0.7.1), with jax's compile options, while torch_xla
+    on a TPU compiles with its own libtpu and options; treat the numbers as a faithful approximation.
+
+    Raises :class:`MissingDependencyError` without jax/jaxlib/libtpu, :class:`TpuCompileError` when the compile
+    or the worker fails (with the compiler's message or the worker's stderr tail).
+    """
+    return tpu_memory_many([stablehlo_text], generation, topology=topology, device_index=device_index,
+                           cache=cache, disk_cache=disk_cache, timeout=timeout)[0]
+
+
+def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, topology: Optional[str] = None,
+                    device_index: int = 0, cache: bool = True,
+                    disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
+                    timeout: float = 600.0) -> List[CompiledMemory]:
+    """:func:`tpu_memory` for several modules, compiled in one child process (results in the same order).
+
+    ``cache``: reuse results for StableHLO already compiled with the same compiler versions, topology and flags
+    (in memory; and on disk when ``disk_cache`` is true, a directory, or ``None`` with ``$REVLIB_XLA_CACHE`` set -
+    ``True`` means ``$REVLIB_XLA_CACHE`` or ``~/.cache/revlib_xla``). ``timeout`` bounds the child process, in
+    seconds.
+    """
+    _require(("jax", "jaxlib", "libtpu"), _TPU_EXTRA_HINT, "tpu_memory (the deviceless TPU compile)")
+    tc = _compile_helpers()
+    topo = _resolve_topology(generation, topology)
+    directory = _disk_dir(disk_cache)
+    texts = list(stablehlo_texts)
+    keys = [_cache_key("tpu", topo, device_index, text) for text in texts]
+    results: List[Optional[CompiledMemory]] = [None] * len(texts)
+    todo: Dict[str, List[int]] = {}
+    for i, (key, text) in enumerate(zip(keys, texts)):
+        hit, stored = _cached_result(key, cache, directory)
+        if hit is None and stored is not None:
+            hit = _from_result(stored, "tpu", topo, text, stored.get("versions", {}))
+            _COMPILE_CACHE[key] = hit
+        if hit is not None:
+            results[i] = hit
+        else:
+            todo.setdefault(key, []).append(i)
+    if todo:
+        order = list(todo)
+        compiled = _run_tpu_worker([texts[todo[key][0]] for key in order], topo, device_index, timeout, tc)
+        for key, stored in zip(order, compiled):
+            if cache:
+                _store(key, directory, stored)
+            for i in todo[key]:
+                results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}))
+            if cache:
+                _COMPILE_CACHE[key] = results[todo[key][0]]
+    return [r for r in results if r is not None]
+
+
+def _stderr_tail(stderr: Union[str, bytes, None], lines: int = 40) -> str:
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode("utf-8", "replace")
+    return "\n".join((stderr or "").strip().splitlines()[-lines:])
+
+
+def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, timeout: float, tc: Any
+                    ) -> List[Dict[str, Any]]:
+    worker = Path(tc.__file__).resolve()
+    with tempfile.TemporaryDirectory(prefix="revlib_xla_tpu_") as tmp:
+        paths = []
+        for i, text in enumerate(texts):
+            path = Path(tmp) / f"module{i}.mlir"
+            path.write_text(text, encoding="utf-8")
+            paths.append(str(path))
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps({"topology": topology, "device_index": device_index, "modules": paths}),
+                           encoding="utf-8")
+        command = [sys.executable, str(worker), str(request), str(result)]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(command, env=tc.tpu_environment(topology), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired as exc:
+            raise TpuCompileError(f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; "
+                                  f"stderr tail:\n{_stderr_tail(exc.stderr)}") from None
+        if proc.returncode != 0 or not result.exists():
+            raise TpuCompileError(f"the deviceless TPU compile worker ({topology}) failed with exit code "
+                                  f"{proc.returncode}; stderr tail:\n{_stderr_tail(proc.stderr)}")
+        payload = json.loads(result.read_text(encoding="utf-8"))
+    logger.debug("tpu_memory: %d module(s) for %s in %.2f s", len(texts), topology, time.perf_counter() - start)
+    out = []
+    for i, item in enumerate(payload["results"]):
+        if "error" in item:
+            raise TpuCompileError(f"the TPU compiler ({topology}) rejected module {i}: {item['error']}")
+        item["versions"] = payload.get("versions", {})
+        out.append(item)
+    return out

@@ -1,0 +1,209 @@
+"""Compile a StableHLO module with XLA and read back its memory statistics; no torch, no execution.
+
+This is the one place in revlib_xla that touches JAX internals (jax/jaxlib 0.7.1: ``jax._src.compiler``,
+``jax._src.interpreters.mlir``, ``jax._src.lib.xla_client``). Everything here works on StableHLO *text*, so it needs
+neither torch nor torch_xla, and it is both
+
+* a library module, used in-process by :func:`revlib_xla.memory.xla_cpu_memory` (XLA:CPU, via a private jaxlib CPU
+  client, so JAX's own backends are never initialised), and
+* a worker program, run by :func:`revlib_xla.memory.tpu_memory` in a child process as
+  ``python path/to/tpu_compile.py REQUEST.json RESULT.json``. The child loads libtpu and compiles for a TPU
+  *topology description* ("deviceless" compilation): the numbers are what the TPU compiler plans for one chip, with
+  no TPU present and nothing executed. A separate process keeps libtpu (which takes a process-wide lock, logs to
+  stderr, and may abort the process on bad input) away from the caller's process and its torch_xla runtime.
+
+The request file is JSON ``{"topology": "v5e:2x2", "device_index": 0, "modules": [PATH, ...]}`` where each PATH holds
+StableHLO text; the result file is JSON ``{"results": [...]}`` with one entry per module (see
+:func:`compile_module`), or an ``"error"`` string per module that failed to compile.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":  # pragma: no cover - run as a file by memory.tpu_memory
+    # Running a file puts its directory first on sys.path; our sibling modules must not shadow anything jax imports.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import functools
+import importlib.metadata
+import json
+import time
+from typing import Any, Dict, List, Optional
+
+__all__ = [
+    "TPU_GENERATIONS", "JAX_VERSION_TESTED", "versions", "tpu_environment", "compile_module", "compile_for_cpu",
+    "compile_for_tpu", "main",
+]
+
+#: The jax/jaxlib release whose internals this module was written against.
+JAX_VERSION_TESTED = "0.7.1"
+
+#: Generation name -> the topology compiled for. Checked with jax 0.7.1 + libtpu 0.0.20: single-host 2x2 slices are
+#: the smallest accepted ("v5e:1x1" is rejected as "not divisible by chips_per_host_bounds 2x2x1"). v5p devices are
+#: megacore by default (one device = one chip with ``num_cores == 2``), so its numbers are per chip like v5e/v6e;
+#: v4 and v3 topologies also compile but expose one device per TensorCore, so they are not offered by name (pass a
+#: raw topology string such as "v4:2x2x1" to get them).
+TPU_GENERATIONS: Dict[str, str] = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+
+# Topology prefix -> a matching TPU_ACCELERATOR_TYPE (libtpu wants one; with a topology given it does not change
+# the numbers).
+_ACCELERATOR_TYPES = {"v5e": "v5litepod-4", "v6e": "v6e-4", "v5p": "v5p-8", "v4": "v4-8", "v3": "v3-8"}
+
+
+def _dist_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> Dict[str, Optional[str]]:
+    """Installed versions of the packages that decide compiled numbers (part of every cache key)."""
+    return {name: _dist_version(name) for name in ("jax", "jaxlib", "libtpu")}
+
+
+def tpu_environment(topology: str, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment a deviceless libtpu compile needs, on top of ``base`` (default: ``os.environ``).
+
+    ``TPU_WORKER_HOSTNAMES`` and ``TPU_ACCELERATOR_TYPE`` stop libtpu from looking for a real TPU VM;
+    ``TPU_SKIP_MDS_QUERY`` stops it from asking a cloud metadata server; ``ALLOW_MULTIPLE_LIBTPU_LOAD`` lets it load
+    while another process (a JAX test, a training job) holds ``/tmp/libtpu_lockfile`` - without it the compile aborts
+    with "Internal error when accessing libtpu multi-process lockfile".
+    """
+    env = dict(os.environ if base is None else base)
+    prefix = topology.split(":", 1)[0]
+    # Overridden, not defaulted: on a real TPU VM these describe that VM, not the topology compiled for.
+    env["TPU_ACCELERATOR_TYPE"] = _ACCELERATOR_TYPES.get(prefix, "v5litepod-4")
+    env["TPU_WORKER_HOSTNAMES"] = "localhost"
+    env["TPU_SKIP_MDS_QUERY"] = "1"
+    env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
+    return env
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# JAX internals (jax 0.7.1). Keep every private import inside these helpers.
+
+
+def _jax_internals():
+    try:
+        from jax._src import compiler
+        from jax._src.interpreters import mlir
+        from jax._src.lib import xla_client as xc
+        from jax._src.lib.mlir import ir
+    except ImportError as exc:  # pragma: no cover - depends on the installed jax
+        raise ImportError(
+            f"revlib_xla's XLA memory measurement needs jax/jaxlib=={JAX_VERSION_TESTED} "
+            f"(found {versions()}); install it with: pip install 'revlib_xla[tpu-compile]'"
+        ) from exc
+    return compiler, mlir, xc, ir
+
+
+def _to_bytecode(stablehlo_text: str) -> bytes:
+    _, mlir, _, ir = _jax_internals()
+    with mlir.make_ir_context():
+        return mlir.module_to_bytecode(ir.Module.parse(stablehlo_text))
+
+
+def _pre_optimization_hlo(stablehlo_text: str) -> str:
+    """The HLO text of the module before any XLA pass (where barriers are ``opt-barrier``)."""
+    _, _, xc, _ = _jax_internals()
+    computation = xc._xla.mlir.mlir_module_to_xla_computation(stablehlo_text, use_tuple_args=False,
+                                                             return_tuple=False)
+    return computation.as_hlo_text()
+
+
+_STAT_FIELDS = (
+    "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+    "temp_size_in_bytes", "generated_code_size_in_bytes", "host_argument_size_in_bytes",
+    "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes",
+    "host_generated_code_size_in_bytes",
+)
+
+
+def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> Dict[str, Any]:
+    """Compile ``stablehlo_text`` for one device and return its memory statistics and HLO texts.
+
+    ``load=False`` compiles only (the only choice for a deviceless TPU topology); ``load=True`` also loads the
+    executable, which the XLA:CPU client requires. Returns a JSON-able dict: the ``CompiledMemoryStats`` fields
+    (bytes), ``device_kind``, ``compile_seconds``, ``optimized_hlo`` and ``pre_optimization_hlo``.
+    """
+    compiler, _, xc, _ = _jax_internals()
+    bytecode = _to_bytecode(stablehlo_text)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[device])
+    devices = xc.DeviceList((device,))
+    start = time.perf_counter()
+    if load:
+        executable = device.client.compile_and_load(bytecode, devices, options)
+    else:
+        executable = device.client.compile(bytecode, executable_devices=devices, compile_options=options)
+    seconds = time.perf_counter() - start
+    stats = executable.get_compiled_memory_stats()
+    result: Dict[str, Any] = {name: int(getattr(stats, name, 0) or 0) for name in _STAT_FIELDS}
+    result.update(
+        device_kind=str(getattr(device, "device_kind", "")),
+        compile_seconds=seconds,
+        optimized_hlo=executable.hlo_modules()[0].to_string(),
+        pre_optimization_hlo=_pre_optimization_hlo(stablehlo_text),
+    )
+    return result
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_device() -> Any:
+    # A private CPU client: unlike jax.devices("cpu"), it does not initialise JAX's other backends (with libtpu
+    # installed those would try to load it, take its lock and print warnings).
+    _, _, xc, _ = _jax_internals()
+    return xc.make_cpu_client().local_devices()[0]
+
+
+def compile_for_cpu(stablehlo_text: str) -> Dict[str, Any]:
+    """Compile for XLA:CPU in this process (see :func:`compile_module` for the result)."""
+    return compile_module(stablehlo_text, _cpu_device(), load=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _tpu_device(topology: str, device_index: int) -> Any:
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[device_index]
+
+
+def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0) -> Dict[str, Any]:
+    """Compile deviceless for one chip of a TPU topology, in this process.
+
+    Needs libtpu and the environment of :func:`tpu_environment` set *before* libtpu loads; this is why
+    :func:`revlib_xla.memory.tpu_memory` calls it in a child process rather than in the caller's.
+    """
+    return compile_module(stablehlo_text, _tpu_device(topology, device_index), load=False)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Worker entry point: ``tpu_compile.py REQUEST.json RESULT.json`` (see the module docstring)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2:
+        print("usage: tpu_compile.py REQUEST.json RESULT.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        request = json.load(f)
+    topology = request.get("topology", TPU_GENERATIONS["v5e"])
+    device_index = int(request.get("device_index", 0))
+    results = []
+    for path in request["modules"]:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            results.append(compile_for_tpu(text, topology, device_index))
+        except Exception as exc:  # report per module; the parent raises with this message
+            results.append({"error": f"{type(exc).__name__}: {exc}"})
+    out = {"topology": topology, "device_index": device_index, "versions": versions(), "results": results}
+    tmp = args[1] + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    os.replace(tmp, args[1])
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,418 @@
+"""revlib_xla.memory: saved-for-backward bytes, eager peaks (real and fake), compiled XLA:CPU and TPU memory.
+
+Every number asserted here is exact and reproducible: storage sizes for the eager tools, compiler plans for XLA.
+The TPU figures come from libtpu's deviceless compiler (no TPU is used).
+"""
+import dataclasses
+import importlib.util
+import os
+import resource
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from revlib_xla import backend, memory
+from revlib_xla.memory import (
+    CompiledMemory, EagerPeak, MissingDependencyError, SavedTensorCounter, TpuCompileError, eager_peak,
+    saved_bytes, step_stablehlo, tpu_memory, tpu_memory_many, xla_cpu_memory,
+)
+
+F32 = 4
+
+
+def nbytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def small_mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def train_step(model, x):
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bytes saved for backward
+
+
+def test_saved_bytes_of_mlp_are_what_linear_and_tanh_save(device):
+    torch.manual_seed(0)
+    model = small_mlp().to(device)
+    x = torch.randn(8, 16).to(device)  # does not require grad
+    with SavedTensorCounter() as counter:
+        model(x)
+    # Linear 1 saves its input x (for the weight gradient; not its weight: x needs no gradient);
+    # Tanh saves its output h; Linear 2 saves its input h (the same tensor: counted once) and its weight.
+    expected = 8 * 16 * F32 + 8 * 32 * F32 + 32 * 1 * F32
+    assert counter.bytes == expected == 1664
+    assert (counter.count, counter.packed) == (3, 4)
+    # Deterministic, and the function form agrees.
+    assert saved_bytes(model, x) == expected
+    # Excluding parameters leaves the activations only (the saved weight is a view, W.t(), of the parameter).
+    assert saved_bytes(model, x, exclude=model.parameters()) == expected - 32 * F32
+
+
+def test_saved_bytes_dedup_by_storage():
+    class SaveTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            out = a * 2
+            ctx.save_for_backward(out, out, out.view(-1)[:5], a)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    a = torch.randn(10, 10, requires_grad=True)
+    with SavedTensorCounter() as counter:
+        SaveTwice.apply(a)
+    # One storage for out (saved twice and as a slice), one for a.
+    assert (counter.bytes, counter.count, counter.packed) == (2 * 100 * F32, 2, 4)
+    # Two distinct tensors of equal size are two storages.
+    with SavedTensorCounter() as counter:
+        SaveTwice.apply(a)
+        SaveTwice.apply(a)
+    assert (counter.bytes, counter.count) == (3 * 100 * F32, 3)
+    counter.reset()
+    assert (counter.bytes, counter.count, counter.packed) == (0, 0, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eager peak
+
+
+def eager_mlp():
+    # Every storage a multiple of 512 bytes, so cuda's block rounding changes nothing.
+    return nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 128))
+
+
+@pytest.fixture
+def eager_device(device):
+    if backend.device_kind(device) == "xla":
+        pytest.skip("eager_peak measures eager devices; XLA is covered by the compiled-memory tests")
+    return device
+
+
+def test_eager_peak_categories(eager_device):
+    torch.manual_seed(0)
+    model = eager_mlp().to(eager_device)
+    x = torch.randn(32, 128, device=eager_device)
+    params = nbytes(*model.parameters())
+    peak = eager_peak(train_step, model, x)
+    assert isinstance(peak, EagerPeak) and peak.device.startswith(eager_device.type)
+    assert peak.parameters == params
+    assert peak.other == nbytes(x) and peak.buffers == 0 and peak.optimizer == 0
+    parts = (peak.parameters, peak.gradients, peak.activations, peak.temporaries, peak.optimizer, peak.buffers,
+             peak.other)
+    assert peak.total == sum(parts)
+    # Above what exists before the step: at least the hidden activation (32x256) is alive at the peak.
+    assert peak.total >= params + nbytes(x) + 32 * 256 * F32
+    # After the step: parameters, their gradients and the input remain (the loss is freed with the graph).
+    assert peak.end.gradients == params
+    assert peak.end.total == 2 * params + nbytes(x)
+    assert f"eager peak on {eager_device.type}" in str(peak) and "after the step" in str(peak)
+    # The same call gives the same bytes.
+    assert eager_peak(train_step, model, x) == peak
+
+
+def test_eager_peak_with_optimizer_counts_adam_state():
+    torch.manual_seed(0)
+    model = eager_mlp()
+    x = torch.randn(32, 128)
+    params = list(model.parameters())
+    peak = eager_peak(train_step, model, x, optimizer=lambda m: torch.optim.Adam(m.parameters()))
+    # exp_avg and exp_avg_sq per parameter, plus a float32 step counter each.
+    assert peak.end.optimizer == 2 * nbytes(*params) + F32 * len(params)
+    assert peak.end.gradients == nbytes(*params)
+
+
+def test_eager_peak_fake_matches_real():
+    torch.manual_seed(0)
+    model = eager_mlp()
+    x = torch.randn(32, 128)
+    from_real_objects = eager_peak(train_step, model, x, fake=True)
+    # The fake run worked on fake copies: the real model is untouched.
+    assert all(type(p) is nn.Parameter and p.grad is None for p in model.parameters())
+    from_factories = eager_peak(train_step, eager_mlp, lambda: torch.randn(32, 128), fake=True)
+    real = eager_peak(train_step, model, x)
+    assert from_real_objects.fake and not real.fake
+    assert dataclasses.replace(from_real_objects, fake=False) == real
+    assert dataclasses.replace(from_factories, fake=False) == real
+    with pytest.raises(ValueError, match="factory"):
+        eager_peak(train_step, model, x, fake=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_eager_peak_fake_sizes_a_model_larger_than_memory_without_allocating():
+    width, depth, batch = 8192, 8, 1024
+
+    def big():
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = eager_peak(train_step, big, lambda: torch.randn(batch, width), fake=True)
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
+    params = depth * (width * width + width) * F32
+    assert peak.parameters == params == 2_147_745_792
+    assert peak.end.gradients == params
+    assert peak.total > 4 * 2**30  # parameters + (most) gradients + the input: over 4 GiB ...
+    assert grown_mib < 256, f"the fake run grew the process by {grown_mib:.0f} MiB"  # ... never allocated
+
+
+def test_eager_peak_rejects_xla_tensors():
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed")
+    model = small_mlp().to(backend.device_for("xla"))
+    with pytest.raises(ValueError, match="tpu_memory"):
+        eager_peak(train_step, model, torch.randn(8, 16).to(backend.device_for("xla")))
+
+
+def test_eager_peak_names_the_torch_it_needs(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)  # import now fails
+    with pytest.raises(RuntimeError, match=r"MemTracker \(torch >= 2\.5"):
+        eager_peak(train_step, small_mlp(), torch.randn(8, 16))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled XLA memory
+
+needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
+needs_jax = pytest.mark.skipif(importlib.util.find_spec("jaxlib") is None, reason="jax/jaxlib are not installed")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')")
+PINNED = memory._compile_helpers().versions() == {"jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.20"}
+
+DEPTH, WIDTH, BATCH = 4, 128, 256
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.f, self.g = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return torch.tanh(self.g(torch.tanh(self.f(x))))
+
+
+class Net(nn.Module):
+    """A stem (so the checkpointed blocks get an input that requires grad), then DEPTH blocks of two Linears."""
+
+    def __init__(self, checkpointed):
+        super().__init__()
+        self.stem = nn.Linear(WIDTH, WIDTH)
+        self.blocks = nn.ModuleList(Block(WIDTH) for _ in range(DEPTH))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = self.stem(x)
+        for block in self.blocks:
+            if self.checkpointed:
+                from torch_xla.utils.checkpoint import checkpoint  # puts barriers before each recomputation
+
+                x = checkpoint(block, x)
+            else:
+                x = block(x)
+        return x
+
+
+class OffloadedTanh(torch.autograd.Function):
+    """tanh that keeps its output for backward in host memory (annotations only the TPU compiler acts on)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+        y = torch.tanh(x)
+        ctx.save_for_backward(place_to_host(y))
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+        (y,) = ctx.saved_tensors
+        y = place_to_device(y)
+        return dy * (1 - y * y)
+
+
+class TanhStack(nn.Module):
+    def __init__(self, offload, depth=4, width=256):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.offload = offload
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = OffloadedTanh.apply(layer(x)) if self.offload else torch.tanh(layer(x))
+        return x
+
+
+def traced(model, batch, width):
+    torch.manual_seed(0)
+    return step_stablehlo(train_step, model, torch.randn(batch, width))
+
+
+@pytest.fixture(scope="module")
+def texts():
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed")
+    torch.manual_seed(0)
+    plain, ckpt = Net(False), Net(True)
+    ckpt.load_state_dict(plain.state_dict())
+    return {
+        "plain": traced(plain, BATCH, WIDTH), "checkpointed": traced(ckpt, BATCH, WIDTH),
+        "stack": traced(TanhStack(False), 512, 256), "offloaded": traced(TanhStack(True), 512, 256),
+    }
+
+
+@pytest.fixture(scope="module")
+def v5e(texts):
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'revlib_xla[tpu-compile]')")
+    names = list(texts)
+    return dict(zip(names, tpu_memory_many([texts[n] for n in names], "v5e", cache=False)))  # one worker
+
+
+@needs_xla
+@needs_jax
+def test_step_stablehlo_compiles_on_xla_cpu():
+    torch.manual_seed(0)
+    model = small_mlp()
+    text = step_stablehlo(train_step, model, torch.randn(8, 16))
+    assert "func.func @main" in text and text.count("stablehlo.dot_general") == 5  # 2 forward, 3 backward
+    assert all(p.grad is None for p in model.parameters())  # the pending graph was dropped
+    mem = xla_cpu_memory(text, cache=False)
+    assert isinstance(mem, CompiledMemory) and mem.platform == "xla:cpu"
+    params = nbytes(*model.parameters())
+    assert mem.argument_bytes >= params + 8 * 16 * F32  # parameters and the input are graph arguments
+    assert mem.output_bytes >= params + F32  # every gradient and the loss are outputs
+    assert mem.host_bytes == 0 and mem.hbm_peak_bytes == mem.peak_bytes >= mem.argument_bytes
+    assert mem.count_ops(r"dot\(") >= 3
+    again = xla_cpu_memory(text, cache=False)
+    assert again == mem and again.optimized_hlo == mem.optimized_hlo
+    assert xla_cpu_memory(text) is xla_cpu_memory(text)  # cached in memory
+    with pytest.raises(ValueError, match="backward"):
+        step_stablehlo(lambda m, x: m(x).sum(), small_mlp(), torch.randn(8, 16))
+
+
+@needs_xla
+@needs_jax
+def test_xla_cpu_merges_the_recompute_back(texts):
+    # Why TPU numbers are needed: XLA:CPU drops the barriers before CSE, which merges the recomputed matmuls with
+    # the forward ones - the checkpointed graph ends up with the plain graph's matmuls and no less memory.
+    plain, ckpt = xla_cpu_memory(texts["plain"]), xla_cpu_memory(texts["checkpointed"])
+    assert ckpt.count_ops(r"opt-barrier\(", "pre_optimization") == DEPTH
+    assert ckpt.count_ops() == plain.count_ops()
+    assert ckpt.peak_bytes >= plain.peak_bytes
+
+
+@needs_xla
+@needs_libtpu
+def test_tpu_v5e_checkpointing_lowers_hbm_peak_and_keeps_the_recompute(texts, v5e):
+    plain, ckpt = v5e["plain"], v5e["checkpointed"]
+    for mem in (plain, ckpt):
+        assert mem.platform == "tpu" and mem.topology == "v5e:2x2" and mem.device_kind == "TPU v5 lite"
+        assert mem.host_bytes == 0 and mem.hbm_peak_bytes == mem.peak_bytes > 0
+        assert "from the TPU compiler" in str(mem)
+    # The barriers torch_xla.utils.checkpoint emits are in the input and survive into the pre-optimization HLO ...
+    assert ckpt.count_ops(r"stablehlo\.optimization_barrier", "stablehlo") == DEPTH
+    assert ckpt.count_ops(r"opt-barrier\(", "pre_optimization") == DEPTH
+    assert plain.count_ops(r"opt-barrier\(", "pre_optimization") == 0
+    # ... so the TPU compiler keeps the recomputed matmuls (2 per block) and needs less HBM.
+    assert ckpt.count_ops() == plain.count_ops() + 2 * DEPTH
+    assert ckpt.hbm_peak_bytes < plain.hbm_peak_bytes
+    if PINNED:
+        assert (plain.peak_bytes, ckpt.peak_bytes) == (3_158_016, 2_571_776)
+    # Deterministic: a second compile in a fresh worker gives the same numbers and the same optimized HLO.
+    again = tpu_memory(texts["checkpointed"], "v5e", cache=False)
+    assert again == ckpt and again.optimized_hlo == ckpt.optimized_hlo
+
+
+@needs_xla
+@needs_libtpu
+def test_tpu_v5e_host_offload_moves_saved_activations_out_of_hbm(v5e):
+    plain, offloaded = v5e["stack"], v5e["offloaded"]
+    # Four saved 512x256 f32 tensors are annotated for host memory (place_to_host + place_to_device each) ...
+    assert offloaded.count_ops(r"annotate_device_placement", "stablehlo") == 2 * 4
+    assert offloaded.count_ops(r"_xla_buffer_placement=\"pinned_host\"", "pre_optimization") == 4
+    assert plain.host_bytes == 0
+    # ... and the TPU compiler plans them in host memory: the peak includes them, the HBM peak does not.
+    assert offloaded.host_bytes == offloaded.host_temp_bytes == 4 * 512 * 256 * F32
+    assert offloaded.hbm_peak_bytes == offloaded.peak_bytes - offloaded.host_bytes
+    assert offloaded.hbm_peak_bytes < plain.hbm_peak_bytes < offloaded.peak_bytes
+    if PINNED:
+        assert (plain.hbm_peak_bytes, offloaded.hbm_peak_bytes) == (6_302_720, 4_729_856)
+
+
+@needs_xla
+@needs_libtpu
+@pytest.mark.parametrize("generation,kind", [("v6e", "TPU v6 lite"), ("v5p", "TPU v5")])
+def test_tpu_other_generations_compile(texts, generation, kind):
+    plain, ckpt = tpu_memory_many([texts["plain"], texts["checkpointed"]], generation)
+    assert plain.device_kind == ckpt.device_kind == kind
+    assert plain.topology == memory.TPU_GENERATIONS[generation]
+    assert 0 < ckpt.hbm_peak_bytes < plain.hbm_peak_bytes
+    assert ckpt.count_ops() == plain.count_ops() + 2 * DEPTH
+
+
+@needs_xla
+@needs_libtpu
+def test_tpu_results_are_cached_in_memory_and_on_disk(texts, tmp_path, monkeypatch):
+    text = texts["plain"]
+    memory.clear_compile_cache()
+    first = tpu_memory(text, disk_cache=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    assert tpu_memory(text, disk_cache=tmp_path) is first  # in-memory hit
+    memory.clear_compile_cache()
+
+    def no_compiles(*args, **kwargs):
+        raise AssertionError("should have been served from the disk cache")
+
+    monkeypatch.setattr(memory, "_run_tpu_worker", no_compiles)
+    from_disk = tpu_memory(text, disk_cache=tmp_path)
+    assert from_disk == first and from_disk.optimized_hlo == first.optimized_hlo
+    monkeypatch.setenv("REVLIB_XLA_CACHE", str(tmp_path))
+    memory.clear_compile_cache()
+    assert tpu_memory(text) == first  # $REVLIB_XLA_CACHE turns the disk cache on
+
+
+@needs_libtpu
+def test_tpu_compiler_errors_are_reported():
+    with pytest.raises(TpuCompileError, match="rejected module 0"):
+        tpu_memory("this is not StableHLO", cache=False)
+    with pytest.raises(ValueError, match="unknown TPU generation"):
+        tpu_memory("module {}", "v9z")
+
+
+def test_tpu_worker_crash_reports_stderr_tail(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        print("libtpu: something went badly wrong", file=sys.stderr)
+        sys.exit(3)
+    """))
+
+    class FakeHelpers:
+        __file__ = str(script)
+
+        @staticmethod
+        def tpu_environment(topology):
+            return dict(os.environ)
+
+    with pytest.raises(TpuCompileError, match=r"(?s)exit code 3.*something went badly wrong"):
+        memory._run_tpu_worker(["module {}"], "v5e:2x2", 0, 60.0, FakeHelpers)
+
+
+def test_missing_tpu_compiler_names_the_extra(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real_find_spec(name, *a))
+    monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
+    with pytest.raises(MissingDependencyError, match=r"libtpu.*pip install 'revlib_xla\[tpu-compile\]'"):
+        tpu_memory("module {}")
