@@ -22,7 +22,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "AutocastState", "optimization_barrier_", "sync", "is_tracing_lazily", "checkpoint",
+    "device_for", "RngState", "draw_seed", "derive_seed", "seeded", "AutocastState", "optimization_barrier_", "sync",
+    "is_tracing_lazily", "checkpoint",
 ]
 
 
@@ -154,11 +155,7 @@ def checkpoint(function, *args: Any, preserve_rng_state: bool = True) -> Any:
 
 @dataclasses.dataclass
 class RngState:
-    """The random-number state of one device, captured so that a recomputation draws the same numbers.
-
-    Captured for the device the tensors live on (cpu, cuda or xla); on cuda and xla the CPU generator is captured
-    too, since blocks may draw on it (``torch.randn`` without a device).
-    """
+    """The random-number state of one device (and of the CPU generator), to put back later."""
 
     device: torch.device
     cpu: Optional[torch.Tensor]
@@ -167,36 +164,74 @@ class RngState:
     @classmethod
     def capture(cls, device: DeviceLike) -> "RngState":
         dev = _as_device(device)
-        kind = dev.type
         accel = None
-        if kind == "cuda":
+        if dev.type == "cuda":
             accel = torch.cuda.get_rng_state(dev)
-        elif kind == "xla":
+        elif dev.type == "xla":
             accel = _xla().get_rng_state(str(dev))
         return cls(dev, torch.get_rng_state(), accel)
 
     def restore(self) -> None:
         if self.cpu is not None:
             torch.set_rng_state(self.cpu)
-        kind = self.device.type
-        if kind == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.set_rng_state(self.accel, self.device)
-        elif kind == "xla":
+        elif self.device.type == "xla":
             _xla().set_rng_state(self.accel, str(self.device))
 
 
+_SEED_RANGE = 2 ** 62
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def draw_seed() -> int:
+    """One fresh seed from the CPU generator (host-only: no device sync). Advances the global random state, so
+    consecutive steps get different seeds, and ``torch.manual_seed`` makes the sequence reproducible.
+
+    Drawn outside any ``FakeTensorMode``: a fake step (sizing a model with :func:`revlib_xla.memory.eager_peak`)
+    still needs a real integer.
+    """
+    with _real_tensors():
+        return int(torch.randint(0, _SEED_RANGE, (1,), device="cpu").item())
+
+
+def _real_tensors():
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - very old torch
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
+def derive_seed(base: int, index: int) -> int:
+    """A well-spread seed for item ``index`` of a sequence seeded with ``base``."""
+    return (base + _GOLDEN * (index + 1)) % _SEED_RANGE
+
+
 @contextlib.contextmanager
-def replay_rng(state: Optional[RngState]) -> Iterator[None]:
-    """Run the body with ``state`` as the random state, then put back whatever state was current before."""
-    if state is None:
+def seeded(device: DeviceLike, seed: Optional[int]) -> Iterator[None]:
+    """Run the body with the CPU generator and the device's generator seeded with ``seed``, then put back the
+    state they had before. ``None`` runs the body on the current random state.
+
+    This is how a recomputation draws exactly the random numbers of the forward (dropout masks): both run under the
+    same seed. Keeping one integer per layer, rather than a snapshot of the generator (5 kB for the CPU's), keeps
+    the memory of a reversible sequence independent of its depth.
+    """
+    if seed is None:
         yield
         return
-    current = RngState.capture(state.device)
-    state.restore()
+    dev = _as_device(device)
+    saved = RngState.capture(dev)
+    torch.default_generator.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()] \
+            .manual_seed(seed)
+    elif dev.type == "xla":
+        _xla().set_rng_state(seed, str(dev))
     try:
         yield
     finally:
-        current.restore()
+        saved.restore()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,8 +13,9 @@ Design (what differs from RevLib and why):
   merge the recomputation with the forward (which would keep the forward's activations alive).
 * Parameters and tensor arguments are explicit inputs of the Function, so they get gradients whether or not the
   input requires grad, and gradients of the other stream come from the coupling's own vector-Jacobian product.
-* Random state and autocast state are captured per layer at forward time, for the device the streams live on
-  (cpu, cuda or xla), and replayed in the recomputation.
+* Each layer runs under a seed derived from one seed drawn per forward (for the CPU generator and that of the
+  device the streams live on: cpu, cuda or xla), and the recomputation reuses it; the autocast state is captured
+  at forward time and replayed. Only integers are kept, so nothing grows with depth.
 """
 from __future__ import annotations
 
@@ -202,13 +203,16 @@ class _Plan:
     layer_arg_slots: List[List[int]]
     params: List[nn.Parameter]
     layer_params: List[List[int]]
-    preserve_rng: bool
+    seed: Optional[int]
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
 
     def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
         args, kwargs = self.layer_args[i]
         return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
+
+    def seed_of(self, i: int) -> Optional[int]:
+        return None if self.seed is None else backend.derive_seed(self.seed, i)
 
     def describe(self, i: int) -> str:
         block = self.layers[i].block
@@ -295,12 +299,11 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         device = x0.device
         ctx.plan = plan
         ctx.autocast = backend.AutocastState.capture(device)
-        ctx.rng = []
         with torch.no_grad(), ctx.autocast.replay():
             for i in range(len(plan.layers)):
                 args, kwargs = plan.args_for(i, arg_tensors)
-                ctx.rng.append(backend.RngState.capture(device) if plan.preserve_rng else None)
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+                with backend.seeded(device, plan.seed_of(i)):
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
         ctx.save_for_backward(x0, x1, *plan.params, *arg_tensors)
         return x0, x1
 
@@ -332,7 +335,7 @@ class _ReversibleSequenceFn(torch.autograd.Function):
             backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
             args, kwargs = plan.args_for(i, recompute_args)
             with _BufferGuard(layer):  # normalization statistics are put back after the gradient is taken
-                with torch.enable_grad(), backend.replay_rng(ctx.rng[i]), ctx.autocast.replay():
+                with torch.enable_grad(), backend.seeded(y0.device, plan.seed_of(i)), ctx.autocast.replay():
                     x1 = y0.detach().requires_grad_()
                     fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
                     with torch.no_grad():
@@ -386,8 +389,9 @@ class ReversibleSequential(nn.Sequential):
             output is returned in the input's dtype.
         compute_dtype: the dtype the blocks see (default: the input's dtype); useful with a two-stream input
             already in ``stream_dtype``.
-        preserve_rng_state: capture each layer's random state in the forward and replay it in the recomputation
-            (needed for dropout; costs a few microseconds per layer).
+        preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward, so the
+            recomputation draws the forward's random numbers (dropout) on cpu, cuda and xla. Both memory modes
+            seed the same way, so ``no_savings`` gives the same masks. Costs a few microseconds per layer.
         verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
             :func:`check_invertible`) and raise naming the first layer that does not.
         target_device, fused_optimizer: RevLib's parameter offload and fused optimizer (not available yet: raise).
@@ -521,7 +525,8 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, self.preserve_rng_state, stream_dtype, compute_dtype)
+                     layer_params, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
+                     compute_dtype)
         return plan, arg_tensors
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
@@ -538,7 +543,8 @@ class ReversibleSequential(nn.Sequential):
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
             for i in range(len(plan.layers)):
                 a, k = plan.args_for(i, arg_tensors)
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
+                with backend.seeded(x0.device, plan.seed_of(i)):
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
         else:
             x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
@@ -609,9 +615,9 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
     errors = []
     for i in range(len(plan.layers)):
         a, k = plan.args_for(i, arg_tensors)
-        rng = backend.RngState.capture(x0.device)
-        y1 = _forward_layer(plan, i, x0, x1, a, k)
-        with backend.replay_rng(rng):
+        with backend.seeded(x0.device, plan.seed_of(i)):
+            y1 = _forward_layer(plan, i, x0, x1, a, k)
+        with backend.seeded(x0.device, plan.seed_of(i)):
             rebuilt = _inverse_layer(plan, i, x1, y1, a, k)
         scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
         err = float((rebuilt - x0).abs().max().cpu()) / scale

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import MemoryModes, ReversibleSequential
+from revlib_xla import MemoryModes, ReversibleSequential, backend
 from conftest import max_rel_err, to_host
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -94,6 +94,7 @@ def grads_of(model, x, loss_fn, *args, **kwargs):
     out = model(x, *args, **kwargs)
     loss = loss_fn(out)
     loss.backward()
+    backend.sync(loss.device)  # one XLA graph for the whole step, not one per tensor read back
     params = {n: to_host(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     return to_host(loss), to_host(x.grad) if x.grad is not None else None, params
 
@@ -121,6 +122,9 @@ def assert_same_grads(got, ref, tol):
 @pytest.mark.parametrize("kind", ["linear", "conv", "attention"])
 @pytest.mark.parametrize("coupling", list(COUPLINGS))
 def test_gradients_match_no_savings(device, kind, coupling, dtype):
+    if device.type == "xla" and kind != "linear" and (dtype != torch.float32 or coupling not in ("additive", "user")):
+        pytest.skip("XLA compiles every case (seconds each): conv/attention run additive and a non-additive "
+                    "coupling in float32; every coupling and dtype runs on Linear blocks")
     if kind == "conv" and coupling == "affine":
         split_dim, width = 1, 3
     else:

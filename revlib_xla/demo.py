@@ -1,0 +1,536 @@
+"""``make demo`` / ``python -m revlib_xla.demo``: train a reversible byte-level language model, then show its memory.
+
+1. Reads the Python standard library's own source as bytes (the same corpus on every machine with Python), and
+   trains a small reversible transformer language model (:mod:`revlib_xla.models`) on it for a fixed number of
+   steps on the default device (a TPU if torch_xla finds one, else a GPU, else the CPU), with a progress bar.
+   The loss starts near ``ln 256 = 5.55`` nats (a uniform guess over bytes) and has to fall clearly.
+2. Measures one training step (forward and backward) of the same model at several depths, in the three flavours
+   of :func:`revlib_xla.models.build_lm` (no savings, checkpointing, reversible): the eager peak counted by PyTorch's
+   ``MemTracker`` (:func:`revlib_xla.memory.eager_peak`) and the HBM peak that the TPU v5e compiler plans for the
+   compiled step (:func:`revlib_xla.memory.tpu_memory`, a deviceless compile: no TPU is needed or used). Prints the
+   table and saves it as a plot.
+
+Run ``python -m revlib_xla.demo --help`` for the options.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import backend
+from .models import FLAVOUR_LABELS, FLAVOURS, ByteTransformerLM, TransformerConfig, build_lm, lm_loss
+
+__all__ = [
+    "DemoConfig", "TrainResult", "MemoryRow", "load_corpus", "split_corpus", "sample_batch", "train", "evaluate",
+    "generate", "eager_memory", "TpuColumn", "memory_table", "format_memory_table", "plot_memory_table", "main",
+]
+
+UNIFORM_LOSS = math.log(256)
+"""Cross-entropy of a uniform guess over 256 byte values, in nats."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+    """What the demo trains and measures; the defaults keep ``make demo`` under 3 minutes on a 2-core CPU."""
+
+    width: int = 64
+    depth: int = 2
+    heads: int = 4
+    seq_len: int = 128
+    batch: int = 16
+    steps: int = 300
+    lr: float = 3e-3
+    seed: int = 0
+    corpus_bytes: int = 2 << 20
+    val_fraction: float = 0.05
+    table_depths: Tuple[int, ...] = (2, 4, 8, 16)
+    table_batch: int = 4
+
+    def model_config(self, depth: Optional[int] = None) -> TransformerConfig:
+        return TransformerConfig(width=self.width, depth=self.depth if depth is None else depth, heads=self.heads,
+                                 seq_len=self.seq_len)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Corpus
+
+
+def load_corpus(max_bytes: int = 2 << 20) -> bytes:
+    """The standard library's top-level ``.py`` files, in sorted order, concatenated up to ``max_bytes``.
+
+    Deterministic for a given Python version; every Python installation has it. Files are joined with a blank line.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise FileNotFoundError(f"no .py files in the standard library directory {root}; the demo trains on them")
+    chunks: List[bytes] = []
+    total = 0
+    for path in files:
+        if total >= max_bytes:
+            break
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data[:max_bytes - total] + b"\n\n")
+        total += len(chunks[-1])
+    return b"".join(chunks)[:max_bytes]
+
+
+def split_corpus(data: bytes, val_fraction: float = 0.05) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Bytes as a ``uint8`` tensor, split into training text and the last ``val_fraction`` as validation text."""
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def sample_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+    """``batch`` random windows of ``seq_len`` bytes, as an ``int64`` host tensor ``(batch, seq_len)``."""
+    if len(data) < seq_len:
+        raise ValueError(f"the text has {len(data)} bytes, fewer than seq_len={seq_len}")
+    starts = torch.randint(0, len(data) - seq_len + 1, (batch,), generator=generator)
+    return torch.stack([data[s:s + seq_len] for s in starts.tolist()]).long()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train` did: per-step training losses, validation loss before and after, time and device."""
+
+    losses: List[float]
+    val_before: float
+    val_after: float
+    seconds: float
+    device: str
+
+    def start_loss(self, window: int = 10) -> float:
+        return sum(self.losses[:window]) / len(self.losses[:window])
+
+    def end_loss(self, window: int = 10) -> float:
+        return sum(self.losses[-window:]) / len(self.losses[-window:])
+
+    @property
+    def fell(self) -> bool:
+        """The loss fell clearly: validation loss at least 1 nat below where it started."""
+        return self.val_after < self.val_before - 1.0
+
+
+@torch.no_grad()
+def evaluate(model: ByteTransformerLM, data: torch.Tensor, batch: int, batches: int = 4, seed: int = 1234) -> float:
+    """Mean loss over ``batches`` fixed random windows of ``data`` (the same windows every call), in eval mode."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    total = []
+    for _ in range(batches):
+        tokens = sample_batch(data, batch, model.config.seq_len, generator).to(device)
+        total.append(lm_loss(model(tokens), tokens))
+    model.train(was_training)
+    return float(torch.stack(total).mean().cpu())
+
+
+def train(config: DemoConfig, train_data: torch.Tensor, val_data: torch.Tensor, device: torch.device,
+          flavour: str = "reversible", progress: bool = True) -> Tuple[ByteTransformerLM, TrainResult]:
+    """Train the ``flavour`` LM of ``config`` for ``config.steps`` AdamW steps on ``device``.
+
+    Shapes are static (fixed batch and sequence length, constant learning rate), so on XLA the step compiles once
+    (twice: the optimizer state appears in step 1) and every later step reuses it; each step ends with
+    ``backend.sync``.
+    """
+    torch.manual_seed(config.seed)
+    model = build_lm(config.model_config(), flavour).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    generator = torch.Generator().manual_seed(config.seed)
+    val_before = evaluate(model, val_data, config.batch)
+    bar = _progress(config.steps, progress)
+    loss_tensors: List[torch.Tensor] = []
+    start = time.perf_counter()
+    for step in range(config.steps):
+        tokens = sample_batch(train_data, config.batch, config.seq_len, generator).to(device)
+        loss = lm_loss(model(tokens), tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        backend.sync(device)
+        loss_tensors.append(loss.detach())
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0 or step == config.steps - 1:
+                bar.set_postfix(loss=f"{float(loss_tensors[-1].cpu()):.3f}")
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    losses = [float(v) for v in torch.stack(loss_tensors).cpu()] if loss_tensors else []
+    return model, TrainResult(losses, val_before, evaluate(model, val_data, config.batch), seconds, str(device))
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    interactive = sys.stderr.isatty()
+    return tqdm(total=total, desc="training", unit="step", dynamic_ncols=True, mininterval=0.2 if interactive else 5)
+
+
+@torch.no_grad()
+def generate(model: ByteTransformerLM, prompt: bytes, length: int = 120, temperature: float = 0.8,
+             seed: int = 0) -> bytes:
+    """Sample ``length`` bytes after ``prompt``. The window is always ``seq_len`` bytes (the prompt is left-padded
+    with spaces), so every call has the same shape and an XLA device compiles it once."""
+    device = next(model.parameters()).device
+    seq_len = model.config.seq_len
+    window = list((b" " * seq_len + prompt)[-seq_len:])
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    out = bytearray()
+    for _ in range(length):
+        logits = model(torch.tensor([window], dtype=torch.long, device=device))[0, -1].float().cpu()
+        probs = torch.softmax(logits / temperature, dim=-1)
+        byte = int(torch.multinomial(probs, 1, generator=generator))
+        out.append(byte)
+        window = window[1:] + [byte]
+    model.train(was_training)
+    return bytes(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Memory table
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+    """One depth and flavour of the memory table, in bytes (``tpu_hbm`` is ``None`` when the TPU compile was not
+    available). ``params_grads`` is the bytes of the parameters and their gradients (fp32)."""
+
+    depth: int
+    flavour: str
+    eager_peak: int
+    params_grads: int
+    tpu_hbm: Optional[int]
+
+
+def _fwd_bwd(model: ByteTransformerLM, tokens: torch.Tensor) -> torch.Tensor:
+    loss = lm_loss(model(tokens), tokens)
+    loss.backward()
+    return loss
+
+
+def _table_tokens(config: DemoConfig) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(config.seed)
+    return torch.randint(0, 256, (config.table_batch, config.seq_len), generator=generator)
+
+
+def _table_model(config: DemoConfig, depth: int, flavour: str) -> ByteTransformerLM:
+    torch.manual_seed(config.seed)
+    return build_lm(config.model_config(depth), flavour)
+
+
+def eager_memory(config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS
+                 ) -> Dict[Tuple[int, str], Tuple[int, int]]:
+    """``(eager peak, parameter + gradient bytes)`` of one training step (forward + backward, batch
+    ``config.table_batch``) per ``(depth, flavour)``, from :func:`revlib_xla.memory.eager_peak` on the CPU.
+
+    PyTorch's ``MemTracker`` counts tensor storages, so the figures are exact and the same on CPU and CUDA (up to
+    the CUDA allocator's 512-byte rounding).
+    """
+    from . import memory
+
+    tokens = _table_tokens(config)
+    out = {}
+    for depth in depths:
+        for flavour in flavours:
+            model = _table_model(config, depth, flavour)
+            peak = memory.eager_peak(_fwd_bwd, model, tokens)
+            params = sum(p.numel() * p.element_size() for p in model.parameters())
+            out[depth, flavour] = (peak.total, 2 * params)
+    return out
+
+
+class TpuColumn:
+    """The TPU column of the memory table, computed in the background.
+
+    :meth:`start` traces every step with torch_xla right away (:func:`revlib_xla.memory.step_stablehlo`; a few
+    seconds) and hands the StableHLO to the deviceless TPU compiler (:func:`revlib_xla.memory.tpu_memory_many`, a
+    child process) on a background thread, so the compile overlaps with whatever runs next (training);
+    :meth:`result` waits for it. Failures (no torch_xla, jax or libtpu) are not raised: :meth:`result` returns
+    ``None`` and :attr:`reason` says why.
+    """
+
+    def __init__(self, keys: List[Tuple[int, str]], generation: str):
+        self.keys = keys
+        self.generation = generation
+        self.reason: Optional[str] = None
+        self._result: Optional[Dict[Tuple[int, str], int]] = None
+        self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def start(cls, config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS,
+              generation: str = "v5e") -> "TpuColumn":
+        column = cls([(d, f) for d in depths for f in flavours], generation)
+        try:
+            texts = column._trace(config)
+        except Exception as exc:  # missing torch_xla, or a tracing failure: the table goes on without TPU figures
+            column.reason = f"{type(exc).__name__}: {exc}"
+            return column
+        column._thread = threading.Thread(target=column._compile, args=(texts,), name="tpu-compile", daemon=True)
+        column._thread.start()
+        return column
+
+    def _trace(self, config: DemoConfig) -> List[str]:
+        from . import memory
+
+        if not backend.xla_available():
+            raise memory.MissingDependencyError("the TPU column needs torch_xla: pip install 'revlib_xla[xla]'")
+        backend.device_for("xla")  # initialise the XLA runtime (see the note in main)
+        tokens = _table_tokens(config)
+        texts = []
+        for depth, flavour in self.keys:
+            try:
+                texts.append(memory.step_stablehlo(_fwd_bwd, _table_model(config, depth, flavour), tokens))
+            except RuntimeError as exc:
+                if "device_ready_queues_" in str(exc):
+                    raise RuntimeError(
+                        "an XLA backward pass failed because a backward pass ran in this process before the XLA "
+                        "device was initialised (PyTorch's autograd engine then has no queue for it); call "
+                        "revlib_xla.backend.device_for('xla') before the first backward pass") from None
+                raise
+        return texts
+
+    def _compile(self, texts: List[str]) -> None:
+        from . import memory
+
+        try:
+            compiled = memory.tpu_memory_many(texts, self.generation)
+            self._result = {key: result.hbm_peak_bytes for key, result in zip(self.keys, compiled)}
+        except Exception as exc:  # reported, not raised: the eager part of the table still stands
+            self.reason = f"{type(exc).__name__}: {exc}"
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def result(self) -> Optional[Dict[Tuple[int, str], int]]:
+        """HBM peak bytes per ``(depth, flavour)``, waiting for the compile; ``None`` if it failed (see
+        :attr:`reason`)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._result
+
+
+def memory_table(config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS,
+                 tpu: bool = True, generation: str = "v5e") -> Tuple[List[MemoryRow], Optional[str]]:
+    """Memory of one training step (forward + backward, batch ``config.table_batch``) per depth and flavour.
+
+    Eager peak: :func:`eager_memory`. TPU: the HBM peak that the TPU compiler plans for the step traced by torch_xla,
+    compiled for one chip of a TPU ``generation`` without a TPU (:class:`TpuColumn`). Returns the rows and, when the
+    TPU column could not be produced, the reason.
+    """
+    column = TpuColumn.start(config, depths, flavours, generation) if tpu else None
+    eager = eager_memory(config, depths, flavours)
+    return _rows(eager, column)
+
+
+def _rows(eager: Dict[Tuple[int, str], Tuple[int, int]], column: Optional[TpuColumn]
+          ) -> Tuple[List[MemoryRow], Optional[str]]:
+    tpu = column.result() if column is not None else None
+    rows = [MemoryRow(depth, flavour, peak, params_grads, None if tpu is None else tpu[depth, flavour])
+            for (depth, flavour), (peak, params_grads) in eager.items()]
+    return rows, column.reason if column is not None else None
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f}"
+
+
+def format_memory_table(rows: Sequence[MemoryRow], generation: str = "v5e") -> str:
+    """The table as text: one line per depth; eager peak and TPU HBM peak (MiB) for each flavour, and the
+    parameter + gradient bytes for reference."""
+    flavours = [f for f in FLAVOURS if any(r.flavour == f for r in rows)]
+    depths = sorted({r.depth for r in rows})
+    by_key = {(r.depth, r.flavour): r for r in rows}
+    labels = [FLAVOUR_LABELS[f] for f in flavours]
+    widths = [max(len(label), 8) for label in labels]
+    group = "  ".join(f"{label:>{w}}" for label, w in zip(labels, widths))
+    titles = ("eager peak, MiB", f"TPU {generation} HBM peak, MiB")
+    lines = [f"{'':5}   {titles[0]:^{len(group)}}   {titles[1]:^{len(group)}}",
+             f"{'depth':>5}   {group}   {group}   {'params+grads':>12}"]
+    lines.append("-" * len(lines[1]))
+    for depth in depths:
+        eager = "  ".join(f"{_mib(by_key[depth, f].eager_peak):>{w}}" for f, w in zip(flavours, widths))
+        tpu = "  ".join(f"{_mib(by_key[depth, f].tpu_hbm):>{w}}" for f, w in zip(flavours, widths))
+        lines.append(f"{depth:>5}   {eager}   {tpu}   {_mib(by_key[depth, flavours[0]].params_grads):>12}")
+    return "\n".join(lines)
+
+
+def plot_memory_table(rows: Sequence[MemoryRow], path: os.PathLike, config: DemoConfig,
+                      generation: str = "v5e") -> Path:
+    """Save the table as a PNG: eager peak and TPU HBM peak against depth, one line per flavour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = sorted({r.depth for r in rows})
+    by_key = {(r.depth, r.flavour): r for r in rows}
+    flavours = [f for f in FLAVOURS if any(r.flavour == f for r in rows)]
+    styles = {"no_savings": ("tab:red", "o"), "checkpoint": ("tab:orange", "s"), "reversible": ("tab:blue", "^")}
+    panels = [("eager peak (PyTorch MemTracker)", "eager_peak"),
+              (f"TPU {generation} HBM peak (TPU compiler, deviceless)", "tpu_hbm")]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharex=True)
+    for ax, (title, field) in zip(axes, panels):
+        for flavour in flavours:
+            values = [getattr(by_key[d, flavour], field) for d in depths]
+            if any(v is None for v in values):
+                continue
+            color, marker = styles.get(flavour, (None, "o"))
+            ax.plot(depths, [v / 2**20 for v in values], marker=marker, color=color, label=FLAVOUR_LABELS[flavour])
+        params = [by_key[d, flavours[0]].params_grads / 2**20 for d in depths]
+        ax.plot(depths, params, linestyle=":", color="gray", label="params + grads")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("depth (transformer layers)")
+        ax.set_ylabel("MiB")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(depths, [str(d) for d in depths])
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        if not ax.lines or len(ax.lines) == 1:
+            ax.text(0.5, 0.5, "not available", transform=ax.transAxes, ha="center", va="center")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"Memory of one training step (forward + backward) of the byte-level transformer LM: width "
+                 f"{config.width} x 2 streams, batch {config.table_batch} x {config.seq_len} bytes, fp32",
+                 fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    if out.parent != Path(""):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    defaults = DemoConfig()
+    parser = argparse.ArgumentParser(prog="python -m revlib_xla.demo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
+    parser.add_argument("--depth", type=int, default=defaults.depth, help="transformer layers of the trained model")
+    parser.add_argument("--width", type=int, default=defaults.width, help="features per residual stream")
+    parser.add_argument("--seq-len", type=int, default=defaults.seq_len, help="bytes per training window")
+    parser.add_argument("--batch", type=int, default=defaults.batch, help="windows per step")
+    parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
+    parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, xla or a torch device string (default: TPU if torch_xla finds one, else GPU, "
+                             "else CPU)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for PyTorch (default on CPU: one per two cores, at most 4; the model is "
+                             "small and more threads mostly add synchronisation)")
+    parser.add_argument("--table-depths", default=",".join(map(str, defaults.table_depths)),
+                        help="comma-separated depths of the memory table")
+    parser.add_argument("--no-memory-table", action="store_true", help="train only; skip the memory table and plot")
+    parser.add_argument("--no-tpu", action="store_true", help="skip the deviceless TPU compile column")
+    parser.add_argument("--out", default="revlib_xla_demo.png", help="where to save the memory plot (PNG)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser.parse_args(argv)
+
+
+def _resolve_device(name: Optional[str]) -> torch.device:
+    if name is None:
+        return backend.default_device()
+    if name in ("cpu", "cuda", "xla"):
+        return backend.device_for(name)
+    return torch.device(name)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the demo; returns the process exit status (1 if the loss did not fall)."""
+    args = _parse(argv)
+    start = time.perf_counter()
+    config = DemoConfig(width=args.width, depth=args.depth, seq_len=args.seq_len, batch=args.batch,
+                        steps=args.steps, lr=args.lr, seed=args.seed,
+                        table_depths=tuple(int(d) for d in args.table_depths.split(",") if d.strip()))
+    device = _resolve_device(args.device)
+    if backend.device_kind(device) == "cpu" or args.threads is not None:
+        torch.set_num_threads(args.threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
+
+    # The TPU column is traced first and compiled in a child process while the model trains. Tracing first also
+    # initialises the XLA runtime before any backward pass: PyTorch's autograd engine sizes its device queues at
+    # the first backward, and an XLA device initialised later fails its backward with an internal assert.
+    column = None
+    if not args.no_memory_table and not args.no_tpu:
+        column = TpuColumn.start(config, config.table_depths)
+
+    corpus = load_corpus(config.corpus_bytes)
+    train_data, val_data = split_corpus(corpus, config.val_fraction)
+    model_config = config.model_config()
+    params = sum(p.numel() for p in build_lm(model_config).parameters())
+    print(f"revlib_xla demo: reversible byte-level transformer LM, width {config.width} x 2 streams, depth "
+          f"{config.depth} ({2 * config.depth} reversible layers), {params / 1e6:.2f} M parameters")
+    print(f"corpus: {len(corpus) / 2**20:.2f} MiB of Python standard library source "
+          f"({sysconfig.get_paths()['stdlib']}), {len(train_data):,} training / {len(val_data):,} validation bytes")
+    print(f"device: {device}; {config.steps} steps of batch {config.batch} x {config.seq_len} bytes, AdamW "
+          f"lr {config.lr:g}")
+
+    model, result = train(config, train_data, val_data, device, progress=not args.quiet)
+    print(f"training loss: {result.start_loss():.3f} (first 10 steps) -> {result.end_loss():.3f} (last 10 steps) "
+          f"nats/byte; uniform guess = ln 256 = {UNIFORM_LOSS:.3f}")
+    print(f"validation loss: {result.val_before:.3f} -> {result.val_after:.3f} nats/byte "
+          f"({result.val_after / math.log(2):.2f} bits/byte); {result.seconds:.1f} s, "
+          f"{1000 * result.seconds / max(1, config.steps):.0f} ms/step")
+    prompt = bytes(val_data[:config.seq_len].tolist())
+    sample = generate(model, prompt, length=120, seed=config.seed).decode("utf-8", "replace")
+    print("sample after the validation prompt:\n    " + "\n    ".join(sample.splitlines() or [""]))
+    del model
+    if not result.fell:
+        print(f"FAILED: the validation loss did not fall by 1 nat ({result.val_before:.3f} -> "
+              f"{result.val_after:.3f})", file=sys.stderr)
+        return 1
+    print(f"ok: the loss fell by {result.val_before - result.val_after:.2f} nats/byte")
+
+    if not args.no_memory_table:
+        print(f"\nmemory of one training step (forward + backward, batch {config.table_batch} x {config.seq_len} "
+              f"bytes, fp32) of the same model at depths {', '.join(map(str, config.table_depths))}:")
+        eager = eager_memory(config, config.table_depths)
+        if column is not None and not column.done():
+            print("waiting for the TPU compiler...", flush=True)
+        rows, reason = _rows(eager, column)
+        print(format_memory_table(rows))
+        print("eager: peak of an eager step counted by PyTorch's MemTracker (tensor storages, measured on the CPU; "
+              "the same on CUDA up to allocator rounding).")
+        if column is None:
+            print("TPU column skipped (--no-tpu).")
+        elif reason is None:
+            print("TPU v5e: HBM peak that the TPU compiler (libtpu, deviceless compile for one v5e chip) plans for the "
+                  "step traced by torch_xla; these figures come from the TPU compiler, not from a TPU run.")
+        else:
+            print(f"TPU column not available: {reason}")
+        path = plot_memory_table(rows, args.out, config)
+        print(f"plot saved to {path.resolve()}")
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
