@@ -10,9 +10,10 @@ import torch
 from revlib_xla import backend
 
 # torch's autograd engine sizes its per-device queues once, at the first backward pass of the process, from the
-# device types registered then. torch_xla registers the XLA device type when imported, so it must be imported before
-# any CPU backward runs in this worker, or every later XLA backward fails with an engine INTERNAL ASSERT.
-backend.xla_available()
+# device counts known then. XLA's count is known only once torch_xla's runtime has started, so start it before any
+# CPU backward runs in this worker, or every later XLA backward fails with an engine INTERNAL ASSERT.
+if backend.xla_available():
+    backend.device_for("xla")
 
 ALL_KINDS = ("cpu", "xla", "cuda")
 

@@ -1,0 +1,166 @@
+"""Requirement 7: the activation memory of a reversible sequence does not grow with depth.
+
+* Eager (cpu, cuda): the peak of forward + backward grows with depth by exactly the parameters and their gradients
+  (PyTorch's ``MemTracker`` via :func:`revlib_xla.memory.eager_peak`, also under ``FakeTensorMode``; on cuda also
+  the caching allocator's ``max_memory_allocated``), while ``no_savings`` grows by the activations too. RevLib's
+  cache modes (``checkpoint``, ``autograd_graph``) run as the function mode and never peak above ``no_savings``.
+* XLA: the whole training step is exported as StableHLO and compiled deviceless for TPU v5e. The HBM peak grows
+  with depth only by what scales with the parameters (arguments, gradient outputs, the unrolled program and
+  parameter-sized layout/prefetch copies), not with the batch: quadrupling the batch does not make the reversible
+  step grow faster with depth, while ``no_savings`` grows by more than two activations per layer. The optimized HLO
+  still holds the recomputation (the optimization barriers stop CSE from merging it with the forward).
+"""
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+import revlib_xla as revlib
+from revlib_xla import MemoryModes, backend, memory
+
+WIDTH = 128  # features per stream
+
+
+def block() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+
+
+PARAM_BYTES_PER_LAYER = sum(p.numel() for p in block().parameters()) * 4  # float32
+
+
+def model(depth: int, mode: MemoryModes = MemoryModes.autograd_function) -> revlib.ReversibleSequential:
+    torch.manual_seed(0)
+    return revlib.ReversibleSequential(*[block() for _ in range(depth)], memory_mode=mode)
+
+
+def train_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    loss = m(x).square().mean()
+    loss.backward()
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Eager
+
+@pytest.fixture
+def eager_device(device):
+    if device.type == "xla":
+        pytest.skip("an XLA step's memory is decided by the compiler: see the TPU tests below")
+    return device
+
+
+def _peak(depth, mode, device, batch=512, fake=False):
+    if fake:
+        return memory.eager_peak(train_step, lambda: model(depth, mode).to(device),
+                                 lambda: torch.randn(batch, 2 * WIDTH, device=device), fake=True)
+    return memory.eager_peak(train_step, model(depth, mode).to(device), torch.randn(batch, 2 * WIDTH).to(device))
+
+
+def test_eager_peak_grows_only_by_parameters_and_gradients(eager_device):
+    peaks = {d: _peak(d, MemoryModes.autograd_function, eager_device) for d in (4, 8, 16)}
+    plain = {d: _peak(d, MemoryModes.no_savings, eager_device) for d in (4, 16)}
+    for small, big in ((4, 8), (8, 16)):
+        # exactly one more set of parameters and one more set of gradients per layer, nothing else
+        assert peaks[big].total - peaks[small].total == 2 * (big - small) * PARAM_BYTES_PER_LAYER, (peaks[small],
+                                                                                                    peaks[big])
+        assert peaks[big].activations + peaks[big].temporaries == peaks[small].activations + peaks[small].temporaries
+    # no_savings also keeps every layer's activations (here about one hidden layer, two streams' worth, per layer;
+    # not every gradient is live at its peak, so subtracting all of them undercounts a little)
+    activation_per_layer = (plain[16].total - plain[4].total) / 12 - 2 * PARAM_BYTES_PER_LAYER
+    assert activation_per_layer >= 1.9 * 512 * WIDTH * 4, activation_per_layer
+    assert peaks[16].total < plain[16].total
+
+
+def test_eager_peak_under_fake_tensors_equals_real(eager_device):
+    """Sizing a reversible model without allocating it: FakeTensorMode gives the real step's bytes (the per-step
+    seed of the dropout replay is drawn outside the fake mode)."""
+    assert _peak(8, MemoryModes.autograd_function, eager_device, fake=True).total == \
+        _peak(8, MemoryModes.autograd_function, eager_device).total
+
+
+@pytest.mark.filterwarnings("ignore:MemoryModes")
+@pytest.mark.parametrize("mode", [MemoryModes.checkpoint, MemoryModes.autograd_graph])
+def test_cache_modes_never_peak_above_no_savings(eager_device, mode):
+    for depth in (4, 16):
+        cache_mode = _peak(depth, mode, eager_device).total
+        assert cache_mode <= _peak(depth, MemoryModes.no_savings, eager_device).total
+        assert cache_mode == _peak(depth, MemoryModes.autograd_function, eager_device).total
+
+
+def test_cuda_allocator_peak_grows_only_by_parameters_and_gradients():
+    if not backend.cuda_available():
+        pytest.skip("no CUDA GPU on this machine")
+    dev = backend.device_for("cuda")
+    x = torch.randn(4096, 2 * WIDTH, device=dev)
+
+    def increase(depth, mode):
+        m = model(depth, mode).to(dev)
+        return memory.cuda_peak(train_step, m, x, device=dev).increase
+
+    rev = {d: increase(d, MemoryModes.autograd_function) for d in (8, 32)}
+    plain = {d: increase(d, MemoryModes.no_savings) for d in (8, 32)}
+    grads_per_layer = PARAM_BYTES_PER_LAYER  # the call allocates gradients, not parameters
+    slack = 24 * 512 * 24  # allocator rounding: a few 512-byte blocks per gradient tensor
+    assert rev[32] - rev[8] <= 24 * grads_per_layer + slack, rev
+    assert plain[32] - plain[8] >= 24 * (grads_per_layer + 4096 * 2 * WIDTH * 4), plain
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# XLA, compiled for TPU v5e without a TPU
+
+def _v5e_results():
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'revlib_xla[tpu-compile]')")
+    keys, texts = [], []
+    for mode in (MemoryModes.autograd_function, MemoryModes.no_savings):
+        for batch in (256, 1024):
+            for depth in (8, 16):
+                torch.manual_seed(1)
+                texts.append(memory.step_stablehlo(train_step, model(depth, mode), torch.randn(batch, 2 * WIDTH)))
+                keys.append((mode, batch, depth))
+    return dict(zip(keys, memory.tpu_memory_many(texts, "v5e", cache=False)))
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return _v5e_results()
+
+
+def _growth_beyond_parameters(results, mode, batch):
+    """Per added layer: HBM peak growth minus the growth of arguments (parameters), outputs (gradients) and the
+    program itself (the layers are unrolled)."""
+    small, big = results[(mode, batch, 8)], results[(mode, batch, 16)]
+    scaled_by_params = (big.argument_bytes - small.argument_bytes) + (big.output_bytes - small.output_bytes) + \
+        (big.generated_code_bytes - small.generated_code_bytes)
+    return (big.hbm_peak_bytes - small.hbm_peak_bytes - scaled_by_params) / 8
+
+
+def test_tpu_v5e_hbm_peak_grows_only_with_parameters(v5e):
+    for result in v5e.values():
+        assert result.platform == "tpu" and result.host_bytes == 0
+    stream = 1024 * WIDTH * 4  # one stream of one layer at batch 1024
+    rev_256 = _growth_beyond_parameters(v5e, MemoryModes.autograd_function, 256)
+    rev_1024 = _growth_beyond_parameters(v5e, MemoryModes.autograd_function, 1024)
+    plain_1024 = _growth_beyond_parameters(v5e, MemoryModes.no_savings, 1024)
+    # What is left is parameter-sized (layout and prefetch copies of the weights), and does not scale with the batch
+    assert rev_256 <= PARAM_BYTES_PER_LAYER and rev_1024 <= PARAM_BYTES_PER_LAYER, (rev_256, rev_1024)
+    assert rev_1024 <= rev_256 + 0.05 * stream, (rev_256, rev_1024)
+    # ... while no_savings keeps each layer's activations (two streams' worth and more)
+    assert plain_1024 >= 2 * stream, plain_1024
+    for depth in (8, 16):
+        assert v5e[(MemoryModes.autograd_function, 1024, depth)].hbm_peak_bytes < \
+            v5e[(MemoryModes.no_savings, 1024, depth)].hbm_peak_bytes
+
+
+def test_tpu_v5e_keeps_the_recomputation(v5e):
+    for batch in (256, 1024):
+        for depth in (8, 16):
+            rev = v5e[(MemoryModes.autograd_function, batch, depth)]
+            plain = v5e[(MemoryModes.no_savings, batch, depth)]
+            # one barrier per layer is emitted, and the two recomputed matmuls of (almost) every layer survive
+            assert rev.count_ops(r"opt-barrier\(", "pre_optimization") == depth
+            assert plain.count_ops(r"opt-barrier\(", "pre_optimization") == 0
+            assert rev.count_ops() - plain.count_ops() >= 2 * (depth - 1), (rev.count_ops(), plain.count_ops())
