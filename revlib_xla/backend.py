@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -22,7 +22,7 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "draw_seed", "derive_seed", "seeded", "AutocastState", "optimization_barrier_", "sync",
+    "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "seeded", "AutocastState", "optimization_barrier_", "sync",
     "is_tracing_lazily", "checkpoint",
 ]
 
@@ -128,7 +128,7 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
     the memory saving (and can use more memory than no saving at all). Eager devices execute op by op, so there is
     nothing to protect and this is a no-op.
     """
-    xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and device_kind(t) == "xla"]
+    xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
     if xla_tensors:
         _xla().optimization_barrier_(xla_tensors)
 
@@ -208,30 +208,48 @@ def derive_seed(base: int, index: int) -> int:
     return (base + _GOLDEN * (index + 1)) % _SEED_RANGE
 
 
-@contextlib.contextmanager
-def seeded(device: DeviceLike, seed: Optional[int]) -> Iterator[None]:
-    """Run the body with the CPU generator and the device's generator seeded with ``seed``, then put back the
-    state they had before. ``None`` runs the body on the current random state.
+def _reseed(device: torch.device, seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()] \
+            .manual_seed(seed)
+    elif device.type == "xla":
+        _xla().set_rng_state(seed, str(device))
 
-    This is how a recomputation draws exactly the random numbers of the forward (dropout masks): both run under the
-    same seed. Keeping one integer per layer, rather than a snapshot of the generator (5 kB for the CPU's), keeps
-    the memory of a reversible sequence independent of its depth.
+
+@contextlib.contextmanager
+def rng_scope(device: DeviceLike, active: bool = True) -> Iterator[Callable[[Optional[int]], None]]:
+    """Yield ``reseed(seed)``, which seeds the CPU generator and the device's generator with ``seed``; at exit, put
+    back the state they had on entry. Inactive (``active=False``) or given ``None``, ``reseed`` does nothing.
+
+    This is how a recomputation draws exactly the random numbers of the forward (dropout masks): both run each
+    layer under the same seed. Keeping one integer per layer, rather than a snapshot of the generator (5 kB for the
+    CPU's), keeps the memory of a reversible sequence independent of its depth; saving and restoring the caller's
+    state once per sequence rather than once per layer keeps the cost per layer to one ``manual_seed``.
     """
-    if seed is None:
-        yield
+    if not active:
+        yield lambda seed: None
         return
     dev = _as_device(device)
     saved = RngState.capture(dev)
-    torch.default_generator.manual_seed(seed)
-    if dev.type == "cuda":
-        torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()] \
-            .manual_seed(seed)
-    elif dev.type == "xla":
-        _xla().set_rng_state(seed, str(dev))
+
+    def reseed(seed: Optional[int]) -> None:
+        if seed is not None:
+            _reseed(dev, seed)
+
     try:
-        yield
+        yield reseed
     finally:
         saved.restore()
+
+
+@contextlib.contextmanager
+def seeded(device: DeviceLike, seed: Optional[int]) -> Iterator[None]:
+    """Run the body with the CPU and device generators seeded with ``seed`` (see :func:`rng_scope`), then put
+    back the state they had before. ``None`` runs the body on the current random state."""
+    with rng_scope(device, seed is not None) as reseed:
+        reseed(seed)
+        yield
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,6 +277,9 @@ class AutocastState:
         The weight-cast cache is off by default: casts made under ``no_grad`` in a forward would otherwise be cached
         without their autograd history and reused by the recomputation, and the parameters would get no gradient.
         """
+        if not (self.enabled or self.cpu_enabled or _autocast_of(self.device_type)[0] or _autocast_of("cpu")[0]):
+            yield  # off then and off now: nothing to enter (and no weight-cast cache to worry about)
+            return
         cache = self.cache_enabled if cache_enabled is None else cache_enabled
         with contextlib.ExitStack() as stack:
             if self.device_type != "cpu" and _autocast_supported(self.device_type):

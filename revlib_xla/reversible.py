@@ -203,6 +203,7 @@ class _Plan:
     layer_arg_slots: List[List[int]]
     params: List[nn.Parameter]
     layer_params: List[List[int]]
+    layer_norms: List[List[nn.Module]]
     seed: Optional[int]
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
@@ -266,14 +267,16 @@ def _shape_of(value) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
+def _tracks_running_stats(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
+
+
 class _BufferGuard:
     """Keeps normalization running statistics from being updated twice (once in the forward, once in the
     recomputation): snapshots them before the recomputation and puts them back after."""
 
-    def __init__(self, module: nn.Module):
-        self.buffers = [b for m in module.modules()
-                        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
-                        for b in m.buffers() if b is not None]
+    def __init__(self, norms: Sequence[nn.Module]):
+        self.buffers = [b for m in norms if m.training for b in m.buffers() if b is not None]
         self.saved: List[Tensor] = []
 
     def __enter__(self):
@@ -299,11 +302,11 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         device = x0.device
         ctx.plan = plan
         ctx.autocast = backend.AutocastState.capture(device)
-        with torch.no_grad(), ctx.autocast.replay():
+        with torch.no_grad(), ctx.autocast.replay(), backend.rng_scope(device, plan.seed is not None) as reseed:
             for i in range(len(plan.layers)):
                 args, kwargs = plan.args_for(i, arg_tensors)
-                with backend.seeded(device, plan.seed_of(i)):
-                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+                reseed(plan.seed_of(i))
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
         ctx.save_for_backward(x0, x1, *plan.params, *arg_tensors)
         return x0, x1
 
@@ -327,38 +330,69 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         param_grads: List[Optional[Tensor]] = [None] * n_params
         arg_grads: List[Optional[Tensor]] = [None] * len(arg_tensors)
 
-        for i in reversed(range(len(plan.layers))):
-            layer = plan.layers[i]
-            wrapper = layer.wrapped_module
-            own_params = [plan.params[k] for k in plan.layer_params[i]]
-            own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
-            backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
-            args, kwargs = plan.args_for(i, recompute_args)
-            with _BufferGuard(layer):  # normalization statistics are put back after the gradient is taken
-                with torch.enable_grad(), backend.seeded(y0.device, plan.seed_of(i)), ctx.autocast.replay():
-                    x1 = y0.detach().requires_grad_()
-                    fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
-                    with torch.no_grad():
-                        x0 = wrapper.uncouple(y1, _detach_all(fn_out))
-                        if plan.stream_dtype is not None:
-                            x0 = x0.to(plan.stream_dtype)
-                    x0_leaf = x0.detach().requires_grad_()
-                    out = wrapper.couple(x0_leaf, fn_out)
-                    if plan.stream_dtype is not None:
-                        out = out.to(plan.stream_dtype)
-                inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
-                grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
-            dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
-            dx1 = dy0 if grads[1] is None else dy0 + grads[1]
-            for k, g in zip(plan.layer_params[i], grads[2:2 + len(own_params)]):
-                if g is not None:
-                    param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
-            for k, g in zip(own_args, grads[2 + len(own_params):]):
-                if g is not None:
-                    arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
-            y0, y1, dy0, dy1 = x0, x1.detach(), dx0, dx1
-            del fn_out, out, grads, x0_leaf
+        rng = backend.rng_scope(y0.device, plan.seed is not None)
+        reseed = rng.__enter__()
+        try:
+            for i in reversed(range(len(plan.layers))):
+                y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
+                                                   needs_arg_grad, param_grads, arg_grads)
+        finally:
+            rng.__exit__(None, None, None)
         return (None, dy0, dy1, *param_grads, *arg_grads)
+
+
+def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, reseed,
+                    recompute_args: List[Tensor], needs_arg_grad: Sequence[bool],
+                    param_grads: List[Optional[Tensor]], arg_grads: List[Optional[Tensor]]):
+    """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input and the
+    gradient flowing into it; parameter and argument gradients are accumulated into the given lists."""
+    wrapper = plan.layers[i].wrapped_module
+    own_params = [plan.params[k] for k in plan.layer_params[i]]
+    own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
+    backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
+    args, kwargs = plan.args_for(i, recompute_args)
+    # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the block's output
+    # gets dy1 too, so the coupling need not be differentiated (one graph node and one stream-sized tensor less).
+    additive = wrapper.coupling_forward is additive_coupling_forward and plan.stream_dtype is None and \
+        plan.compute_dtype is None
+    with _BufferGuard(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
+        reseed(plan.seed_of(i))
+        with torch.enable_grad(), ctx.autocast.replay():
+            x1 = y0.detach().requires_grad_()
+            fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+            with torch.no_grad():
+                x0 = wrapper.uncouple(y1, _detach_all(fn_out))
+                if plan.stream_dtype is not None:
+                    x0 = x0.to(plan.stream_dtype)
+            if additive:
+                x0_leaf, out = None, first_tensor(fn_out)
+            else:
+                x0_leaf = x0.detach().requires_grad_()
+                out = wrapper.couple(x0_leaf, fn_out)
+                if plan.stream_dtype is not None:
+                    out = out.to(plan.stream_dtype)
+        inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
+        if additive:
+            grads = (dy1,) + _grad_or_none(out, inputs[1:], dy1)
+        else:
+            grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
+    del fn_out, out
+    dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
+    dx1 = dy0 if grads[1] is None else dy0 + grads[1]
+    for k, g in zip(plan.layer_params[i], grads[2:2 + len(own_params)]):
+        if g is not None:
+            param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+    for k, g in zip(own_args, grads[2 + len(own_params):]):
+        if g is not None:
+            arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
+    return x0, x1.detach(), dx0, dx1
+
+
+def _grad_or_none(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """``torch.autograd.grad`` that gives ``None`` for every input when ``out`` does not depend on any of them."""
+    if not out.requires_grad:
+        return (None,) * len(inputs)
+    return torch.autograd.grad(out, inputs, grad, allow_unused=True)
 
 
 def _detach_all(value):
@@ -509,23 +543,27 @@ class ReversibleSequential(nn.Sequential):
 
         params: List[nn.Parameter] = []
         index: Dict[int, int] = {}
-        layer_params = []
+        layer_params, layer_norms = [], []
         for layer in layers:
-            own = []
-            for p in layer.parameters():
-                if not p.requires_grad:
-                    continue
-                if id(p) not in index:
-                    index[id(p)] = len(params)
-                    params.append(p)
-                if index[id(p)] not in own:
-                    own.append(index[id(p)])
+            own, norms = [], []
+            for module in layer.modules():
+                if _tracks_running_stats(module):
+                    norms.append(module)
+                for p in module._parameters.values():
+                    if p is None or not p.requires_grad:
+                        continue
+                    if id(p) not in index:
+                        index[id(p)] = len(params)
+                        params.append(p)
+                    if index[id(p)] not in own:
+                        own.append(index[id(p)])
             layer_params.append(own)
+            layer_norms.append(norms)
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
+                     layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
                      compute_dtype)
         return plan, arg_tensors
 
@@ -541,9 +579,10 @@ class ReversibleSequential(nn.Sequential):
         x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
-            for i in range(len(plan.layers)):
-                a, k = plan.args_for(i, arg_tensors)
-                with backend.seeded(x0.device, plan.seed_of(i)):
+            with backend.rng_scope(x0.device, plan.seed is not None) as reseed:
+                for i in range(len(plan.layers)):
+                    a, k = plan.args_for(i, arg_tensors)
+                    reseed(plan.seed_of(i))
                     x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
         else:
             x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
