@@ -330,14 +330,10 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         param_grads: List[Optional[Tensor]] = [None] * n_params
         arg_grads: List[Optional[Tensor]] = [None] * len(arg_tensors)
 
-        rng = backend.rng_scope(y0.device, plan.seed is not None)
-        reseed = rng.__enter__()
-        try:
+        with backend.rng_scope(y0.device, plan.seed is not None) as reseed:
             for i in reversed(range(len(plan.layers))):
                 y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
                                                    needs_arg_grad, param_grads, arg_grads)
-        finally:
-            rng.__exit__(None, None, None)
         return (None, dy0, dy1, *param_grads, *arg_grads)
 
 
@@ -352,7 +348,8 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
     # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the block's output
-    # gets dy1 too, so the coupling need not be differentiated (one graph node and one stream-sized tensor less).
+    # (when it has the stream's shape, i.e. is not broadcast) gets dy1 too, so the coupling need not be
+    # differentiated: one graph node and one stream-sized tensor less per layer.
     additive = wrapper.coupling_forward is additive_coupling_forward and plan.stream_dtype is None and \
         plan.compute_dtype is None
     with _BufferGuard(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
@@ -364,6 +361,8 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
                 x0 = wrapper.uncouple(y1, _detach_all(fn_out))
                 if plan.stream_dtype is not None:
                     x0 = x0.to(plan.stream_dtype)
+            additive = additive and isinstance(first_tensor(fn_out), torch.Tensor) and \
+                first_tensor(fn_out).shape == y1.shape
             if additive:
                 x0_leaf, out = None, first_tensor(fn_out)
             else:

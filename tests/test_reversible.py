@@ -281,6 +281,25 @@ def test_weight_sharing_accumulates(device):
     assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[torch.float64])
 
 
+class BroadcastBlock(nn.Module):
+    """Returns a (features,) tensor that the additive coupling broadcasts over the batch."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return torch.tanh(self.scale) * x.mean()
+
+
+def test_block_output_broadcast_by_the_coupling(device):
+    torch.manual_seed(0)
+    rev, ref = build_pair([BroadcastBlock(4), linear_block(4), BroadcastBlock(4)], "additive", -1)
+    rev.to(device=device, dtype=torch.float64)
+    x = make_input("linear", 4, torch.float64).to(device).requires_grad_()
+    assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[torch.float64])
+
+
 def test_two_backward_passes_with_retain_graph(device):
     blocks = make_blocks("linear", 4, 3, 1)
     rev, _ = build_pair(blocks, "additive", -1)
