@@ -22,8 +22,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "seeded", "AutocastState", "optimization_barrier_", "sync",
-    "is_tracing_lazily", "checkpoint",
+    "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
+    "sync", "is_tracing_lazily", "checkpoint",
 ]
 
 
@@ -241,15 +241,6 @@ def rng_scope(device: DeviceLike, active: bool = True) -> Iterator[Callable[[Opt
         yield reseed
     finally:
         saved.restore()
-
-
-@contextlib.contextmanager
-def seeded(device: DeviceLike, seed: Optional[int]) -> Iterator[None]:
-    """Run the body with the CPU and device generators seeded with ``seed`` (see :func:`rng_scope`), then put
-    back the state they had before. ``None`` runs the body on the current random state."""
-    with rng_scope(device, seed is not None) as reseed:
-        reseed(seed)
-        yield
 
 
 @dataclasses.dataclass(frozen=True)

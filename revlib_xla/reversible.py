@@ -347,11 +347,6 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
-    # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the block's output
-    # (when it has the stream's shape, i.e. is not broadcast) gets dy1 too, so the coupling need not be
-    # differentiated: one graph node and one stream-sized tensor less per layer.
-    additive = wrapper.coupling_forward is additive_coupling_forward and plan.stream_dtype is None and \
-        plan.compute_dtype is None
     with _BufferGuard(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.autocast.replay():
@@ -361,7 +356,11 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
                 x0 = wrapper.uncouple(y1, _detach_all(fn_out))
                 if plan.stream_dtype is not None:
                     x0 = x0.to(plan.stream_dtype)
-            additive = additive and isinstance(first_tensor(fn_out), torch.Tensor) and \
+            # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the
+            # block's output (when it has the stream's shape, i.e. is not broadcast) gets dy1 too, so the coupling
+            # need not be differentiated: one graph node and one stream-sized tensor less per layer.
+            additive = wrapper.coupling_forward is additive_coupling_forward and plan.stream_dtype is None and \
+                plan.compute_dtype is None and isinstance(first_tensor(fn_out), torch.Tensor) and \
                 first_tensor(fn_out).shape == y1.shape
             if additive:
                 x0_leaf, out = None, first_tensor(fn_out)
@@ -651,19 +650,20 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
     x0, x1 = _to_streams(plan, x0, x1)
     tol = tolerance if tolerance is not None else _DEFAULT_TOL.get(x0.dtype, 1e-4)
     errors = []
-    for i in range(len(plan.layers)):
-        a, k = plan.args_for(i, arg_tensors)
-        with backend.seeded(x0.device, plan.seed_of(i)):
+    with backend.rng_scope(x0.device, plan.seed is not None) as reseed:
+        for i in range(len(plan.layers)):
+            a, k = plan.args_for(i, arg_tensors)
+            reseed(plan.seed_of(i))
             y1 = _forward_layer(plan, i, x0, x1, a, k)
-        with backend.seeded(x0.device, plan.seed_of(i)):
+            reseed(plan.seed_of(i))
             rebuilt = _inverse_layer(plan, i, x1, y1, a, k)
-        scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
-        err = float((rebuilt - x0).abs().max().cpu()) / scale
-        errors.append(err)
-        if not err <= tol:
-            raise ReversibleError(
-                f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
-                f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
-                f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
-        x0, x1 = x1, y1
+            scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
+            err = float((rebuilt - x0).abs().max().cpu()) / scale
+            errors.append(err)
+            if not err <= tol:
+                raise ReversibleError(
+                    f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
+                    f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
+                    f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
+            x0, x1 = x1, y1
     return InvertibilityReport(errors, tol)

@@ -21,11 +21,6 @@ from conftest import max_rel_err
 from jax_reference import from_torch, torch_names
 from revlib_xla import backend
 
-# torch's autograd engine sizes its per-device queues at the first backward() of the process: an XLA backward
-# after a CPU one fails (INTERNAL ASSERT in engine.cpp) unless the XLA runtime was initialized before it.
-if backend.xla_available():
-    backend.device_for("xla")
-
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
