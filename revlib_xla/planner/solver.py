@@ -182,28 +182,30 @@ class _Tables:
 
 
 def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noqa: E741
-    """Every way to run segment [i, l] with m slots, as (time, operations and sub-segments), in rotor's order of
-    preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
+    """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
+    in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
     ofw, obw, oxb, oft, obt = (a.lists[k] for k in ("ofw", "obw", "oxb", "oft", "obt"))
     if i == l:
         for c in range(a.k):
             need = max(cw[i + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
             if m >= need:
-                yield ofw[i][c] + obw[i][c], ([("op", Op("L", a.n))] if i == a.n else
-                                              [("op", Op("Fe", i, c)), ("op", Op("B", i, c))])
+                yield ofw[i][c] + obw[i][c], (lambda c=c: [("op", Op("L", a.n))] if i == a.n else
+                                          [("op", Op("Fe", i, c)), ("op", Op("B", i, c))])
         return
+    def forward(j: int) -> list:
+        return [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
+
     for j in range(i + 1, l + 1):
         if m >= cw[l + 1] + fmax[i][j]:
-            fwd = [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
             yield (prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
-                   fwd + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)])
+                   lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)])
     for c in range(a.k):
         need = max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
         if m >= need:
             sub = m - int(oxb[i][c])
             yield (ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
-                   [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))])
+                   lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))])
     if not free:
         return
     if a.lists["rev"][i]:
@@ -213,16 +215,15 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noq
                        cw[l + 1] + cw[i + 1] + a.lists["ftmp"][i])
             if m >= need:
                 yield (fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
-                       [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))])
+                       lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))])
     off = a.lists["off"][i]
     if math.isfinite(off):
         for j in range(i + 1, l + 1):
             if m >= cw[l + 1] + fmax[i][j]:
                 sub = m + int(cw[i]) - int(cw[j])
-                fwd = [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
                 yield (prefix[j] - prefix[i] + 2 * off + t.value(True, j, l, sub) + t.value(True, i, j - 1, m),
-                       fwd + [("op", Op("WM", i)), ("seg", True, j, l, sub), ("op", Op("RM", i)),
-                              ("seg", True, i, j - 1, m)])
+                       lambda j=j, sub=sub: forward(j) + [("op", Op("WM", i)), ("seg", True, j, l, sub),
+                                                          ("op", Op("RM", i)), ("seg", True, i, j - 1, m)])
 
 
 def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
@@ -238,11 +239,11 @@ def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
         target = t.value(free, i, l, m)
         # The table was computed in its own precision and order of additions: accept the first choice within it.
         slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
-        todo = next((steps for value, steps in _choices(t, a, free, i, l, m)
-                     if value <= target + slack * max(1.0, abs(target))), None)
-        if todo is None:
+        steps = next((steps for value, steps in _choices(t, a, free, i, l, m)
+                      if value <= target + slack * max(1.0, abs(target))), None)
+        if steps is None:
             raise AssertionError(f"planner: no choice reaches the table's value for [{i}, {l}] at {m} slots")
-        stack.extend(reversed(todo))
+        stack.extend(reversed(steps()))
     return ops
 
 
