@@ -19,6 +19,7 @@ forward phase stores the planned checkpoints and the backward phase recomputes t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -29,7 +30,8 @@ from torch import nn
 from . import backend
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
-from .planner.measure import StageMeasurement, differentiable, grad_leaves, measure_stage, tensor_bytes
+from .planner.measure import (StageMeasurement, differentiable, grad_leaves, measure_stage, stage_programs,
+                               tensor_bytes)
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "atomic", "flatten_sequential"]
@@ -129,7 +131,8 @@ class _Run:
             return fn(x)
 
     def _barrier(self, i: int, *extra: Any) -> None:
-        """Before a recomputation on XLA: stop the compiler from merging it with the forward."""
+        """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
+        starting it before the gradient it waits for exists."""
         tensors = [t for obj in (self.x.get(i), *extra) for t in backend.tensors_in(obj)]
         backend.optimization_barrier_(tensors)
 
@@ -291,7 +294,8 @@ class Checkpointable(nn.Module):
                  mem_slots: int = 500, verbosity: int = 0, preserve_rng_state: bool = True,
                  reversible: bool = True, offload_bandwidth: Optional[float] = None,
                  loss_tmp_memory_usage: int = 0,
-                 options: Optional[Dict[int, Sequence[Tuple[str, nn.Module]]]] = None) -> None:
+                 options: Optional[Dict[int, Sequence[Tuple[str, nn.Module]]]] = None,
+                 tpu_generation: Optional[str] = "v5e") -> None:
         super().__init__()
         self.model = model
         self.stages = flatten_sequential(model)
@@ -302,6 +306,7 @@ class Checkpointable(nn.Module):
         self.reversible = reversible
         self.offload_bandwidth = offload_bandwidth
         self.loss_tmp_memory_usage = loss_tmp_memory_usage
+        self.tpu_generation = tpu_generation
         self.stage_options = {int(k): list(v) for k, v in (options or {}).items()}
         for index in self.stage_options:
             if not 0 <= index < len(self.stages):
@@ -327,7 +332,12 @@ class Checkpointable(nn.Module):
         measured: List[StageMeasurement] = []
         options: List[List[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
+        lazy = any(backend.is_tracing_lazily(t) for t in backend.tensors_in(x))
+        programs: List[Tuple[str, str]] = []
         for i, stage in enumerate(self.stages):
+            if lazy and self.tpu_generation:
+                backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
+                programs.append(stage_programs(stage, x))
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             versions = [t._version for t in backend.tensors_in(x)]
             buffers = [(b, b.clone()) for b in stage.buffers()]  # measuring must not move running statistics
@@ -361,6 +371,8 @@ class Checkpointable(nn.Module):
             x = out
             progress.update()
         progress.close()
+        if programs:
+            measured = self._with_compiled_temporaries(measured, programs)
         self.measurements = measured
         n = len(measured)
         names = [f"{type(s).__name__}" for s in self.stages]
@@ -380,6 +392,24 @@ class Checkpointable(nn.Module):
         self._input_structure = _structure(sample_input)
         self.sequence = None
         return self.chain
+
+    def _with_compiled_temporaries(self, measured: List[StageMeasurement], programs: List[Tuple[str, str]]
+                                   ) -> List[StageMeasurement]:
+        """Transient memory of each stage from its programs compiled deviceless for ``tpu_generation``."""
+        from .memory import MissingDependencyError, tpu_memory_many
+
+        try:
+            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation)
+        except MissingDependencyError as exc:
+            warnings.warn(f"Checkpointable: {exc}; planning with temporaries taken as 0", stacklevel=3)
+            return measured
+        out = []
+        for k, m in enumerate(measured):
+            forward, step = compiled[2 * k], compiled[2 * k + 1]
+            fwd_tmp = max(0, forward.hbm_peak_bytes - forward.argument_bytes - forward.output_bytes)
+            step_tmp = max(0, step.hbm_peak_bytes - step.argument_bytes - step.output_bytes)
+            out.append(dataclasses.replace(m, fwd_tmp=fwd_tmp, bwd_tmp=max(0, step_tmp - m.cbw)))
+        return out
 
     def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
         """Solve for the fastest schedule within ``mem_limit`` (default: the one given at construction)."""

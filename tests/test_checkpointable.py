@@ -208,7 +208,9 @@ def test_xla_schedule_compiles_once_keeps_recomputation_and_matches_cpu():
         (checkpointed(x.to(device)) * weights.to(device)).sum().backward()
         if step == 0:
             text = backend.lazy_stablehlo([p.grad for p in on_xla.parameters()])
-            assert text.count("optimization_barrier") >= schedule.counts().get("Fe", 0) - 1
+            loss = next(k for k, op in enumerate(schedule.ops) if op.kind == "L")
+            recomputations = sum(op.kind in ("Fn", "CF", "Fe") for op in schedule.ops[loss:])
+            assert recomputations > 0 and text.count("optimization_barrier") >= recomputations
         backend.sync(device)
         compiles.append(metrics.metric_data("CompileTime")[0])
     assert compiles[1] == compiles[2]

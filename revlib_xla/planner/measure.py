@@ -111,6 +111,34 @@ def _total(snapshot, device: torch.device) -> int:
     return int(per_device.get("Total", 0))
 
 
+def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
+    """The StableHLO of a stage's forward without autograd (x_i -> x_{i+1}) and of its forward with autograd plus
+    backward (x_i, parameters -> input gradient, parameter gradients), for an XLA input that is device data.
+
+    Compiled deviceless for a TPU, their temporaries (peak minus arguments and outputs) are the stage's transient
+    memory as the TPU compiler plans it: layout copies of weights, unfused intermediates, what autograd saves.
+    """
+    from ..memory import stablehlo_of
+
+    with torch.no_grad():
+        forward = stablehlo_of(list(backend.tensors_in(stage(x))))
+    params = [p for p in stage.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        inp = grad_leaves(x)
+        outs = differentiable(stage(inp))
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        grads = [t.grad for t in backend.tensors_in(inp) if t.requires_grad and t.grad is not None]
+        grads += [p.grad for p in params if p.grad is not None]
+        step = stablehlo_of(grads) if grads else forward
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
+    return forward, step
+
+
 def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
                   ) -> Tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
