@@ -216,3 +216,42 @@ def test_xla_schedule_compiles_once_keeps_recomputation_and_matches_cpu():
     assert compiles[1] == compiles[2]
     for p, r in zip(on_xla.parameters(), reference):
         assert max_rel_err(p.grad, r) <= 1e-5
+
+
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16), ("resnet101", 33)])
+def test_model_zoo_is_sequential(name, blocks):
+    import revlib_xla.models as zoo
+
+    model = getattr(zoo, name)(num_classes=7, width=4)
+    stages = revlib.flatten_sequential(model)
+    assert len(stages) == blocks + 6  # conv, bn+relu, maxpool, blocks, pool, flatten, fc
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+
+
+def test_cuda_peak_within_budget():
+    """On a GPU: the allocator's peak (max_memory_allocated above what the step starts with) stays within the
+    budget + 5 %, and the gradients equal the plain model's."""
+    if not backend.cuda_available():
+        pytest.skip("no CUDA GPU on this machine")
+    device = backend.device_for("cuda")
+    model, x = small_gpt(depth=4)
+    model, x = model.to(device), x.to(device)
+    weights = torch.randn(model(x).shape, dtype=torch.float64, device=device)
+
+    def step(m, inp):
+        (m(inp) * weights).sum().backward()
+
+    reference = gradients(model, step, x)
+    checkpointed = revlib.Checkpointable(model, input=x)
+    for fraction in BUDGET_FRACTIONS:
+        budget = checkpointed.min_memory() + fraction * (checkpointed.no_checkpoint_memory() -
+                                                         checkpointed.min_memory())
+        checkpointed.compute_sequence(budget)
+        step(checkpointed, x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        for g, r in zip(gradients(model, step, x), reference):
+            assert max_rel_err(g, r) <= 1e-10
+        peak = torch.cuda.max_memory_allocated(device) - start
+        assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())
