@@ -8,6 +8,8 @@ from .coupling import (COUPLING, TENSOR_OR_LIST, CouplingPair, additive_coupling
 from .reversible import (DUAL_OR_QUAD_TENSOR, FUSED_OPTIMIZER, InvertibilityReport, MemoryModes, ReversibleError,
                          ReversibleModule, ReversibleModuleCache, ReversibleSequential, check_invertible,
                          offload_tensor)
+from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer
+from .offload import ParameterStreamer
 
 
 
@@ -17,5 +19,6 @@ __all__ = [
     "ReversibleSequential", "ReversibleModule", "ReversibleModuleCache", "MemoryModes", "ReversibleError",
     "additive_coupling_forward", "additive_coupling_inverse", "momentum_coupling", "affine_coupling",
     "CouplingPair", "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR",
-    "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER",
+    "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER", "fuse_optimizer", "FusedOptimizer", "FusedOptimizerError",
+    "ParameterStreamer",
 ]
