@@ -92,8 +92,12 @@ class FusedOptimizer:
         self._step_groups(owners)
 
     def step_accumulated(self, param: nn.Parameter) -> None:
-        """Step the optimizer of ``param``, whose gradient autograd has just accumulated into ``param.grad``."""
-        self._step_groups([self._of[id(param)]])
+        """Step the optimizer of ``param``, whose gradient autograd has just accumulated into ``param.grad``.
+
+        Autograd also runs the hook when a reversible sequence already stepped the parameter in its backward and
+        passed no gradient on; there is nothing to do then."""
+        if param.grad is not None:
+            self._step_groups([self._of[id(param)]])
 
     def _step_groups(self, owners: Sequence[int]) -> None:
         for gi in owners:
