@@ -24,6 +24,7 @@ __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
     "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host",
+    "cut_graph",
 ]
 
 
@@ -395,3 +396,16 @@ def to_host(tensor: torch.Tensor, host: DeviceLike) -> torch.Tensor:
     """Bring a device tensor (a gradient) to ``host``. Blocking: the result is complete when this returns (on xla
     this executes the pending graph up to ``tensor``)."""
     return tensor.to(_as_device(host))
+
+
+def cut_graph(device: DeviceLike) -> None:
+    """End the pending lazy graph here and run it (xla); a no-op on eager devices.
+
+    Used between layers when parameters are streamed to an XLA device: each layer then runs as its own graph, whose
+    structure is the same for every layer of the same shape (compiled once, reused), and the layer's uploaded
+    parameters are released once that graph has run instead of staying referenced by one graph over all layers.
+    """
+    if device_kind(device) == "xla":
+        import torch_xla
+
+        torch_xla.sync()

@@ -41,6 +41,7 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        backend.cut_graph(grad)  # xla: run what is pending once, rather than once more in every transfer's graph
         return grad.to(ctx.source), None
 
 

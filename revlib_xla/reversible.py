@@ -334,6 +334,7 @@ class _ReversibleSequenceFn(torch.autograd.Function):
                     continue
                 copies = off.streamer.fetch(i, prefetch=i + 1)
                 x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, off.mapping(i, copies))
+                backend.cut_graph(device)
                 off.write_back_buffers(i, copies)
                 del copies
                 off.streamer.release(i)
@@ -422,6 +423,8 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     del fn_out, out, tensors, own_params
     dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
     dx1 = dy0 if grads[1] is None else dy0 + grads[1]
+    if off is not None:
+        backend.cut_graph(dx0)  # xla: this layer's recomputation and gradients as one graph, run now
     for k, g in zip(plan.layer_params[i], grads[2:2 + len(plan.layer_params[i])]):
         if g is not None:
             if off is not None:
