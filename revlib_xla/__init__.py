@@ -10,6 +10,7 @@ from .reversible import (DUAL_OR_QUAD_TENSOR, FUSED_OPTIMIZER, InvertibilityRepo
                          offload_tensor)
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer
 from .offload import ParameterStreamer
+from .offload_model import OffloadModel, OffloadModelError
 
 
 
@@ -20,5 +21,5 @@ __all__ = [
     "additive_coupling_forward", "additive_coupling_inverse", "momentum_coupling", "affine_coupling",
     "CouplingPair", "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER", "fuse_optimizer", "FusedOptimizer", "FusedOptimizerError",
-    "ParameterStreamer",
+    "ParameterStreamer", "OffloadModel", "OffloadModelError",
 ]
