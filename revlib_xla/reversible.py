@@ -58,6 +58,12 @@ class ReversibleError(ValueError):
     """A reversible model was given input it cannot handle; the message names the layer and the problem."""
 
 
+def _not_yet(feature: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{feature} is not implemented yet in revlib_xla (it is delivered by the issue '{issue}'); "
+        f"leave it at its default for now")
+
+
 class ReversibleModuleCache:
     """Kept so RevLib code that builds one still runs. revlib_xla's reversible backward needs no cache: every
     memory mode that saves memory runs the sequence-level Function, whose peak does not grow with depth."""
