@@ -503,7 +503,7 @@ class ReversibleSequential(nn.Sequential):
                  coupling_forward: Optional[List[Optional[COUPLING]]] = None,
                  coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
                  memory_mode: MemoryModes = MemoryModes.autograd_function,
-                 target_device: str = "", fused_optimizer: FUSED_OPTIMIZER = None,
+                 target_device: Union[str, torch.device] = "", fused_optimizer: FUSED_OPTIMIZER = None,
                  stream_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
                  preserve_rng_state: bool = True, verify_inverse: bool = False):
         if not modules:

@@ -98,6 +98,33 @@ def test_fuse_optimizer_equals_unfused_bit_for_bit(device, opt, make):
     assert all(p.grad is not None for p in model.parameters())
 
 
+class Checkpointed(nn.Module):
+    """Each block under activation checkpointing (torch.utils.checkpoint, or torch_xla's on xla)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2 * WIDTH, 2 * WIDTH), nn.GELU())
+                                    for _ in range(DEPTH))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = backend.checkpoint(b, x)
+        return x
+
+
+def test_fuse_optimizer_composes_with_checkpointing():
+    factory = OPTIMIZERS["adamw"]
+    unfused = Checkpointed()
+    ref_losses, ref_weights = _train(unfused, torch.device("cpu"), factory(unfused.parameters()), 2 * WIDTH)
+    model = Checkpointed()
+    fused = revlib.fuse_optimizer(model, factory)
+    losses, weights = _train(model, torch.device("cpu"), None, 2 * WIDTH)
+    assert torch.equal(losses, ref_losses)
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+    assert fused.steps_taken == STEPS * 2 * DEPTH
+
+
 def test_only_one_layers_gradients_exist_when_a_layer_steps():
     """The fused step runs inside the backward, and the gradients of the layers stepped before are already gone."""
     seen = []
