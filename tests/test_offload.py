@@ -175,3 +175,25 @@ def test_offload_tensor_moves_forward_and_gradient(device):
 def test_target_device_is_an_option_of_the_sequence():
     with pytest.raises(revlib.ReversibleError, match="options of the ReversibleSequential"):
         revlib.ReversibleModule(Block(), target_device="cpu")
+
+
+def test_xla_design_per_layer_graphs_hold_less_hbm_than_host_annotations():
+    """Why target_device on XLA streams parameters into per-layer graphs instead of annotating them for host memory
+    inside one step graph (TPU v5e, deviceless compile): the annotated parameters are still HBM arguments of the
+    graph, while a per-layer graph holds one layer's. bench/offload_xla_design.py records the full-size numbers."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if not backend.xla_available() or importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs torch_xla and libtpu (pip install 'revlib_xla[xla,tpu-compile]')")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from offload_xla_design import measure
+
+    depth = 4
+    r = measure(width=128, depth=depth, batch=16)
+    whole, annotated, layer = r["whole step"], r["whole step + place_to_host"], r["one layer (target_device)"]
+    assert annotated["host_annotations"] > 0 and whole["host_annotations"] == layer["host_annotations"] == 0
+    assert annotated["host_bytes"] > 0 and annotated["argument_bytes"] == whole["argument_bytes"]
+    assert layer["argument_bytes"] < whole["argument_bytes"] / (depth - 1)
+    assert layer["hbm_peak_bytes"] < annotated["hbm_peak_bytes"] < whole["hbm_peak_bytes"]
