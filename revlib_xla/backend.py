@@ -376,10 +376,13 @@ class DeviceCopier:
                 t.record_stream(torch.cuda.current_stream(self.device))
         return Transfer(out, event)
 
-    def wait(self, transfer: Transfer) -> List[torch.Tensor]:
-        """The copied tensors, once the compute stream may read them."""
+    def wait(self, transfer: Transfer, host_too: bool = False) -> List[torch.Tensor]:
+        """The copied tensors, once the compute stream may read them. ``host_too``: also block the host until the
+        copy is done, so the host tensors it reads from may be changed (an optimizer step) right after."""
         if transfer.event is not None:
             torch.cuda.current_stream(self.device).wait_event(transfer.event)
+            if host_too:
+                transfer.event.synchronize()
             transfer.event = None
         return transfer.tensors
 

@@ -173,7 +173,8 @@ class ParameterStreamer:
             self._given[i] = [_storage_ref(t) for t in copies]
 
     def release_all(self) -> None:
+        """End of a pass: no copy may still read the host tensors once this returns (the optimizer may step them)."""
         for i in list(self._pending):
-            self._loaded[i] = self.copier.wait(self._pending.pop(i))
+            self._loaded[i] = self.copier.wait(self._pending.pop(i), host_too=True)
         for i in list(self._loaded):
             self.release(i)

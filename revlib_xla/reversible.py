@@ -758,8 +758,7 @@ class ReversibleSequential(nn.Sequential):
         reversible modes."""
         if plan.offload is None:
             return None
-        unit = plan.offload.streamer.units[i]
-        return [offload_tensor(t, self.target_device) for t in unit]
+        return [offload_tensor(t, self.target_device) for t in plan.offload.streamer.units[i]]
 
     def inverse(self, output: Union[Tensor, Tuple[Tensor, Tensor]], *args,
                 layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
@@ -778,14 +777,24 @@ class ReversibleSequential(nn.Sequential):
         y0, y1 = _to_streams(plan, y0, y1)
         for i in reversed(range(len(plan.layers))):
             a, k = plan.args_for(i, arg_tensors)
-            y0, y1 = _inverse_layer(plan, i, y0, y1, a, k), y0
+            y0, y1 = _inverse_layer(plan, i, y0, y1, a, k, _plain_copies(plan, i)), y0
         y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
 
 
-def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs) -> Tensor:
+def _plain_copies(plan: _Plan, i: int) -> Optional[Dict[str, Tensor]]:
+    """With ``target_device``: layer ``i``'s tensors copied to the device (no streaming), for the inverse and the
+    invertibility check."""
+    if plan.offload is None:
+        return None
+    device = plan.offload.streamer.device
+    return plan.offload.mapping(i, [offload_tensor(t, device) for t in plan.offload.streamer.units[i]])
+
+
+def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs,
+                   tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
     wrapper = plan.layers[i].wrapped_module
-    x0 = wrapper.uncouple(y1, wrapper.fn(_to_compute(y0, plan), args, kwargs))
+    x0 = wrapper.uncouple(y1, _call_block(plan, i, _to_compute(y0, plan), args, kwargs, tensors))
     if plan.stream_dtype is not None:
         x0 = x0.to(plan.stream_dtype)
     return x0
@@ -828,9 +837,10 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
         for i in range(len(plan.layers)):
             a, k = plan.args_for(i, arg_tensors)
             reseed(plan.seed_of(i))
-            y1 = _forward_layer(plan, i, x0, x1, a, k)
+            copies = _plain_copies(plan, i)
+            y1 = _forward_layer(plan, i, x0, x1, a, k, copies)
             reseed(plan.seed_of(i))
-            rebuilt = _inverse_layer(plan, i, x1, y1, a, k)
+            rebuilt = _inverse_layer(plan, i, x1, y1, a, k, copies)
             scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
             err = float((rebuilt - x0).abs().max().cpu()) / scale
             errors.append(err)

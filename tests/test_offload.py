@@ -197,3 +197,15 @@ def test_xla_design_per_layer_graphs_hold_less_hbm_than_host_annotations():
     assert annotated["host_bytes"] > 0 and annotated["argument_bytes"] == whole["argument_bytes"]
     assert layer["argument_bytes"] < whole["argument_bytes"] / (depth - 1)
     assert layer["hbm_peak_bytes"] < annotated["hbm_peak_bytes"] < whole["hbm_peak_bytes"]
+
+
+def test_inverse_and_invertibility_check_with_offload(device):
+    ref, off = _models(device, torch.float32)
+    off.eval()
+    x = torch.randn(3, 2 * WIDTH).to(device)
+    with torch.no_grad():
+        y = off(x)
+        assert max_rel_err(y, ref.eval()(x)) <= 1e-6
+        assert max_rel_err(off.inverse(y), x) <= 1e-5
+    report = revlib.check_invertible(off, x)
+    assert report.worst <= 1e-4
