@@ -9,6 +9,7 @@ the XLA device; on cuda (when lent) the GPU, whose allocator peak is checked too
   cuda; with dropout, a tensor argument that needs a gradient, and two forwards before one backward.
 * Residency: at no point are more than two layers' copies alive on the device (the streamer tracks the storages
   of every copy it gave out, so a copy kept alive elsewhere counts); the tracker's control shows it counts leaks.
+  On cuda the allocator's peak during a step stays within about two layers' parameters (and one layer's grads).
 * Normalization statistics are updated once, on the host buffers; the fused optimizer steps the host parameters
   (its state stays on the host) with the same losses, bit for bit, as an unfused run without offload.
 """
@@ -94,9 +95,6 @@ def test_at_most_two_layers_on_the_device(device):
     off(x).sum().backward()  # builds the streamer
     streamer = next(iter(off._streamers.values()))[1]
     streamer.reset_stats()
-    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     out = off(x)
     assert streamer.max_resident <= 2 and streamer.resident() == set()
     out.square().mean().backward()
@@ -104,11 +102,26 @@ def test_at_most_two_layers_on_the_device(device):
     assert streamer.max_resident == 2, "one layer in use and the next one prefetched"
     assert streamer.transfers == 2 * DEPTH  # each layer copied once for the forward, once for the recomputation
     assert streamer.resident() == set()
-    if device.type == "cuda":
-        layer_bytes = sum(p.numel() * p.element_size() for p in off[0].parameters())
-        stream_bytes = x.numel() * x.element_size()
-        # two persistent buffers of one layer each, plus activations that do not depend on the depth
-        assert torch.cuda.max_memory_allocated(device) - before <= 2 * layer_bytes + 64 * stream_bytes + (1 << 20)
+
+
+def test_cuda_allocator_peak_holds_about_two_layers(device):
+    if device.type != "cuda":
+        pytest.skip("the allocator peak is a cuda measurement; cpu and xla track the copies (test above)")
+    width, depth = 512, 8
+    torch.manual_seed(0)
+    model = revlib.ReversibleSequential(*[Block(width, p=0.0) for _ in range(depth)], target_device=device)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model[0].parameters())
+    x = torch.randn(2, 2 * width, device=device)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model(x).square().mean().backward()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    # two persistent buffers of one layer each, one layer's gradients before they go to the host, and activations
+    # of a batch of 2; all layers on the device would be depth * layer_bytes
+    assert peak <= 4 * layer_bytes, (peak, layer_bytes)
+    assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
 
 
 def test_residency_tracker_counts_copies_kept_alive_elsewhere():
