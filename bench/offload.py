@@ -154,7 +154,7 @@ def transfer_time(variant: Variant, repeats: int) -> float:
     """Seconds to copy every layer's tensors to the device once forward and once backward, as the streamer does."""
     model = variant.model
     model(variant.x).sum().backward()  # builds the streamer
-    streamer = next(iter(model._streamers.values()))[1]
+    streamer = model.streamer
     times = []
     for _ in range(repeats):
         backend.sync(variant.device)

@@ -23,8 +23,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host",
-    "cut_graph",
+    "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
+    "cut_graph", "host_placement_executes", "place_on_host", "place_on_device",
 ]
 
 
@@ -395,7 +395,7 @@ class DeviceCopier:
         return event
 
 
-def to_host(tensor: torch.Tensor, host: DeviceLike) -> torch.Tensor:
+def to_host_blocking(tensor: torch.Tensor, host: DeviceLike) -> torch.Tensor:
     """Bring a device tensor (a gradient) to ``host``. Blocking: the result is complete when this returns (on xla
     this executes the pending graph up to ``tensor``)."""
     return tensor.to(_as_device(host))
@@ -412,3 +412,33 @@ def cut_graph(device: DeviceLike) -> None:
         import torch_xla
 
         torch_xla.sync()
+
+
+def host_placement_executes() -> bool:
+    """Whether XLA graphs with host-memory placement annotations can run here: on TPU (and GPU) PJRT, not on PJRT
+    CPU, whose runtime has no handler for them (the graph compiles, and fails when executed)."""
+    if not xla_available():
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.device_type() not in (None, "CPU")
+
+
+def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+    """XLA: ``tensor`` annotated to live in pinned host memory inside the graph (``place_to_host``), e.g. an
+    activation saved for the backward. Other devices, and XLA where the annotation cannot execute (PJRT CPU), get
+    ``tensor`` unchanged unless ``annotate=True`` (to inspect the HLO or compile it for TPU without running it)."""
+    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+        return tensor
+    from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+    return place_to_host(tensor)
+
+
+def place_on_device(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+    """The counterpart of :func:`place_on_host` (``place_to_device``): bring an annotated tensor back to HBM."""
+    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+        return tensor
+    from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+    return place_to_device(tensor)

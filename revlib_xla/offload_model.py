@@ -103,7 +103,7 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         backend.cut_graph(grad)
-        return backend.to_host(grad, ctx.host_device), None
+        return backend.to_host_blocking(grad, ctx.host_device), None
 
 
 class _Boundary(torch.autograd.Function):
@@ -190,7 +190,8 @@ class _CheckpointedSlice(torch.autograd.Function):
             parts = [mb[j] for mb in act_grads]
             input_grads.append(None if any(p is None for p in parts) else
                                (parts[0] if len(parts) == 1 else torch.cat(parts, 0)))
-        host_grads = [None if g is None else backend.to_host(g, h.device) for g, h in zip(param_grads, host)]
+        host_grads = [None if g is None else backend.to_host_blocking(g, h.device)
+                      for g, h in zip(param_grads, host)]
         return (None, None, None, *input_grads, *host_grads)
 
 

@@ -434,7 +434,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     for k, g in zip(plan.layer_params[i], grads[2:2 + len(plan.layer_params[i])]):
         if g is not None:
             if off is not None:
-                g = backend.to_host(g, plan.params[k].device)
+                g = backend.to_host_blocking(g, plan.params[k].device)
             param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
     for k, g in zip(own_args, grads[2 + len(plan.layer_params[i]):]):
         if g is not None:
@@ -542,7 +542,7 @@ class ReversibleSequential(nn.Sequential):
         self.fused_optimizer_factory = fused_optimizer
         self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
         self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
-        self._streamers: Dict[Tuple[str, bool], ParameterStreamer] = {}
+        self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
 
     # -- streams --------------------------------------------------------------------------------------------------
     def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
@@ -676,17 +676,21 @@ class ReversibleSequential(nn.Sequential):
             param_pos.append(own_params)
             buffer_pos.append(own_buffers)
         key = tuple(id(t) for unit in units for t in unit)
-        cached = self._streamers.get(str(self.target_device))
-        if cached is None or cached[0] != key:
-            cached = (key, ParameterStreamer(units, self.target_device))
-            self._streamers = {str(self.target_device): cached}
+        if self._streamer is None or self._streamer[0] != key:
+            self._streamer = (key, ParameterStreamer(units, self.target_device))
         for i, layer in enumerate(plan.layers):
             missing = [k for k in plan.layer_params[i] if k not in param_pos[i]]
             if missing:
                 raise ReversibleError(
                     f"{plan.describe(i)}: target_device streams the block's own parameters, but this layer also "
                     f"uses a parameter outside its block (in its coupling); move it into the block")
-        return _LayerOffload(cached[1], names, param_pos, buffer_pos)
+        return _LayerOffload(self._streamer[1], names, param_pos, buffer_pos)
+
+    @property
+    def streamer(self) -> Optional[ParameterStreamer]:
+        """With ``target_device``: the :class:`ParameterStreamer` of the last call (its ``max_resident`` and
+        ``transfers`` say how many layers were on the device at once and how many were copied), else ``None``."""
+        return None if self._streamer is None else self._streamer[1]
 
     @property
     def fused_optimizer(self) -> Optional[FusedOptimizer]:

@@ -93,7 +93,7 @@ def test_at_most_two_layers_on_the_device(device):
     ref, off = _models(device, torch.float32)
     x = torch.randn(4, 2 * WIDTH).to(device)
     off(x).sum().backward()  # builds the streamer
-    streamer = next(iter(off._streamers.values()))[1]
+    streamer = off.streamer
     streamer.reset_stats()
     out = off(x)
     assert streamer.max_resident <= 2 and streamer.resident() == set()
@@ -222,3 +222,22 @@ def test_inverse_and_invertibility_check_with_offload(device):
         assert max_rel_err(off.inverse(y), x) <= 1e-5
     report = revlib.check_invertible(off, x)
     assert report.worst <= 1e-4
+
+
+def test_xla_host_placement_annotations_or_identity():
+    """backend.place_on_host/place_on_device: annotations in the graph where asked (HLO checked, never executed
+    here: PJRT CPU cannot run them), the tensor itself where they cannot execute (numerics unchanged)."""
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    dev = backend.device_for("xla")
+    x = torch.randn(4, 4).to(dev)
+    assert not backend.host_placement_executes()  # this test runs on PJRT CPU
+    same = backend.place_on_device(backend.place_on_host(x * 2))
+    assert torch.equal(to_host(same), to_host(x) * 2)
+    annotated = backend.place_on_device(backend.place_on_host(x * 3, annotate=True), annotate=True)
+    text = backend.lazy_stablehlo([annotated])
+    assert text.count("annotate_device_placement") == 2
+    assert "pinned_host" in text and '"device"' in text
+    del annotated  # dropped unexecuted
+    cpu = torch.ones(2)
+    assert backend.place_on_host(cpu, annotate=True) is cpu
