@@ -263,6 +263,16 @@ class OffloadModel(nn.Module):
         self._buffer_ids = {id(b) for b in self.model_slices.buffers()}
         self._streamer = ParameterStreamer(self._slice_tensors, self.device)
 
+    def __getstate__(self):
+        """Copies and pickles leave the streamer behind (device buffers, cuda streams); see ``__setstate__``."""
+        state = super().__getstate__()
+        state["_streamer"] = None
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._streamer = ParameterStreamer(self._slice_tensors, self.device)
+
     @property
     def streamer(self) -> ParameterStreamer:
         """The parameter streamer (its ``max_resident`` says how many slices were on the device at once)."""

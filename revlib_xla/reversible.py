@@ -686,6 +686,12 @@ class ReversibleSequential(nn.Sequential):
                     f"uses a parameter outside its block (in its coupling); move it into the block")
         return _LayerOffload(self._streamer[1], names, param_pos, buffer_pos)
 
+    def __getstate__(self):
+        """Copies and pickles leave the streamer behind (device buffers, cuda streams); it is rebuilt on use."""
+        state = super().__getstate__()
+        state["_streamer"] = None
+        return state
+
     @property
     def streamer(self) -> Optional[ParameterStreamer]:
         """With ``target_device``: the :class:`ParameterStreamer` of the last call (its ``max_resident`` and

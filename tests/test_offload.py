@@ -124,6 +124,20 @@ def test_cuda_allocator_peak_holds_about_two_layers(device):
     assert all(p.device.type == "cpu" and p.grad.device.type == "cpu" for p in model.parameters())
 
 
+def test_deepcopy_after_use_leaves_the_streamer_behind():
+    ref, off = _models(torch.device("cpu"), torch.float64)
+    x = torch.randn(3, 2 * WIDTH, dtype=torch.float64)
+    torch.manual_seed(1)  # the same dropout masks in both calls
+    off(x).sum().backward()
+    twin = copy.deepcopy(off)
+    assert off.streamer is not None and twin.streamer is None
+    twin.zero_grad()
+    torch.manual_seed(1)
+    twin(x).sum().backward()
+    assert twin.streamer.units[0][0] is twin[0].block.lin1.weight
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(off.parameters(), twin.parameters()))
+
+
 def test_residency_tracker_counts_copies_kept_alive_elsewhere():
     """The control: a caller that keeps the copies it was given makes them count as resident."""
     units = [[torch.randn(3)] for _ in range(4)]

@@ -191,6 +191,19 @@ def test_training_on_host_parameters_matches_plain_training():
         assert torch.equal(losses[0], losses[1])
 
 
+def test_deepcopy_gets_its_own_streamer():
+    model = OffloadModel(nn.Sequential(*_layers(0.0)).double(), "cpu", checkpoint_activation=True)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    model(x).sum().backward()
+    twin = copy.deepcopy(model)
+    assert twin.streamer is not model.streamer
+    assert all(a is b for a, b in zip(twin.streamer.units[0], twin._slice_tensors[0]))
+    assert {id(t) for u in twin.streamer.units for t in u}.isdisjoint({id(p) for p in model.parameters()})
+    twin.zero_grad()
+    twin(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), twin.parameters()))
+
+
 def test_bad_input_gives_clear_errors():
     class NotSequential(nn.Module):
         def forward(self, x):
