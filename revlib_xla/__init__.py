@@ -5,6 +5,8 @@ RevLib's defects fixed (see README). ``revlib_xla.utils`` must be imported expli
 """
 from .coupling import (COUPLING, TENSOR_OR_LIST, CouplingPair, additive_coupling_forward, additive_coupling_inverse,
                        affine_coupling, momentum_coupling)
+from . import planner
+from .checkpointable import Checkpointable, atomic, flatten_sequential
 from .reversible import (DUAL_OR_QUAD_TENSOR, FUSED_OPTIMIZER, InvertibilityReport, MemoryModes, ReversibleError,
                          ReversibleModule, ReversibleModuleCache, ReversibleSequential, check_invertible,
                          offload_tensor)
@@ -20,6 +22,7 @@ __all__ = [
     "ReversibleSequential", "ReversibleModule", "ReversibleModuleCache", "MemoryModes", "ReversibleError",
     "additive_coupling_forward", "additive_coupling_inverse", "momentum_coupling", "affine_coupling",
     "CouplingPair", "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR",
-    "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER", "fuse_optimizer", "FusedOptimizer", "FusedOptimizerError",
-    "ParameterStreamer", "OffloadModel", "OffloadModelError",
+    "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER", "Checkpointable", "atomic", "flatten_sequential", "planner",
+    "fuse_optimizer", "FusedOptimizer", "FusedOptimizerError", "ParameterStreamer", "OffloadModel",
+    "OffloadModelError",
 ]

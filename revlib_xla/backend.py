@@ -23,8 +23,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
-    "cut_graph", "host_placement_executes", "place_on_host", "place_on_device",
+    "sync", "is_tracing_lazily", "checkpoint", "to_host", "to_device", "pin_host_tensor_", "Transfer",
+    "DeviceCopier", "to_host_blocking", "cut_graph", "host_placement_executes", "place_on_host", "place_on_device",
 ]
 
 
@@ -302,6 +302,35 @@ def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from tensors_in(item)
+
+
+def to_host(obj: Any) -> Any:
+    """A host-memory copy of the tensors in ``obj`` (nested tuples/lists), for offloading a saved activation.
+
+    cuda: pinned memory, copied without blocking the host (the copy is ordered on the current stream).
+    xla: not yet (host memory-space annotations come with the offload issue); raises NotImplementedError.
+    """
+    if isinstance(obj, torch.Tensor):
+        kind = device_kind(obj)
+        if kind == "xla":
+            raise NotImplementedError("offloading an XLA tensor to host memory (place_to_host annotations) is not "
+                                      "implemented yet: plan without offload_bandwidth on XLA")
+        if kind == "cuda":
+            out = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
+            return out.copy_(obj, non_blocking=True)
+        return obj.clone()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_host(item) for item in obj)
+    return obj
+
+
+def to_device(obj: Any, device: DeviceLike) -> Any:
+    """The tensors in ``obj`` moved to ``device`` (non-blocking from pinned host memory)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(_as_device(device), non_blocking=True)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(item, device) for item in obj)
+    return obj
 
 
 def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:

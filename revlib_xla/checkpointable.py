@@ -1,0 +1,511 @@
+"""``Checkpointable``: run a sequential model with the fastest schedule that fits a memory budget.
+
+rotor's API (``Checkpointable(model, input=None, mem_limit=None, mem_slots=500, verbosity=0,
+preserve_rng_state=True)``, ``.measure()``, ``.compute_sequence()``, ``.get_expected_memory()``,
+``.get_expected_makespan()``), on cpu, cuda and xla, with the planner's extra options: stages that have an
+``inverse`` (e.g. :class:`revlib_xla.ReversibleModule`) may be run reversibly, and checkpoints may be offloaded to
+host memory when a bandwidth is given.
+
+**The budget** is rotor's: the bytes of activations, their gradients and temporaries of the chain, the model's
+input included; parameters, their gradients and optimizer state are not counted. Unlike rotor, it also counts the
+model's output and its gradient for the whole backward pass (the caller holds the one, autograd the other), so
+the measured peak stays within the budget. ``mem_limit=None`` means the
+fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
+
+In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
+forward phase stores the planned checkpoints and the backward phase recomputes the rest. In eval mode, or under
+``torch.no_grad()``, it is the plain model.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from . import backend
+from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
+from .planner.chain import StageOption
+from .planner.measure import (StageMeasurement, differentiable, grad_leaves, measure_stage, stage_programs,
+                               tensor_bytes)
+from .planner.schedule import Op
+
+__all__ = ["Checkpointable", "atomic", "flatten_sequential"]
+
+logger = logging.getLogger(__name__)
+
+
+def atomic(module: nn.Module) -> nn.Module:
+    """Mark an ``nn.Sequential`` as one stage (the planner will not split it). Returns the module."""
+    module._revlib_atomic = True
+    return module
+
+
+def _is_atomic(module: nn.Module) -> bool:
+    return getattr(module, "_revlib_atomic", False) or getattr(module, "not_really_sequential", False)
+
+
+def flatten_sequential(model: nn.Module) -> List[nn.Module]:
+    """The stages of ``model``: nested ``nn.Sequential`` containers are flattened (unless marked with
+    :func:`atomic`), and a module that starts with an in-place operation on its input (``ReLU(inplace=True)``)
+    is merged into the stage before it, so that no stage overwrites its own input, which may be a checkpoint."""
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(
+            f"Checkpointable needs an nn.Sequential, got {type(model).__name__}. Write the model as "
+            f"nn.Sequential(stage_0, stage_1, ...) where each stage takes the previous stage's output (a tensor or a "
+            f"tuple of tensors); revlib_xla.models has ResNets and a GPT written this way.")
+    flat: List[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, nn.Sequential) and not _is_atomic(module):
+            for child in module:
+                visit(child)
+        elif flat and getattr(module, "inplace", False):
+            flat[-1] = atomic(nn.Sequential(flat[-1], module))
+        else:
+            flat.append(module)
+
+    visit(model)
+    if not flat:
+        raise ValueError("Checkpointable: the model has no stages (an empty nn.Sequential)")
+    return flat
+
+
+def _signature(x: Any) -> Tuple:
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in backend.tensors_in(x))
+
+
+def _detached(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detached(item) for item in x)
+    return x
+
+
+def _input_grads(x: Any) -> Tuple[Optional[torch.Tensor], ...]:
+    """The gradients of a stage's input leaves, taken off the leaves: autograd's graph may keep a leaf alive (its
+    AccumulateGrad node) after the leaf is dropped, and the gradient must not live as long."""
+    grads = []
+    for t in backend.tensors_in(x):
+        grads.append(t.grad if t.requires_grad else None)
+        if t.requires_grad:
+            t.grad = None
+    return tuple(grads)
+
+
+class _Run:
+    """One execution of a schedule: the live tensors between its forward phase and its backward phase."""
+
+    def __init__(self, owner: "Checkpointable", schedule: Schedule, device: torch.device) -> None:
+        self.owner = owner
+        self.stages = owner.stages
+        self.schedule = schedule
+        self.loss_at = next(k for k, op in enumerate(schedule.ops) if op.kind == "L")
+        self.device = device
+        self.x: Dict[int, Any] = {}
+        self.xbar: Dict[int, Tuple[Any, Any]] = {}
+        self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
+        self.host: Dict[int, Any] = {}
+        self.held: set = set()
+        self.rng: Dict[int, backend.RngState] = {}
+        self.autocast = backend.AutocastState.capture(device)
+        self.preserve_rng = owner.preserve_rng_state
+
+    # -- running one stage, with the random numbers of its first run -------------------------------------------
+    def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False) -> Any:
+        stage = self.stages[i]
+        fn = stage.inverse if inverse else stage
+        if not recompute:
+            if self.preserve_rng and i not in self.rng:
+                self.rng[i] = backend.RngState.capture(self.device)
+            return fn(x)
+        with backend.rng_scope(self.device, active=self.preserve_rng and i in self.rng), self.autocast.replay(), \
+                _norm_stats_frozen(self.owner._norms[i]):
+            if self.preserve_rng and i in self.rng:
+                self.rng[i].restore()
+            return fn(x)
+
+    def _barrier(self, i: int, *extra: Any) -> None:
+        """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
+        starting it before the gradient it waits for exists."""
+        tensors = [t for obj in (self.x.get(i), *extra) for t in backend.tensors_in(obj)]
+        backend.optimization_barrier_(tensors)
+
+    def _free_input(self, i: int) -> None:
+        if i != 0 and i not in self.held:
+            self.x.pop(i, None)
+
+    def _input(self, i: int) -> Any:
+        if i in self.x:
+            return self.x[i]
+        return self.xbar[i][1]
+
+    def run(self, ops: Sequence[Op], backward: bool) -> None:
+        for op in ops:
+            i = op.index
+            if op.kind in ("Fn", "CF", "Fr"):
+                if backward:
+                    self._barrier(i, self.grad.get(self._pending_grad()))
+                with torch.no_grad():
+                    out = self._call(i, self._input(i), recompute=backward)
+                self.x[i + 1] = out
+                if op.kind == "Fr":
+                    self.held.add(i + 1)
+                    self.x.pop(i, None)
+                elif op.kind == "Fn" and i != 0 and i not in self.held:
+                    self.x.pop(i, None)
+            elif op.kind == "Fe":
+                if backward:
+                    self._barrier(i, self.grad.get(self._pending_grad()))
+                inp = grad_leaves(self._input(i))
+                with torch.enable_grad():
+                    out = self._call(i, inp, recompute=backward)
+                self.xbar[i + 1] = (inp, out)
+            elif op.kind == "B":
+                inp, out = self.xbar.pop(i + 1)
+                self._backward(out, self.grad.pop(i + 1))
+                self.grad[i] = _input_grads(inp)
+                del inp, out
+                self._free_input(i)
+            elif op.kind == "Br":
+                later = self.x.pop(i + 1)
+                self.held.discard(i + 1)
+                self._barrier(i + 1, self.grad.get(i + 1))
+                with torch.no_grad():
+                    rebuilt = self._call(i, later, recompute=True, inverse=True)
+                del later
+                inp = grad_leaves(rebuilt)
+                with torch.enable_grad():
+                    out = self._call(i, inp, recompute=True)
+                self._backward(out, self.grad.pop(i + 1))
+                self.grad[i] = _input_grads(inp)
+                del out
+                if i in self.held:
+                    self.x[i] = _detached(rebuilt)
+                del inp, rebuilt
+            elif op.kind == "WM":
+                self.host[i] = backend.to_host(self.x.pop(i))
+            elif op.kind == "RM":
+                self.x[i] = backend.to_device(self.host.pop(i), self.device)
+            elif op.kind == "L":
+                pass
+
+    def _pending_grad(self) -> int:
+        return min(self.grad) if self.grad else -1
+
+    @staticmethod
+    def _backward(out: Any, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
+        pairs = [(o, g) for o, g in zip(backend.tensors_in(out), grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+@contextlib.contextmanager
+def _norm_stats_frozen(norms: Sequence[nn.Module]) -> Iterator[None]:
+    """Recomputing a batch-norm stage must not update its running statistics a second time."""
+    if not norms:
+        yield
+        return
+    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, count in saved:
+            m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)
+
+
+class _Schedule(torch.autograd.Function):
+    """Forward phase of the schedule in ``forward``, backward phase in ``backward``; parameters receive their
+    gradients from the stage graphs built inside (``dummy`` makes the output require grad even when the input does
+    not)."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, dummy: torch.Tensor, *inputs: torch.Tensor):
+        structure = run.owner._input_structure
+        x0 = _rebuild(structure, list(inputs))
+        run.x[0] = x0
+        run.run(run.schedule.ops[:run.loss_at], backward=False)
+        out = run._input(len(run.stages))
+        ctx.run = run
+        run.out_structure = _structure(out)
+        flat = [t.detach() for t in backend.tensors_in(out)]
+        ctx.mark_non_differentiable(*[t for t in flat if not (t.is_floating_point() or t.is_complex())])
+        return tuple(flat)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        run: _Run = ctx.run
+        ctx.run = None
+        n = len(run.stages)
+        run.grad[n] = tuple(grads)
+        run.run(run.schedule.ops[run.loss_at + 1:], backward=True)
+        input_grads = run.grad.pop(0)
+        run.x.clear()
+        return (None, None) + tuple(input_grads)
+
+
+def _rebuild(structure: Any, flat: List[torch.Tensor]) -> Any:
+    if structure is torch.Tensor:
+        return flat.pop(0)
+    if isinstance(structure, tuple) and structure and structure[0] == "seq":
+        kind, items = structure[1], structure[2]
+        return kind(_rebuild(item, flat) for item in items)
+    return structure
+
+
+def _structure(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return torch.Tensor
+    if isinstance(x, (tuple, list)):
+        return ("seq", type(x), tuple(_structure(item) for item in x))
+    return x
+
+
+class Checkpointable(nn.Module):
+    """Run ``model`` (an ``nn.Sequential``) with the fastest schedule that fits ``mem_limit`` bytes.
+
+    Args:
+        model: the network, an ``nn.Sequential`` (nested ones are flattened; see :func:`atomic`).
+        input: a sample input; if given, the model is measured now, else at the first training forward.
+        mem_limit: the budget in bytes (rotor's meaning; see the module docstring).
+        mem_slots: resolution of the budget in the dynamic program (sizes are rounded up to mem_limit/mem_slots).
+        verbosity: 1 logs the plan, 2 also the measurements.
+        preserve_rng_state: recomputations draw the random numbers of the first run (dropout gives the plain
+            model's gradients).
+        reversible: let stages with an ``inverse`` method drop their input and rebuild it (``Fr``/``Br``).
+        offload_bandwidth: bytes/second between device and host memory; given, checkpoints may be offloaded.
+        loss_tmp_memory_usage: transient memory of the loss computed on the output (rotor's parameter).
+        options: per-stage alternatives for running with autograd, ``{stage index: [(name, module), ...]}``; each
+            module computes the same function as the stage and shares its parameters, e.g. with compressed saved
+            activations. The planner measures them and picks per stage.
+    """
+
+    def __init__(self, model: nn.Module, input: Any = None, mem_limit: Optional[float] = None,
+                 mem_slots: int = 500, verbosity: int = 0, preserve_rng_state: bool = True,
+                 reversible: bool = True, offload_bandwidth: Optional[float] = None,
+                 loss_tmp_memory_usage: int = 0,
+                 options: Optional[Dict[int, Sequence[Tuple[str, nn.Module]]]] = None,
+                 tpu_generation: Optional[str] = "v5e") -> None:
+        super().__init__()
+        self.model = model
+        self.stages = flatten_sequential(model)
+        self.mem_limit = mem_limit
+        self.mem_slots = mem_slots
+        self.verbosity = verbosity
+        self.preserve_rng_state = preserve_rng_state
+        self.reversible = reversible
+        self.offload_bandwidth = offload_bandwidth
+        self.loss_tmp_memory_usage = loss_tmp_memory_usage
+        self.tpu_generation = tpu_generation
+        self.stage_options = {int(k): list(v) for k, v in (options or {}).items()}
+        for index in self.stage_options:
+            if not 0 <= index < len(self.stages):
+                raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "
+                                 f"0..{len(self.stages) - 1}")
+        self._norms = [[m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                        and m.track_running_stats] for stage in self.stages]
+        self._option_modules = nn.ModuleList([m for opts in self.stage_options.values() for _, m in opts])
+        self.chain: Optional[Chain] = None
+        self.sequence: Optional[Schedule] = None
+        self.measurements: List[StageMeasurement] = []
+        self._signature: Optional[Tuple] = None
+        self._input_structure: Any = None
+        if input is not None:
+            self.measure(input)
+            self.compute_sequence()
+
+    # -- planning ----------------------------------------------------------------------------------------------
+    def measure(self, sample_input: Any) -> Chain:
+        """Measure every stage on ``sample_input`` (times on the device, sizes in bytes) and build the chain.
+        Invalidates the current schedule."""
+        x = _detached(sample_input)
+        measured: List[StageMeasurement] = []
+        options: List[List[StageOption]] = []
+        progress = _progress(len(self.stages), "measuring stages", self.verbosity)
+        lazy = any(backend.is_tracing_lazily(t) for t in backend.tensors_in(x))
+        programs: List[Tuple[str, str]] = []
+        for i, stage in enumerate(self.stages):
+            if lazy and self.tpu_generation:
+                backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
+                programs.append(stage_programs(stage, x))
+            rev = self.reversible and callable(getattr(stage, "inverse", None))
+            versions = [t._version for t in backend.tensors_in(x)]
+            buffers = [(b, b.clone()) for b in stage.buffers()]  # measuring must not move running statistics
+            try:
+                with torch.no_grad():
+                    stage(x)
+                if [t._version for t in backend.tensors_in(x)] != versions:
+                    raise ValueError(
+                        f"Checkpointable: stage {i} ({type(stage).__name__}) modifies its input in place; its "
+                        f"input may be a checkpoint. Make its first operation out of place, or wrap it with the "
+                        f"stage before it in revlib_xla.atomic(nn.Sequential(...))")
+                m, out = measure_stage(stage, x, reversible=rev)
+            except ValueError:
+                raise
+            except Exception as exc:
+                raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}") \
+                    from exc
+            finally:
+                with torch.no_grad():
+                    for buf, value in buffers:
+                        buf.copy_(value)
+            stage_opts = []
+            for name, module in self.stage_options.get(i, []):
+                alt, _ = measure_stage(module, x)
+                stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, tensor_bytes(out)), alt.fwd_tmp,
+                                              alt.bwd_tmp))
+            options.append(stage_opts)
+            measured.append(m)
+            if self.verbosity >= 2:
+                logger.info("stage %d %s: %s", i, type(stage).__name__, m)
+            x = out
+            progress.update()
+        progress.close()
+        if programs:
+            measured = self._with_compiled_temporaries(measured, programs)
+        self.measurements = measured
+        n = len(measured)
+        names = [f"{type(s).__name__}" for s in self.stages]
+        rev = [m.inverse_time is not None for m in measured]
+        self.chain = Chain(
+            fw=[m.fw for m in measured], bw=[m.bw for m in measured] + [0.0],
+            cw=[m.cw for m in measured] + [tensor_bytes(x)],
+            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else tensor_bytes(x)) for i, m in
+                       enumerate(measured)],
+            fwd_tmp=[m.fwd_tmp for m in measured], bwd_tmp=[m.bwd_tmp for m in measured] +
+            [self.loss_tmp_memory_usage],
+            reversible=rev, inverse_time=[m.inverse_time if m.inverse_time is not None else m.fw for m in measured],
+            options=options, names=names)
+        if self.offload_bandwidth:
+            self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
+        self._signature = _signature(sample_input)
+        self._input_structure = _structure(sample_input)
+        self.sequence = None
+        return self.chain
+
+    def _with_compiled_temporaries(self, measured: List[StageMeasurement], programs: List[Tuple[str, str]]
+                                   ) -> List[StageMeasurement]:
+        """Transient memory of each stage from its programs compiled deviceless for ``tpu_generation``."""
+        from .memory import MissingDependencyError, tpu_memory_many
+
+        try:
+            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation)
+        except MissingDependencyError as exc:
+            warnings.warn(f"Checkpointable: {exc}; planning with temporaries taken as 0", stacklevel=3)
+            return measured
+        out = []
+        for k, m in enumerate(measured):
+            forward, step = compiled[2 * k], compiled[2 * k + 1]
+            fwd_tmp = max(0, forward.hbm_peak_bytes - forward.argument_bytes - forward.output_bytes)
+            step_tmp = max(0, step.hbm_peak_bytes - step.argument_bytes - step.output_bytes)
+            out.append(dataclasses.replace(m, fwd_tmp=fwd_tmp, bwd_tmp=max(0, step_tmp - m.cbw)))
+        return out
+
+    def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
+        """Solve for the fastest schedule within ``mem_limit`` (default: the one given at construction)."""
+        if self.chain is None:
+            raise RuntimeError("Checkpointable.compute_sequence: call measure(sample_input) first (or pass input= "
+                               "to the constructor)")
+        limit = mem_limit if mem_limit is not None else self.mem_limit
+        if limit is None:
+            limit = self._default_limit()
+        held = self.held_during_backward()
+        if limit <= held:
+            raise InfeasibleBudget(f"Checkpointable: mem_limit {limit:.6g} does not even hold the model's output and "
+                                   f"its gradient ({held:.6g} bytes)", held + min_memory(self.chain))
+        try:
+            self.sequence = solve(self.chain, limit - held, mem_slots or self.mem_slots)
+        except InfeasibleBudget as exc:
+            raise InfeasibleBudget(f"Checkpointable: no schedule fits in {limit:.6g} bytes: the smallest budget for "
+                                   f"this model and input is {exc.minimum + held:.6g} bytes (including "
+                                   f"{held:.6g} for the output and its gradient); pass a larger mem_limit",
+                                   exc.minimum + held) from None
+        if self.verbosity >= 1:
+            logger.info("%s", self.sequence.describe())
+        return self.sequence
+
+    def held_during_backward(self) -> float:
+        """Bytes outside the chain's model that stay alive through the backward phase: the model's output (the
+        caller holds it) and its gradient (autograd holds it until the whole backward returns)."""
+        return 2 * self.chain.cw[-1]
+
+    def min_memory(self) -> float:
+        """The smallest mem_limit any schedule fits in (bytes)."""
+        return min_memory(self.chain) + self.held_during_backward()
+
+    def no_checkpoint_memory(self) -> float:
+        """The mem_limit at which nothing is recomputed (bytes)."""
+        return no_checkpoint_memory(self.chain) + self.held_during_backward()
+
+    def _default_limit(self) -> float:
+        plain = self.no_checkpoint_memory()
+        device = next((t.device for t in self.parameters()), torch.device("cpu"))
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return min(plain, 0.9 * free)
+        return plain
+
+    def get_expected_memory(self) -> float:
+        """Peak bytes the schedule needs (activations, their gradients, temporaries; the input, the output and its
+        gradient included)."""
+        return self._need_sequence().peak_memory + self.held_during_backward()
+
+    def get_expected_makespan(self) -> float:
+        """The schedule's total time (seconds, or FLOPs for a chain measured on XLA)."""
+        return self._need_sequence().makespan
+
+    def _need_sequence(self) -> Schedule:
+        if self.sequence is None:
+            raise RuntimeError("Checkpointable: no schedule yet; call measure() and compute_sequence() first")
+        return self.sequence
+
+    def display(self) -> str:
+        """A readable description of the schedule."""
+        return self._need_sequence().describe()
+
+    # -- running -----------------------------------------------------------------------------------------------
+    def forward(self, x: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return self.model(x)
+        if self._signature is not None and _signature(x) != self._signature:
+            warnings.warn(f"Checkpointable: input {_signature(x)} differs from the measured "
+                          f"{self._signature}; measuring and planning again", stacklevel=2)
+            self.chain = None
+        if self.chain is None:
+            self.measure(x)
+        if self.sequence is None:
+            self.compute_sequence()
+        tensors = list(backend.tensors_in(x))
+        device = tensors[0].device
+        run = _Run(self, self.sequence, device)
+        dummy = torch.empty(0, device=device, requires_grad=True)
+        flat = _Schedule.apply(run, dummy, *tensors)
+        return _rebuild(run.out_structure, list(flat))
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int, what: str, verbosity: int):
+    if verbosity < 1:
+        return _NoProgress()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, desc=what, unit="stage")

@@ -1,0 +1,156 @@
+"""The cost model of a sequential network: what the planner knows about each stage.
+
+Conventions are rotor's. A chain has ``L`` stages ``F_0 .. F_{L-1}`` followed by the loss stage (index ``L``).
+``x_i`` is the input of stage ``i`` (``x_L`` is the input of the loss) and ``x̄_{i+1}`` is everything stage ``i``
+keeps alive when it runs with autograd (its output included). Sizes are bytes (or any unit, consistently); times
+are seconds (or any unit).
+
+=========== ======== =========================================================================================
+field       entries  meaning
+=========== ======== =========================================================================================
+``fw``      L        forward time of stage i
+``bw``      L+1      backward time of stage i; ``bw[L]`` is the loss's backward
+``cw``      L+1      size of x_i; the gradient of x_i has the same size
+``cbw``     L+1      size of x̄_i (``cbw[0]`` is not used): what stays alive after stage i-1 ran with autograd
+``fwd_tmp`` L        transient memory of stage i's forward, above its output
+``bwd_tmp`` L+1      transient memory of stage i's backward, above its input gradient and x̄_{i+1}
+=========== ======== =========================================================================================
+
+Beyond rotor, a stage may offer more ways to run:
+
+* ``reversible[i]``: stage i can rebuild its input from its output (``inverse_time[i]`` is the price; by default
+  one forward), so its input need not be stored: the plan may run it forward, drop its input, and rebuild the
+  input in the backward (operations ``Fr`` and ``Br``).
+* ``offload_time[i]``: x_i may be kept in host memory while later stages run; each transfer (to the host and back)
+  costs that time (``None``: not allowed). :meth:`Chain.with_bandwidth` derives it from a bandwidth.
+* ``options[i]``: alternative ways to run stage i with autograd (few-bit or low-precision saved activations),
+  each with its own times and sizes; the plan picks per stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import List, Optional, Sequence, Tuple
+
+__all__ = ["Chain", "StageOption"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOption:
+    """Another way to run a stage with autograd: its forward and backward times, what it keeps alive (``cbw``: the
+    size of its x̄) and its transient memory."""
+
+    name: str
+    fw: float
+    bw: float
+    cbw: float
+    fwd_tmp: float = 0.0
+    bwd_tmp: float = 0.0
+
+
+def _floats(name: str, values: Sequence[float], length: int) -> Tuple[float, ...]:
+    values = tuple(values)
+    if len(values) != length:
+        raise ValueError(f"Chain: {name} needs {length} entries, got {len(values)}")
+    out = []
+    for index, value in enumerate(values):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise TypeError(f"Chain: {name}[{index}] is {value!r}, not a number") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"Chain: {name}[{index}] = {value} must be finite and >= 0")
+        out.append(value)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Chain:
+    """Per-stage costs of a chain of ``L`` stages plus the loss (see the module docstring for the fields)."""
+
+    fw: Tuple[float, ...]
+    bw: Tuple[float, ...]
+    cw: Tuple[float, ...]
+    cbw: Tuple[float, ...]
+    fwd_tmp: Tuple[float, ...]
+    bwd_tmp: Tuple[float, ...]
+    reversible: Tuple[bool, ...]
+    inverse_time: Tuple[float, ...]
+    offload_time: Tuple[Optional[float], ...]
+    options: Tuple[Tuple[StageOption, ...], ...]
+    names: Tuple[str, ...]
+
+    def __init__(self, fw: Sequence[float], bw: Sequence[float], cw: Sequence[float], cbw: Sequence[float],
+                 fwd_tmp: Sequence[float], bwd_tmp: Sequence[float], *,
+                 reversible: Optional[Sequence[bool]] = None, inverse_time: Optional[Sequence[float]] = None,
+                 offload_time: Optional[Sequence[Optional[float]]] = None,
+                 options: Optional[Sequence[Sequence[StageOption]]] = None,
+                 names: Optional[Sequence[str]] = None) -> None:
+        length = len(tuple(fw))
+        if length < 1:
+            raise ValueError("Chain: needs at least one stage (fw has no entries)")
+        fields = dict(fw=_floats("fw", fw, length), bw=_floats("bw", bw, length + 1),
+                      cw=_floats("cw", cw, length + 1), cbw=_floats("cbw", cbw, length + 1),
+                      fwd_tmp=_floats("fwd_tmp", fwd_tmp, length), bwd_tmp=_floats("bwd_tmp", bwd_tmp, length + 1))
+        rev = tuple(bool(r) for r in (reversible if reversible is not None else [False] * length))
+        if len(rev) != length:
+            raise ValueError(f"Chain: reversible needs {length} entries, got {len(rev)}")
+        inv = fields["fw"] if inverse_time is None else _floats("inverse_time", inverse_time, length)
+        off: List[Optional[float]] = [None] * length
+        if offload_time is not None:
+            offload_time = tuple(offload_time)
+            if len(offload_time) != length:
+                raise ValueError(f"Chain: offload_time needs {length} entries (one per stage input x_0..x_L-1), "
+                                 f"got {len(offload_time)}")
+            off = [None if t is None else _floats("offload_time", [t], 1)[0] for t in offload_time]
+        opts = tuple(tuple(o) for o in (options if options is not None else [()] * length))
+        if len(opts) != length:
+            raise ValueError(f"Chain: options needs {length} entries (a list per stage), got {len(opts)}")
+        for i, stage_opts in enumerate(opts):
+            for opt in stage_opts:
+                if not isinstance(opt, StageOption):
+                    raise TypeError(f"Chain: options[{i}] holds {type(opt).__name__}, not StageOption")
+                _floats(f"options[{i}] {opt.name!r}", [opt.fw, opt.bw, opt.cbw, opt.fwd_tmp, opt.bwd_tmp], 5)
+        stage_names = tuple(names) if names is not None else tuple(f"stage {i}" for i in range(length))
+        if len(stage_names) != length:
+            raise ValueError(f"Chain: names needs {length} entries, got {len(stage_names)}")
+        for key, value in fields.items():
+            object.__setattr__(self, key, value)
+        object.__setattr__(self, "reversible", rev)
+        object.__setattr__(self, "inverse_time", inv)
+        object.__setattr__(self, "offload_time", tuple(off))
+        object.__setattr__(self, "options", opts)
+        object.__setattr__(self, "names", stage_names)
+        for i in range(length):
+            if self.cbw[i + 1] < self.cw[i + 1]:
+                raise ValueError(f"Chain: cbw[{i + 1}] = {self.cbw[i + 1]} < cw[{i + 1}] = {self.cw[i + 1]}: what "
+                                 f"stage {i} keeps alive with autograd includes its output")
+
+    @property
+    def length(self) -> int:
+        """The number of stages, the loss not counted (rotor's L)."""
+        return len(self.fw)
+
+    def with_bandwidth(self, bytes_per_second: float, stages: Optional[Sequence[int]] = None) -> "Chain":
+        """The same chain where x_i of the given stages (default: all) may be offloaded to the host, each transfer
+        costing ``cw[i] / bytes_per_second``."""
+        if not bytes_per_second > 0:
+            raise ValueError(f"with_bandwidth: bytes_per_second must be > 0, got {bytes_per_second}")
+        chosen = set(range(self.length) if stages is None else stages)
+        off = [self.cw[i] / bytes_per_second if i in chosen else self.offload_time[i] for i in range(self.length)]
+        return self.replace(offload_time=off)
+
+    def replace(self, **changes) -> "Chain":
+        """A copy with some fields changed (same keywords as the constructor)."""
+        fields = dict(fw=self.fw, bw=self.bw, cw=self.cw, cbw=self.cbw, fwd_tmp=self.fwd_tmp, bwd_tmp=self.bwd_tmp,
+                      reversible=self.reversible, inverse_time=self.inverse_time, offload_time=self.offload_time,
+                      options=self.options, names=self.names)
+        fields.update(changes)
+        return Chain(**fields)
+
+    def stage_options(self, i: int) -> Tuple[StageOption, ...]:
+        """All ways to run stage ``i`` (0..L, the loss included) with autograd, the plain one first."""
+        if i == self.length:
+            return (StageOption("", 0.0, self.bw[i], 0.0, 0.0, self.bwd_tmp[i]),)
+        plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], self.fwd_tmp[i], self.bwd_tmp[i])
+        return (plain,) + self.options[i]

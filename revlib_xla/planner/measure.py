@@ -1,0 +1,231 @@
+"""Measuring a sequential model's stages: the numbers the planner's :class:`~revlib_xla.planner.Chain` needs.
+
+Sizes are bytes of tensor storages (each storage once): ``cw`` of a stage's input, ``cbw`` of what its forward
+with autograd leaves alive (saved tensors and output, what existed before not counted), and the transient peaks
+of its forward and backward, tracked by PyTorch's ``MemTracker`` (allocations and frees of tensor storages, on any
+eager device; parameter gradients are allocated beforehand so they are not counted). Times are medians of repeated
+runs on the device, synchronised.
+
+On XLA nothing runs eagerly: sizes come from shapes (the saved tensors are the same), temporaries are taken as 0
+(the compiler fuses them), and the time of a stage is its FLOP count (``torch.utils.flop_counter``), a time model
+that does not need the device.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .. import backend
+
+__all__ = ["StageMeasurement", "measure_stage", "tensor_bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMeasurement:
+    """What one stage costs: times (seconds, or FLOPs on XLA), sizes in bytes."""
+
+    fw: float
+    bw: float
+    cw: int
+    cbw: int
+    fwd_tmp: int
+    bwd_tmp: int
+    inverse_time: Optional[float]
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once; logical size on XLA."""
+    seen = set()
+    total = 0
+    for tensor in backend.tensors_in(obj):
+        if backend.is_tracing_lazily(tensor):
+            base = tensor._base if tensor._base is not None else tensor
+            key, size = id(base), base.numel() * base.element_size()
+        else:
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+        if key not in seen:
+            seen.add(key)
+            total += size
+    return total
+
+
+def _sync(sample: Any) -> None:
+    for tensor in backend.tensors_in(sample):
+        if tensor.device.type == "cuda":
+            torch.cuda.synchronize(tensor.device)
+        return
+
+
+def _median_time(fn: Callable[[], Any], sample: Any, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(sample)
+        start = time.perf_counter()
+        fn()
+        _sync(sample)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _flops(fn: Callable[[], Any]) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def grad_leaves(x: Any) -> Any:
+    """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd)."""
+    if isinstance(x, torch.Tensor):
+        leaf = x.detach()
+        if leaf.is_floating_point() or leaf.is_complex():
+            leaf.requires_grad_(True)
+        return leaf
+    if isinstance(x, (tuple, list)):
+        return type(x)(grad_leaves(item) for item in x)
+    return x
+
+
+def differentiable(x: Any) -> List[torch.Tensor]:
+    return [t for t in backend.tensors_in(x) if t.requires_grad]
+
+
+def _tracker():
+    from ..memory import _mem_tracker
+
+    MemTracker, _ = _mem_tracker()
+    return MemTracker()
+
+
+def _total(snapshot, device: torch.device) -> int:
+    per_device = snapshot.get(device)
+    if per_device is None:
+        per_device = next((v for k, v in snapshot.items() if k.type == device.type), {})
+    return int(per_device.get("Total", 0))
+
+
+def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
+    """The StableHLO of a stage's forward without autograd (x_i -> x_{i+1}) and of its forward with autograd plus
+    backward (x_i, parameters -> input gradient, parameter gradients), for an XLA input that is device data.
+
+    Compiled deviceless for a TPU, their temporaries (peak minus arguments and outputs) are the stage's transient
+    memory as the TPU compiler plans it: layout copies of weights, unfused intermediates, what autograd saves.
+    """
+    from ..memory import stablehlo_of
+
+    with torch.no_grad():
+        forward = stablehlo_of(list(backend.tensors_in(stage(x))))
+    params = [p for p in stage.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        inp = grad_leaves(x)
+        outs = differentiable(stage(inp))
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        grads = [t.grad for t in backend.tensors_in(inp) if t.requires_grad and t.grad is not None]
+        grads += [p.grad for p in params if p.grad is not None]
+        step = stablehlo_of(grads) if grads else forward
+    finally:
+        for p, g in zip(params, kept):
+            p.grad = g
+    return forward, step
+
+
+def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
+                  ) -> Tuple[StageMeasurement, Any]:
+    """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
+    autograd), the next stage's input."""
+    tensors = list(backend.tensors_in(x))
+    if not tensors:
+        raise TypeError(f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a "
+                        f"tuple of tensors")
+    device = tensors[0].device
+    lazy = backend.is_tracing_lazily(tensors[0])
+    cw = tensor_bytes(x)
+    with torch.no_grad():
+        out = stage(x)
+    params = [p for p in stage.parameters() if p.requires_grad]
+    if lazy:
+        fw = _flops(lambda: stage(grad_leaves(x)))
+        inp = grad_leaves(x)
+        from ..memory import SavedTensorCounter
+
+        with SavedTensorCounter(exclude=params + tensors) as counter:
+            y = stage(inp)
+        outs = differentiable(y)
+        cbw = counter.bytes + tensor_bytes(y)
+        bw = _flops(lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])) if outs else 0.0
+        for p in params:
+            p.grad = None
+        inverse_time = None
+        if reversible:
+            with torch.no_grad():
+                inverse_time = _flops(lambda: stage.inverse(out))
+        return StageMeasurement(fw, bw, cw, max(cbw, tensor_bytes(out)), 0, 0, inverse_time), out
+
+    with torch.no_grad():
+        fw = _median_time(lambda: stage(x), x, repeats)
+        # The transient memory of a forward without autograd (Fn, CF) differs from that of one with it (Fe):
+        # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both.
+        tracker = _tracker()
+        tracker.track_external(stage, *tensors)
+        with tracker:
+            start = _total(tracker.get_tracker_snapshot("current"), device)
+            nograd_out = stage(x)
+            nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start
+                             - tensor_bytes(nograd_out))
+        del nograd_out
+    inverse_time = None
+    if reversible:
+        with torch.no_grad():
+            inverse_time = _median_time(lambda: stage.inverse(out), x, repeats)
+    # Parameter gradients exist before measuring (as in a training step after the first), so accumulating into
+    # them is not counted; the caller's gradients are put back afterwards.
+    kept_grads = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        bw_times = []
+        fwd_tmp = bwd_tmp = cbw = 0
+        for _ in range(max(1, repeats)):
+            inp = grad_leaves(x)
+            saved: List[torch.Tensor] = []
+            tracker = _tracker()
+            tracker.track_external(stage, *backend.tensors_in(inp))
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), tracker:
+                start = _total(tracker.get_tracker_snapshot("current"), device)
+                y = stage(inp)
+                end = _total(tracker.get_tracker_snapshot("current"), device)
+                peak = _total(tracker.get_tracker_snapshot("peak"), device)
+            cbw = max(end - start, tensor_bytes(y))
+            fwd_tmp = max(0, peak - end, nograd_tmp)
+            outs = differentiable(y)
+            grads = [torch.ones_like(o) for o in outs]
+            tracker = _tracker()
+            # Known to the tracker, so that freeing them during the backward lowers its level.
+            tracker.track_external(stage, *saved, *backend.tensors_in(inp), *backend.tensors_in(y), *grads)
+            del saved
+            in_grad = tensor_bytes([t for t in backend.tensors_in(inp) if t.requires_grad])
+            with tracker:
+                start = _total(tracker.get_tracker_snapshot("current"), device)
+                _sync(x)
+                began = time.perf_counter()
+                if outs:
+                    torch.autograd.backward(outs, grads)
+                _sync(x)
+                bw_times.append(time.perf_counter() - began)
+                peak = _total(tracker.get_tracker_snapshot("peak"), device)
+            bwd_tmp = max(0, peak - start - in_grad)
+            del y, outs, grads, inp
+    finally:
+        for p, g in zip(params, kept_grads):
+            p.grad = g
+    return StageMeasurement(fw, statistics.median(bw_times), cw, cbw, fwd_tmp, bwd_tmp, inverse_time), out

@@ -1,0 +1,340 @@
+"""The optimal persistent schedule of a chain under a memory budget (rotor's dynamic program, extended).
+
+``Opt[m][i][l]`` is the least time to run the forward and backward of stages ``i..l`` (``l = L`` includes the
+loss) with ``m`` memory slots free, x_i held outside them and the gradient of x_{l+1} inside them. A persistent
+schedule for ``[i, l]`` is one of:
+
+* base (``i == l``): ``Fe_i B_i`` (or the loss ``L``);
+* chain: ``Fe_i``, then ``[i+1, l]`` with ``m - |x̄_{i+1}|``, then ``B_i``;
+* leaf at ``j`` (``i < j <= l``): ``CF_i Fn_{i+1} .. Fn_{j-1}``, then ``[j, l]`` with ``m - |x_j|``, then
+  ``[i, j-1]`` with ``m``;
+* reversible (stage i reversible): ``Fr_i``, then ``[i+1, l]`` with ``m + |x_i| - |x_{i+1}|``, then ``Br_i``;
+* offloaded leaf at ``j``: the leaf, with x_i written to host memory while ``[j, l]`` runs (``WM_i``/``RM_i``),
+  which gives ``[j, l]`` the ``|x_i|`` slots as well.
+
+Dropping or offloading x_i frees memory only when x_i is a tensor of its own: not when it is part of x̄_i (the
+chain case) or the caller's input x_0. So the program keeps two tables, for inputs that can and cannot be freed.
+
+Every candidate is evaluated for all ``i`` of one segment length and all ``m`` at once (tensor operations over
+``[i, j, m]``), so 100 stages and 500 slots take about a second. Ties go to the leaf, then the chain, as in rotor.
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+
+from .chain import Chain
+from .schedule import Op, Schedule, simulate
+
+__all__ = ["solve", "min_memory", "no_checkpoint_memory", "InfeasibleBudget"]
+
+_INF = math.inf
+
+
+class InfeasibleBudget(ValueError):
+    """No schedule fits in the budget. ``minimum`` is the smallest budget any schedule fits in (chain units)."""
+
+    def __init__(self, message: str, minimum: float) -> None:
+        super().__init__(message)
+        self.minimum = minimum
+
+
+class _Arrays:
+    """The chain as padded tensors: stage i in 0..L (the loss is stage L), x_i for i in 0..L+1."""
+
+    def __init__(self, chain: Chain, unit: float, rounding) -> None:
+        n = chain.length
+        self.n = n
+        size = lambda v: rounding(v / unit)  # noqa: E731
+        self.cw = torch.tensor([size(v) for v in chain.cw] + [0], dtype=torch.float64)
+        self.fw = torch.tensor(list(chain.fw) + [0.0], dtype=torch.float64)
+        self.ftmp = torch.tensor([size(v) for v in chain.fwd_tmp] + [0], dtype=torch.float64)
+        self.rev = torch.tensor(list(chain.reversible) + [False])
+        self.inv = torch.tensor(list(chain.inverse_time) + [0.0], dtype=torch.float64)
+        self.off = torch.tensor([_INF if t is None else t for t in chain.offload_time] + [_INF], dtype=torch.float64)
+        opts = [chain.stage_options(i) for i in range(n + 1)]
+        k = max(len(o) for o in opts)
+        self.k = k
+
+        def table(get, pad):
+            return torch.tensor([[get(o[c]) if c < len(o) else pad for c in range(k)] for o in opts],
+                                dtype=torch.float64)
+
+        self.ofw = table(lambda o: o.fw, _INF)  # an absent option costs infinite time
+        self.obw = table(lambda o: o.bw, 0.0)
+        self.oxb = table(lambda o: size(o.cbw), 0.0)
+        self.oft = table(lambda o: size(o.fwd_tmp), 0.0)
+        self.obt = table(lambda o: size(o.bwd_tmp), 0.0)
+        self.prefix = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(self.fw, 0)])
+        # fmax[i, j]: memory of CF_i Fn_{i+1} .. Fn_{j-1} above x_i (j in i+1..n).
+        cw = self.cw.tolist()
+        ftmp = self.ftmp.tolist() + [0.0]
+        fmax = [[_INF] * (n + 2) for _ in range(n + 1)]
+        for i in range(n + 1):
+            running = cw[i + 1] + ftmp[i]  # CF_i: x_i is outside the budget
+            for j in range(i + 1, n + 2):
+                if j - 1 > i:
+                    running = max(running, cw[j - 1] + cw[j] + ftmp[j - 1])  # Fn_{j-1}: x_{j-1}, x_j, temporaries
+                fmax[i][j] = running
+        fmax = torch.tensor(fmax, dtype=torch.float64)
+        self.fmax = fmax
+        self.fmax_list = fmax.tolist()
+        self.lists = {name: getattr(self, name).tolist() for name in
+                      ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")}
+
+
+def _shifted(values: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Tensor:
+    """``values[..., m - shift]`` for every m (infinite where the index leaves 0..slots); ``shift`` broadcasts
+    against ``values[..., 0]``."""
+    m = torch.arange(slots + 1, dtype=shift.dtype)
+    idx = m - shift.unsqueeze(-1)
+    # torch.broadcast_shapes would import sympy (seconds) on first use.
+    shape = tuple(max(p, q) for p, q in zip((1,) * (idx.dim() - values.dim()) + tuple(values.shape),
+                                            (1,) * (values.dim() - idx.dim()) + tuple(idx.shape)))
+    out = torch.gather(values.expand(shape), -1, idx.clamp(0, slots).long().expand(shape))
+    return out.masked_fill_(((idx < 0) | (idx > slots)).expand(shape), _INF)
+
+
+class _Tables:
+    """Opt for inputs that can be freed (``free``) and that cannot (``kept``), indexed ``[l - i, i, m]``.
+
+    Only values are stored; :func:`_rebuild` finds the choices again for the few states a schedule visits. Besides
+    ``free``, two copies make every operand of the leaf candidate a strided view with no copy: ``free`` shifted by
+    |x_i| along m (the later segment, x_j held) and ``free`` with the length axis reversed (the earlier segment).
+    """
+
+    def __init__(self, a: _Arrays, slots: int, dtype: torch.dtype) -> None:
+        n, s = a.n, slots
+        shape = (n + 1, n + 1, s + 1)
+        self.extended = extended = bool(a.rev.any()) or bool(torch.isfinite(a.off).any())
+        self.free = torch.full(shape, _INF, dtype=dtype)
+        self.kept = torch.full(shape, _INF, dtype=dtype) if extended else self.free
+        shifted = torch.full(shape, _INF, dtype=dtype)  # [len, i, m] = free[len, i, m - |x_i|]
+        rfree = torch.full(shape, _INF, dtype=dtype)  # [n - len, i, m] = free[len, i, m]
+        rkept = torch.full(shape, _INF, dtype=dtype) if extended else rfree
+        m = torch.arange(s + 1, dtype=dtype)
+        cw = a.cw.to(dtype)
+        row = s + 1
+
+        def store(d: int, best_free: torch.Tensor, best_kept: torch.Tensor) -> None:
+            count = best_free.shape[0]
+            self.free[d, :count] = best_free
+            shifted[d, :count] = _shifted(best_free, cw[:count], s)
+            rfree[n - d, :count] = best_free
+            if extended:
+                self.kept[d, :count] = best_kept
+                rkept[n - d, :count] = best_kept
+
+        # Base: Fe_i B_i (the loss for i = L).
+        i = torch.arange(n + 1)
+        need = torch.maximum(a.cw[i + 1, None] + a.oxb + a.oft, a.cw[i, None] + a.cw[i + 1, None] + a.oxb + a.obt)
+        vals = (a.ofw + a.obw).to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
+        best = vals.masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
+        store(0, best, best)
+
+        for d in range(1, n + 1):
+            count = n + 1 - d
+            i = torch.arange(count)
+            l = i + d  # noqa: E741
+            j = i[:, None] + d - torch.arange(d)[None, :]  # j runs from l down to i + 1
+            # Leaf at j: CF_i Fn.. then [j, l] with m - |x_j|, then [i, j-1] with m.
+            later = shifted.as_strided((count, d, row), (row, n * row, 1), d * row)
+            earlier = (n - d + 1) * (n + 1) * row
+            fwd = (a.prefix[j] - a.prefix[i, None]).to(dtype).unsqueeze(-1)
+            unfit = m < (a.cw[l + 1, None] + a.fmax[i[:, None], j]).to(dtype).unsqueeze(-1)
+            base = (later + fwd).masked_fill_(unfit, _INF)
+            best_free = (base + rfree.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
+            # Chain: Fe_i (option c), [i+1, l] with m - |x̄_{i+1}|, B_i.
+            after = _shifted(self.kept[d - 1, 1:count + 1].unsqueeze(1), a.oxb[i].to(dtype), s)
+            need = torch.maximum(a.cw[l + 1, None] + a.oxb[i] + a.oft[i],
+                                 a.cw[i, None] + a.cw[i + 1, None] + a.oxb[i] + a.obt[i])
+            chain_vals = after + (a.ofw[i] + a.obw[i]).to(dtype).unsqueeze(-1)
+            chain_best = chain_vals.masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
+            best_free = torch.minimum(best_free, chain_best)
+            best_kept = best_free
+            if extended:
+                leaf_kept = (base + rkept.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
+                best_kept = torch.minimum(leaf_kept, chain_best)
+                # Reversible: Fr_i, [i+1, l] with m + |x_i| - |x_{i+1}|, Br_i (option c).
+                sub = _shifted(self.free[d - 1, 1:count + 1], (a.cw[i + 1] - a.cw[i]).to(dtype), s).unsqueeze(1)
+                need = torch.maximum(2 * a.cw[i + 1, None] + a.oxb[i] + a.oft[i],
+                                     2 * a.cw[i + 1, None] + a.cw[i, None] + a.oxb[i] + a.obt[i])
+                need = torch.maximum(need, (a.cw[l + 1] + a.cw[i + 1] + a.ftmp[i])[:, None])
+                cost = ((a.fw[i] + a.inv[i])[:, None] + a.ofw[i] + a.obw[i]).to(dtype)
+                cost = torch.where(a.rev[i, None], cost, torch.full_like(cost, _INF))
+                rev_vals = (sub + cost.unsqueeze(-1)).masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF)
+                best_free = torch.minimum(best_free, rev_vals.amin(dim=1))
+                # Offloaded leaf: as the leaf, and [j, l] also gets x_i's slots; two transfers of x_i.
+                off = a.off[i]
+                if bool(torch.isfinite(off).any()):
+                    moved = _shifted(later, -cw[i, None], s)  # later[..., m + |x_i|]
+                    moved = (moved + fwd + (2 * off).to(dtype)[:, None, None]).masked_fill_(unfit, _INF)
+                    moved += rfree.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)
+                    best_free = torch.minimum(best_free, moved.amin(dim=1))
+            store(d, best_free, best_kept)
+
+    def value(self, free: bool, i: int, l: int, m: int) -> float:  # noqa: E741
+        if m < 0 or m >= self.free.shape[-1]:
+            return _INF
+        return float((self.free if free else self.kept)[l - i, i, m])
+
+
+def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noqa: E741
+    """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
+    in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
+    cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
+    ofw, obw, oxb, oft, obt = (a.lists[k] for k in ("ofw", "obw", "oxb", "oft", "obt"))
+    if i == l:
+        for c in range(a.k):
+            need = max(cw[i + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
+            if m >= need:
+                yield ofw[i][c] + obw[i][c], (lambda c=c: [("op", Op("L", a.n))] if i == a.n else
+                                          [("op", Op("Fe", i, c)), ("op", Op("B", i, c))])
+        return
+    def forward(j: int) -> list:
+        return [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
+
+    for j in range(i + 1, l + 1):
+        if m >= cw[l + 1] + fmax[i][j]:
+            yield (prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
+                   lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)])
+    for c in range(a.k):
+        need = max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
+        if m >= need:
+            sub = m - int(oxb[i][c])
+            yield (ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
+                   lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))])
+    if not free:
+        return
+    if a.lists["rev"][i]:
+        sub = m + int(cw[i]) - int(cw[i + 1])
+        for c in range(a.k):
+            need = max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c],
+                       cw[l + 1] + cw[i + 1] + a.lists["ftmp"][i])
+            if m >= need:
+                yield (fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
+                       lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))])
+    off = a.lists["off"][i]
+    if math.isfinite(off):
+        for j in range(i + 1, l + 1):
+            if m >= cw[l + 1] + fmax[i][j]:
+                sub = m + int(cw[i]) - int(cw[j])
+                yield (prefix[j] - prefix[i] + 2 * off + t.value(True, j, l, sub) + t.value(True, i, j - 1, m),
+                       lambda j=j, sub=sub: forward(j) + [("op", Op("WM", i)), ("seg", True, j, l, sub),
+                                                          ("op", Op("RM", i)), ("seg", True, i, j - 1, m)])
+
+
+def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
+    ops: List[Op] = []
+    # An explicit stack instead of recursion: deep chains would exceed Python's recursion limit.
+    stack: List[Tuple] = [("seg", False, 0, a.n, top)]
+    while stack:
+        item = stack.pop()
+        if item[0] == "op":
+            ops.append(item[1])
+            continue
+        _, free, i, l, m = item
+        target = t.value(free, i, l, m)
+        # The table was computed in its own precision and order of additions: accept the first choice within it.
+        slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
+        steps = next((steps for value, steps in _choices(t, a, free, i, l, m)
+                      if value <= target + slack * max(1.0, abs(target))), None)
+        if steps is None:
+            raise AssertionError(f"planner: no choice reaches the table's value for [{i}, {l}] at {m} slots")
+        stack.extend(reversed(steps()))
+    return ops
+
+
+def _min_budget(chain: Chain) -> float:
+    """The smallest budget (chain units, x_0 included) that some persistent schedule fits in.
+
+    Feasibility is monotone in the budget, so the DP over slots becomes a DP over the least budget per segment
+    (max of what the operations need and what the sub-segments need, shifted by what stays held meanwhile).
+    """
+    a = _Arrays(chain, 1.0, float)
+    n = a.n
+    cw, fmax, rev, off, ftmp = a.lists["cw"], a.fmax_list, a.lists["rev"], a.lists["off"], a.lists["ftmp"]
+    opts = [[c for c in range(a.k) if math.isfinite(a.lists["ofw"][i][c])] for i in range(n + 1)]
+    oxb, oft, obt = a.lists["oxb"], a.lists["oft"], a.lists["obt"]
+    free = [[_INF] * (n + 1) for _ in range(n + 1)]
+    kept = [[_INF] * (n + 1) for _ in range(n + 1)]
+    for i in range(n + 1):
+        free[i][i] = kept[i][i] = min(max(cw[i + 1] + oxb[i][c] + oft[i][c],
+                                          cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c]) for c in opts[i])
+    for d in range(1, n + 1):
+        for i in range(0, n + 1 - d):
+            l = i + d  # noqa: E741
+            chain_need = min(max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c],
+                                 kept[i + 1][l] + oxb[i][c]) for c in opts[i])
+            leaf_free = leaf_kept = _INF
+            for j in range(i + 1, l + 1):
+                head = max(cw[l + 1] + fmax[i][j], free[j][l] + cw[j])
+                leaf_free = min(leaf_free, max(head, free[i][j - 1]))
+                leaf_kept = min(leaf_kept, max(head, kept[i][j - 1]))
+                if math.isfinite(off[i]):
+                    leaf_free = min(leaf_free, max(cw[l + 1] + fmax[i][j], free[j][l] + cw[j] - cw[i],
+                                                   free[i][j - 1], 0.0))
+            best_free = min(chain_need, leaf_free)
+            if rev[i]:
+                need = min(max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c])
+                           for c in opts[i])
+                best_free = min(best_free, max(need, cw[l + 1] + cw[i + 1] + ftmp[i],
+                                               free[i + 1][l] + cw[i + 1] - cw[i], 0.0))
+            free[i][l] = best_free
+            kept[i][l] = min(chain_need, leaf_kept)
+    return max(kept[0][n], 0.0) + chain.cw[0]
+
+
+def min_memory(chain: Chain) -> float:
+    """The smallest budget (in the chain's size unit, the input x_0 included) that any schedule fits in."""
+    return _min_budget(chain)
+
+
+def no_checkpoint_memory(chain: Chain) -> float:
+    """The peak of the plain schedule (every stage keeps what autograd saves): the budget at which nothing needs
+    recomputing."""
+    n = chain.length
+    ops = [Op("Fe", i) for i in range(n)] + [Op("L", n)] + [Op("B", i) for i in reversed(range(n))]
+    return simulate(chain, ops)[1]
+
+
+def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dtype = torch.float64) -> Schedule:
+    """The fastest persistent schedule of ``chain`` whose memory stays within ``mem_limit`` (the chain's size unit,
+    input x_0 included: rotor's budget), or :class:`InfeasibleBudget` (a ValueError) stating the smallest budget
+    that works.
+
+    Sizes are rounded up to multiples of ``mem_limit / mem_slots`` (rotor's discretization), so the plan is
+    optimal within that resolution and never exceeds the limit. Returns a :class:`Schedule` with ``ops``,
+    ``makespan`` and ``peak_memory`` (peak computed on the exact sizes).
+    """
+    if not isinstance(chain, Chain):
+        raise TypeError(f"solve: chain must be a revlib_xla.planner.Chain, not {type(chain).__name__}")
+    if not (isinstance(mem_slots, int) and mem_slots >= 1):
+        raise ValueError(f"solve: mem_slots must be a positive integer, got {mem_slots!r}")
+    if not (isinstance(mem_limit, (int, float)) and math.isfinite(mem_limit) and mem_limit > 0):
+        raise ValueError(f"solve: mem_limit must be a positive number, got {mem_limit!r}")
+    for i, opts in enumerate(chain.options):
+        for opt in opts:
+            if opt.cbw < chain.cw[i + 1]:
+                raise ValueError(f"solve: option {opt.name!r} of stage {i} keeps {opt.cbw} < cw[{i + 1}] = "
+                                 f"{chain.cw[i + 1]}: what a stage keeps alive with autograd includes its output")
+    unit = mem_limit / mem_slots
+    slots = mem_slots
+    a = _Arrays(chain, unit, lambda v: float(math.ceil(v - 1e-9)))
+    top = slots - int(a.cw[0])
+    if top >= 0:
+        tables = _Tables(a, slots, dtype)
+        makespan = tables.value(False, 0, a.n, top)
+    else:
+        makespan = _INF
+    if not math.isfinite(makespan):
+        minimum = min_memory(chain)
+        raise InfeasibleBudget(
+            f"no schedule of this {chain.length}-stage chain fits in {mem_limit:.6g}: the smallest budget any "
+            f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit (sizes are rounded up to "
+            f"mem_limit/mem_slots = {unit:.6g}, so leave a little more)", minimum)
+    ops = _rebuild(tables, a, top)
+    time, peak = simulate(chain, ops)
+    return Schedule(tuple(ops), time, peak, chain)

@@ -1,0 +1,147 @@
+"""Exhaustive search over persistent schedules, independent of the planner's dynamic program.
+
+``schedules(L, options, extended)`` lists every persistent schedule of an L-stage chain (a checkpoint, once
+stored, stays until its backward): each segment [i, l] is run as Fe_i ... B_i around the rest (chain), or by
+storing x_j and running [j, l] then [i, j-1] (leaf), or (extended) as Fr_i ... Br_i (reversible) or as a leaf with
+x_i written to host memory meanwhile. Unlike the planner, the enumeration does not know which inputs may be
+dropped or offloaded: ``evaluate`` runs every schedule on every chain of a batch with its own memory simulation
+and discards what cannot run there.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+OpT = Tuple[str, int, int]
+
+
+def schedules(length: int, options: int = 1, extended: bool = False) -> List[Tuple[OpT, ...]]:
+    n = length
+
+    @functools.lru_cache(maxsize=None)
+    def seg(i: int, l: int) -> Tuple[Tuple[OpT, ...], ...]:  # noqa: E741
+        out: List[Tuple[OpT, ...]] = []
+        if i == l:
+            if i == n:
+                return ((("L", n, 0),),)
+            return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
+        for c in range(options):
+            for rest in seg(i + 1, l):
+                out.append((("Fe", i, c),) + rest + (("B", i, c),))
+        for j in range(i + 1, l + 1):
+            fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+            for later in seg(j, l):
+                for earlier in seg(i, j - 1):
+                    out.append(fwd + later + earlier)
+                    if extended:
+                        out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
+        if extended:
+            for c in range(options):
+                for rest in seg(i + 1, l):
+                    out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
+        return tuple(out)
+
+    return list(seg(0, n))
+
+
+def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """Time and peak memory of one schedule on a batch of chains (arrays with a leading batch axis); infinite
+    time where the schedule cannot run on that chain.
+
+    ``chains`` holds ``cw`` [B, L+2] (x_{L+1} padded with 0), ``fw`` [B, L], ``ftmp`` [B, L], per-option
+    ``ofw``, ``obw``, ``ocbw``, ``oftmp``, ``obtmp`` [B, L+1, K] (ofw infinite where a stage lacks the option;
+    the loss is stage L), ``rev`` [B, L] bool, ``inv`` [B, L], ``off`` [B, L] (infinite: not allowed).
+    """
+    cw = chains["cw"]
+    batch = cw.shape[0]
+    n = chains["fw"].shape[1]
+    level = cw[:, 0].copy()
+    peak = level.copy()
+    time = np.zeros(batch)
+    ok = np.ones(batch, dtype=bool)
+    live: Dict[Tuple[str, int], np.ndarray] = {("x", 0): cw[:, 0]}
+    owned = {("x", 0)}
+    host = set()
+    held = set()  # x_{i+1} after Fr_i, needed by Br_i
+    live[("d", n + 1)] = np.zeros(batch)
+
+    def put(key, size):
+        nonlocal level
+        assert key not in live, (key, ops)
+        live[key] = size
+        level = level + size
+
+    def take(key):
+        nonlocal level
+        level = level - live.pop(key)
+
+    for kind, i, c in ops:
+        if kind in ("Fn", "CF", "Fr"):
+            assert ("x", i) in live or ("xb", i) in live
+            peak = np.maximum(peak, level + cw[:, i + 1] + chains["ftmp"][:, i])
+            put(("x", i + 1), cw[:, i + 1])
+            if kind == "Fr":
+                if ("x", i) not in live or ("x", i) in owned:
+                    return np.full(batch, np.inf), peak  # input not a tensor of its own: cannot be dropped
+                ok &= chains["rev"][:, i]
+                take(("x", i))
+                held.add(i + 1)
+            elif kind == "Fn" and ("x", i) in live and ("x", i) not in owned:
+                take(("x", i))
+            time = time + chains["fw"][:, i]
+        elif kind == "Fe":
+            size = chains["ocbw"][:, i, c]
+            peak = np.maximum(peak, level + size + chains["oftmp"][:, i, c])
+            put(("xb", i + 1), size)
+            time = time + chains["ofw"][:, i, c]
+        elif kind in ("B", "L"):
+            peak = np.maximum(peak, level + cw[:, i] + chains["obtmp"][:, i, c])
+            if kind == "B":
+                take(("xb", i + 1))
+            take(("d", i + 1))
+            if ("x", i) in live and ("x", i) not in owned and i not in held:
+                take(("x", i))
+            put(("d", i), cw[:, i])
+            time = time + chains["obw"][:, i, c] + (chains["ofw"][:, i, c] if kind == "L" else 0)
+        elif kind == "Br":
+            assert ("x", i) not in live and ("xb", i) not in live
+            size = chains["ocbw"][:, i, c]
+            peak = np.maximum(peak, level + cw[:, i] + size + chains["oftmp"][:, i, c])
+            peak = np.maximum(peak, level + 2 * cw[:, i] + size + chains["obtmp"][:, i, c])
+            take(("x", i + 1))
+            held.discard(i + 1)
+            take(("d", i + 1))
+            put(("d", i), cw[:, i])
+            if i in held:
+                put(("x", i), cw[:, i])
+            time = time + chains["inv"][:, i] + chains["ofw"][:, i, c] + chains["obw"][:, i, c]
+        elif kind == "WM":
+            if ("x", i) not in live or ("x", i) in owned:
+                return np.full(batch, np.inf), peak
+            take(("x", i))
+            host.add(i)
+            time = time + chains["off"][:, i]
+        elif kind == "RM":
+            host.remove(i)
+            put(("x", i), cw[:, i])
+            peak = np.maximum(peak, level)
+            time = time + chains["off"][:, i]
+    assert ("d", 0) in live
+    return np.where(ok, time, np.inf), peak
+
+
+def best(all_schedules: Sequence[Tuple[OpT, ...]], chains: Dict[str, np.ndarray], budget: np.ndarray
+         ) -> Tuple[np.ndarray, np.ndarray]:
+    """Per chain: the least time of a schedule within ``budget`` (inf if none) and the least peak of any
+    schedule that can run."""
+    batch = budget.shape[0]
+    fastest = np.full(batch, np.inf)
+    lowest = np.full(batch, np.inf)
+    for ops in all_schedules:
+        time, peak = evaluate(ops, chains)
+        runs = np.isfinite(time)
+        lowest = np.where(runs, np.minimum(lowest, peak), lowest)
+        fastest = np.where(runs & (peak <= budget), np.minimum(fastest, time), fastest)
+    return fastest, lowest

@@ -1,0 +1,257 @@
+"""Checkpointable: planned schedules run, give the plain model's gradients, and stay within their budget."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import revlib_xla as revlib
+from revlib_xla import backend
+from revlib_xla.memory import eager_peak
+from revlib_xla.models import TransformerConfig, gpt, resnet18
+from revlib_xla.planner import InfeasibleBudget, min_memory, no_checkpoint_memory, solve
+
+from conftest import max_rel_err
+
+BUDGET_FRACTIONS = (0.02, 0.3, 0.6, 1.0)  # of the way from the smallest budget to the no-checkpoint peak
+
+
+def small_resnet():
+    torch.manual_seed(0)
+    stages = list(resnet18(num_classes=10, width=8).double())
+    # A dropout stage in the middle: recomputations must draw the forward's mask.
+    return nn.Sequential(*stages[:6], nn.Dropout(0.2), *stages[6:]), torch.randn(4, 3, 32, 32, dtype=torch.float64)
+
+
+def small_gpt(reversible=False, depth=3):
+    torch.manual_seed(0)
+    config = TransformerConfig(width=32, depth=depth, heads=4, seq_len=16, dropout=0.1, vocab_size=64)
+    return gpt(config, reversible=reversible).double(), torch.randint(0, 64, (2, 16))
+
+
+def gradients(model, step, x):
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    step(model, x)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def activation_peak(step, module, x):
+    """Eager peak of a step minus parameters, gradients, optimizer state and buffers: what rotor's budget counts."""
+    peak = eager_peak(step, module, x, zero_grad=False)
+    return peak.total - peak.parameters - peak.gradients - peak.optimizer - peak.buffers
+
+
+@pytest.mark.parametrize("build", [small_resnet, small_gpt], ids=["resnet18", "gpt"])
+def test_schedules_match_plain_gradients_within_budget(build):
+    model, x = build()
+    out_shape = model(x).shape
+    weights = torch.randn(out_shape, dtype=torch.float64)
+
+    def step(m, inp):
+        (m(inp) * weights).sum().backward()
+
+    reference = gradients(model, step, x)
+    checkpointed = revlib.Checkpointable(model)
+    checkpointed.measure(x)
+    low, high = checkpointed.min_memory(), checkpointed.no_checkpoint_memory()
+    recomputed = []
+    for fraction in BUDGET_FRACTIONS:
+        budget = low + fraction * (high - low)
+        schedule = checkpointed.compute_sequence(budget)
+        assert checkpointed.get_expected_memory() <= budget
+        got = gradients(model, step, x)
+        for g, r in zip(got, reference):
+            assert max_rel_err(g, r) <= 1e-10
+        step(checkpointed, x)  # gradients exist, as in training: the measured peak counts no new gradient
+        assert activation_peak(step, checkpointed, x) <= 1.05 * budget, (fraction, schedule.describe())
+        recomputed.append(schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0))
+    assert recomputed[0] > recomputed[-1]  # a tighter budget recomputes more
+
+
+def test_hybrid_plan_is_faster_and_exact():
+    """A transformer whose blocks are reversible: at a budget where rotor alone must recompute a lot, the plan
+    that may also rebuild inputs from outputs is faster, and the step gives the plain gradients."""
+    model, x = small_gpt(reversible=True, depth=4)
+    weights = torch.randn(model(x).shape, dtype=torch.float64)
+
+    def step(m, inp):
+        (m(inp) * weights).sum().backward()
+
+    reference = gradients(model, step, x)
+    checkpointed = revlib.Checkpointable(model)
+    chain = checkpointed.measure(x)
+    assert sum(chain.reversible) == 8
+    rotor_chain = chain.replace(reversible=[False] * chain.length)
+    budget = 1.1 * min_memory(rotor_chain)
+    rotor_only = solve(rotor_chain, budget)
+    hybrid = solve(chain, budget)
+    checkpointed.sequence = hybrid
+    assert hybrid.makespan < rotor_only.makespan
+    assert hybrid.counts().get("Br", 0) > 0
+    for g, r in zip(gradients(model, step, x), reference):
+        assert max_rel_err(g, r) <= 1e-10
+
+
+def test_tuple_io_and_input_gradient():
+    torch.manual_seed(0)
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8).double()
+
+        def forward(self, pair):
+            a, b = pair
+            return torch.tanh(self.lin(a)) + b, a * b
+
+    model = nn.Sequential(Pair(), Pair(), Pair(), nn.Sequential(Pair(), Pair()))
+    a = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    plain = model((a, b))
+    (plain[0].sum() + plain[1].square().sum()).backward()
+    want = [a.grad.clone(), b.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    a.grad = b.grad = None
+    model.zero_grad(set_to_none=True)
+    checkpointed = revlib.Checkpointable(model, input=(a, b))
+    assert len(checkpointed.stages) == 5
+    checkpointed.compute_sequence(checkpointed.min_memory() * 1.05)  # sizes round up to mem_limit/mem_slots
+    out = checkpointed((a, b))
+    assert isinstance(out, tuple) and len(out) == 2
+    (out[0].sum() + out[1].square().sum()).backward()
+    got = [a.grad, b.grad] + [p.grad for p in model.parameters()]
+    for g, w in zip(got, want):
+        assert max_rel_err(g, w) <= 1e-12
+
+
+def test_parameters_get_gradients_without_input_grad_and_eval_is_plain():
+    model, x = small_resnet()
+    checkpointed = revlib.Checkpointable(model, input=x, mem_limit=None)
+    out = checkpointed(x)
+    assert out.requires_grad
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    checkpointed.eval()
+    model.eval()
+    assert torch.equal(checkpointed(x), model(x))
+
+
+def test_running_statistics_are_updated_once():
+    model, x = small_resnet()
+    reference = [b.clone() for b in model.buffers()]
+    plain = nn.Sequential(*[m for m in model])
+    plain_state = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpointed = revlib.Checkpointable(model, input=x)
+    for b, r in zip(model.buffers(), reference):
+        assert torch.equal(b, r)  # measuring did not move them
+    checkpointed.compute_sequence(checkpointed.min_memory() * 1.05)
+    torch.manual_seed(3)
+    checkpointed(x).sum().backward()
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(plain_state)
+    torch.manual_seed(3)
+    plain(x).sum().backward()
+    for key, value in model.state_dict().items():
+        assert torch.allclose(after[key].double(), value.double(), rtol=1e-12, atol=0), key
+
+
+def test_bad_input():
+    with pytest.raises(TypeError, match="needs an nn.Sequential.*nn.Sequential\\(stage_0"):
+        revlib.Checkpointable(nn.Linear(3, 3))
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x.mul_(2)
+
+    with pytest.raises(ValueError, match="stage 1 \\(Scale\\) modifies its input in place"):
+        revlib.Checkpointable(nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 4)), input=torch.randn(2, 4))
+    model, x = small_resnet()
+    checkpointed = revlib.Checkpointable(model, input=x)
+    with pytest.raises(InfeasibleBudget, match="smallest budget") as info:
+        checkpointed.compute_sequence(checkpointed.min_memory() / 2)
+    assert info.value.minimum == checkpointed.min_memory()
+    with pytest.raises(ValueError, match="options given for stage 99"):
+        revlib.Checkpointable(model, options={99: []})
+    with pytest.warns(UserWarning, match="differs from the measured"):
+        checkpointed(torch.randn(2, 3, 32, 32, dtype=torch.float64)).sum().backward()
+    assert checkpointed.measurements[0].cw == 2 * 3 * 32 * 32 * 8
+
+
+def test_inplace_relu_is_merged():
+    stages = revlib.flatten_sequential(resnet18(width=8))
+    assert not any(isinstance(s, nn.ReLU) for s in stages)  # the stem's ReLU(inplace=True) joined the batch norm
+    assert isinstance(stages[1], nn.Sequential) and isinstance(stages[1][1], nn.ReLU)
+
+
+def test_xla_schedule_compiles_once_keeps_recomputation_and_matches_cpu():
+    """On XLA (PJRT CPU): stage costs come from FLOP counts, the schedule runs in the one compiled training step,
+    later steps compile nothing, recomputations sit behind optimization barriers, gradients equal the plain model."""
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    import torch_xla.debug.metrics as metrics
+
+    device = backend.device_for("xla")
+    torch.manual_seed(0)
+    model = gpt(TransformerConfig(width=32, depth=2, heads=4, seq_len=16, dropout=0.0, vocab_size=64))
+    x, weights = torch.randint(0, 64, (2, 16)), torch.randn(2, 16, 64)
+    model.zero_grad()
+    (model(x) * weights).sum().backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    on_xla = copy.deepcopy(model).to(device)
+    checkpointed = revlib.Checkpointable(on_xla, input=x.to(device))
+    schedule = checkpointed.compute_sequence(checkpointed.min_memory() * 1.1)
+    assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0
+    compiles = []
+    for step in range(3):
+        for p in on_xla.parameters():
+            p.grad = None
+        (checkpointed(x.to(device)) * weights.to(device)).sum().backward()
+        if step == 0:
+            text = backend.lazy_stablehlo([p.grad for p in on_xla.parameters()])
+            loss = next(k for k, op in enumerate(schedule.ops) if op.kind == "L")
+            recomputations = sum(op.kind in ("Fn", "CF", "Fe") for op in schedule.ops[loss:])
+            assert recomputations > 0 and text.count("optimization_barrier") >= recomputations
+        backend.sync(device)
+        compiles.append(metrics.metric_data("CompileTime")[0])
+    assert compiles[1] == compiles[2]
+    for p, r in zip(on_xla.parameters(), reference):
+        assert max_rel_err(p.grad, r) <= 1e-5
+
+
+@pytest.mark.parametrize("name, blocks", [("resnet18", 8), ("resnet50", 16), ("resnet101", 33)])
+def test_model_zoo_is_sequential(name, blocks):
+    import revlib_xla.models as zoo
+
+    model = getattr(zoo, name)(num_classes=7, width=4)
+    stages = revlib.flatten_sequential(model)
+    assert len(stages) == blocks + 6  # conv, bn+relu, maxpool, blocks, pool, flatten, fc
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 7)
+
+
+def test_cuda_peak_within_budget():
+    """On a GPU: the allocator's peak (max_memory_allocated above what the step starts with) stays within the
+    budget + 5 %, and the gradients equal the plain model's."""
+    if not backend.cuda_available():
+        pytest.skip("no CUDA GPU on this machine")
+    device = backend.device_for("cuda")
+    model, x = small_gpt(depth=4)
+    model, x = model.to(device), x.to(device)
+    weights = torch.randn(model(x).shape, dtype=torch.float64, device=device)
+
+    def step(m, inp):
+        (m(inp) * weights).sum().backward()
+
+    reference = gradients(model, step, x)
+    checkpointed = revlib.Checkpointable(model, input=x)
+    for fraction in BUDGET_FRACTIONS:
+        budget = checkpointed.min_memory() + fraction * (checkpointed.no_checkpoint_memory() -
+                                                         checkpointed.min_memory())
+        checkpointed.compute_sequence(budget)
+        step(checkpointed, x)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        for g, r in zip(gradients(model, step, x), reference):
+            assert max_rel_err(g, r) <= 1e-10
+        peak = torch.cuda.max_memory_allocated(device) - start
+        assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())

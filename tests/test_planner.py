@@ -1,0 +1,199 @@
+"""The planner's solver: rotor's published values, optimality against exhaustive search, budgets, bad input."""
+import math
+import random
+
+import numpy as np
+import pytest
+
+from revlib_xla.planner import (Chain, InfeasibleBudget, Op, ScheduleError, StageOption, min_memory,
+                                no_checkpoint_memory, simulate, solve)
+
+from planner_bruteforce import best, schedules
+
+
+def homogeneous(length=10):
+    return Chain([1] * length, [2] * length + [0], [1] * (length + 1), [1] + [3] * length, [0] * length,
+                 [0] * (length + 1))
+
+
+@pytest.mark.parametrize("budget, ops, makespan", [(7, 66, 75), (8, 41, 50), (9, 36, 45), (15, 28, 37)])
+def test_rotor_homogeneous_chain(budget, ops, makespan):
+    """rotor's own test values for a homogeneous chain of 10 stages."""
+    schedule = solve(homogeneous(), budget, mem_slots=budget)
+    assert len(schedule.ops) == ops
+    assert schedule.makespan == makespan
+    assert schedule.peak_memory <= budget
+    assert simulate(schedule.chain, schedule.ops) == (schedule.makespan, schedule.peak_memory)
+
+
+def test_rotor_schedule_and_minimum():
+    schedule = solve(homogeneous(), 9, mem_slots=9)
+    assert str(schedule).startswith("CF_0 Fn_1 Fn_2 Fn_3 CF_4 Fn_5 Fn_6 CF_7 Fn_8 Fe_9 L B_9")
+    with pytest.raises(InfeasibleBudget) as info:
+        solve(homogeneous(), 6, mem_slots=6)
+    assert info.value.minimum == 7
+    assert "smallest budget" in str(info.value) and "7" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    # Plenty of memory: no recomputation at all, and exactly the plain schedule's peak.
+    plain = no_checkpoint_memory(homogeneous())
+    schedule = solve(homogeneous(), plain, mem_slots=int(plain))
+    assert schedule.makespan == 30 and schedule.counts().get("Fn", 0) == 0
+    assert schedule.peak_memory == plain
+
+
+def random_chain(rng, length, extended=False, options=1):
+    cw = [rng.randint(1, 4) for _ in range(length + 1)]
+    cbw = [0] + [cw[i] + rng.randint(0, 4) for i in range(1, length + 1)]
+    kw = {}
+    if extended:
+        kw["reversible"] = [rng.random() < 0.5 for _ in range(length)]
+        kw["inverse_time"] = [rng.randint(0, 3) for _ in range(length)]
+        kw["offload_time"] = [rng.randint(1, 6) if rng.random() < 0.5 else None for _ in range(length)]
+    if options > 1:
+        kw["options"] = [[StageOption(f"c{c}", rng.randint(1, 6), rng.randint(1, 9),
+                                      cbw[i + 1] - rng.randint(0, cbw[i + 1] - cw[i + 1]), rng.randint(0, 2),
+                                      rng.randint(0, 2)) for c in range(1, options) if rng.random() < 0.7]
+                         for i in range(length)]
+    return Chain([rng.randint(1, 5) for _ in range(length)], [rng.randint(1, 8) for _ in range(length + 1)], cw, cbw,
+                 [rng.randint(0, 2) for _ in range(length)], [rng.randint(0, 2) for _ in range(length + 1)], **kw)
+
+
+def as_arrays(chains, options):
+    """The chains in the brute force's batched layout."""
+    n = chains[0].length
+    out = {key: [] for key in ("cw", "fw", "ftmp", "ofw", "obw", "ocbw", "oftmp", "obtmp", "rev", "inv", "off")}
+    for chain in chains:
+        out["cw"].append(list(chain.cw) + [0])
+        out["fw"].append(list(chain.fw))
+        out["ftmp"].append(list(chain.fwd_tmp))
+        table = {key: np.zeros((n + 1, options)) for key in ("ofw", "obw", "ocbw", "oftmp", "obtmp")}
+        table["ofw"][:] = np.inf
+        for i in range(n + 1):
+            for c, opt in enumerate(chain.stage_options(i)):
+                table["ofw"][i, c], table["obw"][i, c], table["ocbw"][i, c] = opt.fw, opt.bw, opt.cbw
+                table["oftmp"][i, c], table["obtmp"][i, c] = opt.fwd_tmp, opt.bwd_tmp
+        for key, value in table.items():
+            out[key].append(value)
+        out["rev"].append(list(chain.reversible))
+        out["inv"].append(list(chain.inverse_time))
+        out["off"].append([np.inf if t is None else t for t in chain.offload_time])
+    return {key: np.array(value, dtype=bool if key == "rev" else float) for key, value in out.items()}
+
+
+def check_against_brute_force(chains, budgets, options=1, extended=False):
+    n = chains[0].length
+    fastest, lowest = best(schedules(n, options, extended), as_arrays(chains, options), np.array(budgets, float))
+    for chain, budget, want, least in zip(chains, budgets, fastest, lowest):
+        assert min_memory(chain) == least, chain
+        if math.isinf(want):
+            with pytest.raises(InfeasibleBudget) as info:
+                solve(chain, budget, mem_slots=budget)
+            assert info.value.minimum == least
+            continue
+        schedule = solve(chain, budget, mem_slots=budget)
+        assert schedule.makespan == want, (chain, budget, str(schedule))
+        assert simulate(chain, schedule.ops) == (schedule.makespan, schedule.peak_memory)
+        assert schedule.peak_memory <= budget
+
+
+@pytest.mark.parametrize("length", range(1, 9))
+def test_optimal_against_exhaustive_search(length):
+    """rotor's recurrence: 26 random chains per length 1..8 (208 chains), each at a budget between its minimum and
+    its no-checkpoint peak (and some below the minimum), against every persistent schedule."""
+    rng = random.Random(1000 + length)
+    chains = [random_chain(rng, length) for _ in range(26)]
+    budgets = []
+    for chain in chains:
+        low, high = int(min_memory(chain)), int(no_checkpoint_memory(chain))
+        budgets.append(rng.randint(max(1, low - 2), high + 1))
+    check_against_brute_force(chains, budgets)
+
+
+@pytest.mark.parametrize("length", range(1, 5))
+def test_optimal_with_reversible_offload_and_options(length):
+    """The extended program (reversible stages, offloaded checkpoints, a second option per stage) against every
+    persistent schedule that uses them: 25 random chains per length 1..4."""
+    rng = random.Random(2000 + length)
+    chains = [random_chain(rng, length, extended=True, options=2) for _ in range(25)]
+    budgets = []
+    for chain in chains:
+        low, high = int(min_memory(chain)), int(no_checkpoint_memory(chain))
+        budgets.append(rng.randint(max(1, low - 1), high + 1))
+    check_against_brute_force(chains, budgets, options=2, extended=True)
+
+
+def test_extensions_lower_the_time():
+    """Reversible stages need no stored inputs: at a tight budget the hybrid plan rebuilds inputs where rotor
+    alone recomputes them from checkpoints, and is faster; at every budget it is at least as fast. Offloading a
+    checkpoint buys time at a tight budget."""
+    length = 12
+    plain = Chain([1] * length, [2] * length + [1], [4] * (length + 1), [0] + [8] * length, [1] * length,
+                  [1] * (length + 1))
+    rev = plain.replace(reversible=[True] * length)
+    budget = int(min_memory(plain)) + 4
+    rotor_only, hybrid = solve(plain, budget, mem_slots=budget), solve(rev, budget, mem_slots=budget)
+    assert hybrid.makespan < rotor_only.makespan
+    assert hybrid.counts()["Fr"] > 0 and hybrid.peak_memory <= budget
+    for budget in range(int(min_memory(plain)), int(no_checkpoint_memory(plain)) + 1, 3):
+        assert solve(rev, budget, mem_slots=budget).makespan <= solve(plain, budget, mem_slots=budget).makespan
+    offload = plain.with_bandwidth(8.0)  # 0.5 time units per transfer
+    budget = int(min_memory(plain)) + 2
+    planned = solve(offload, budget, mem_slots=budget)
+    assert planned.makespan < solve(plain, budget, mem_slots=budget).makespan and planned.counts()["WM"] > 0
+
+
+def test_discretization_stays_within_the_limit():
+    rng = random.Random(7)
+    for _ in range(8):
+        chain = random_chain(rng, 30)
+        chain = chain.replace(cw=[c * 1e6 + rng.randint(0, 999) for c in chain.cw],
+                              cbw=[c * 1e6 + 1000 for c in chain.cbw], fwd_tmp=[c * 1e6 for c in chain.fwd_tmp],
+                              bwd_tmp=[c * 1e6 for c in chain.bwd_tmp])
+        low, high = min_memory(chain), no_checkpoint_memory(chain)
+        for frac in (0.2, 0.6, 1.0):
+            limit = low * 1.05 + frac * (high - low)
+            schedule = solve(chain, limit, mem_slots=200)
+            assert schedule.peak_memory <= limit
+            assert simulate(chain, schedule.ops)[1] == schedule.peak_memory
+
+
+def test_long_chain():
+    chain = homogeneous(300)
+    schedule = solve(chain, 9, mem_slots=9)
+    assert schedule.counts()["B"] == 300 and schedule.peak_memory <= 9
+    assert simulate(chain, schedule.ops) == (schedule.makespan, schedule.peak_memory)
+
+
+def test_schedule_printout():
+    schedule = solve(homogeneous().replace(reversible=[i % 2 == 0 for i in range(10)]), 9, mem_slots=9)
+    text = schedule.describe()
+    assert "makespan" in text and "reversible (input rebuilt)" in text and "ops: " in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(fw=[1, 2], bw=[1, 1], cw=[1, 1, 1], cbw=[0, 1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0, 0]), "bw needs 3"),
+    (dict(fw=[1], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[-1], bwd_tmp=[0, 0]), "fwd_tmp[0] = -1.0"),
+    (dict(fw=[1], bw=[1, 1], cw=[1, 3], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "cbw[1] = 1.0 < cw[1]"),
+    (dict(fw=["a"], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "fw[0] is 'a'"),
+    (dict(fw=[], bw=[1], cw=[1], cbw=[0], fwd_tmp=[], bwd_tmp=[0]), "at least one stage"),
+])
+def test_chain_bad_input(kwargs, message):
+    with pytest.raises((ValueError, TypeError)) as info:
+        Chain(**kwargs)
+    assert message in str(info.value)
+
+
+def test_solve_bad_input_and_bad_schedules():
+    with pytest.raises(ValueError, match="mem_limit must be a positive number"):
+        solve(homogeneous(), -1)
+    with pytest.raises(ValueError, match="mem_slots"):
+        solve(homogeneous(), 10, mem_slots=0)
+    with pytest.raises(TypeError, match="Chain"):
+        solve([1, 2], 10)
+    chain = homogeneous(2)
+    with pytest.raises(ScheduleError, match="x_1 is not live"):
+        simulate(chain, [Op("Fn", 1)])
+    with pytest.raises(ScheduleError, match="not reversible"):
+        simulate(chain, [Op("CF", 0), Op("Fr", 1)])
+    with pytest.raises(ScheduleError, match="does not reach"):
+        simulate(chain, [Op("Fe", 0)])
