@@ -125,6 +125,29 @@ def test_fuse_optimizer_composes_with_checkpointing():
     assert fused.steps_taken == STEPS * 2 * DEPTH
 
 
+def test_fuse_optimizer_with_the_planners_checkpointable():
+    """Checkpointable runs each stage's backward with autograd, so the per-parameter hooks step every stage as its
+    gradients complete, in the planned schedule with recomputation (the smallest budget)."""
+    factory = OPTIMIZERS["adamw"]
+    sample = torch.randn(5, 2 * WIDTH)
+
+    def planned():
+        model = revlib.Checkpointable(_plain(), input=sample)
+        low, high = model.min_memory(), model.no_checkpoint_memory()
+        schedule = model.compute_sequence(low + 0.1 * (high - low))
+        assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0  # something is recomputed
+        return model
+
+    unfused = planned()
+    ref_losses, ref_weights = _train(unfused, torch.device("cpu"), factory(unfused.parameters()), 2 * WIDTH)
+    model = planned()
+    fused = revlib.fuse_optimizer(model, factory)
+    losses, weights = _train(model, torch.device("cpu"), None, 2 * WIDTH)
+    assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
+    assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
+    assert fused.steps_taken == STEPS * len(list(model.parameters()))
+
+
 def test_only_one_layers_gradients_exist_when_a_layer_steps():
     """The fused step runs inside the backward, and the gradients of the layers stepped before are already gone."""
     seen = []
