@@ -23,7 +23,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "to_host", "to_device",
+    "sync", "is_tracing_lazily", "checkpoint", "to_host", "to_device", "pin_host_tensor_", "Transfer",
+    "DeviceCopier", "to_host_blocking", "cut_graph", "host_placement_executes", "place_on_host", "place_on_device",
 ]
 
 
@@ -343,3 +344,130 @@ def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:
     if not xla_tensors or len(xla_tensors) != len(tensors):
         raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
     return _xla().get_stablehlo(xla_tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host <-> device transfers (parameter offload). On cuda a copy runs on a side stream into pinned host memory's
+# counterpart on the device and is ordered against the compute stream by events; elsewhere a copy is synchronous
+# (cpu), or a host-to-device upload that becomes graph data (xla), so there is nothing to order.
+
+def pin_host_tensor_(tensor: torch.Tensor, target: DeviceLike) -> None:
+    """Move ``tensor``'s data (a parameter or buffer on the cpu) to page-locked memory when ``target`` is a cuda
+    device, so copies to it can run asynchronously. In place (the Python object, and so an optimizer's reference to
+    it, is kept); does nothing for other targets or when the data is already pinned."""
+    if device_kind(target) != "cuda" or tensor.device.type != "cpu" or tensor.is_pinned():
+        return
+    tensor.data = tensor.data.pin_memory()
+
+
+class Transfer:
+    """A started host-to-device copy: ``tensors`` may be used on the compute stream after :meth:`DeviceCopier.wait`."""
+
+    def __init__(self, tensors: List[torch.Tensor], event: Any = None):
+        self.tensors = tensors
+        self.event = event
+
+
+class DeviceCopier:
+    """Copies host tensors to ``device`` ahead of their use, and says when the compute stream is done with a copy.
+
+    cuda: copies run on a side stream (``non_blocking`` from pinned memory) and end with an event; :meth:`wait`
+    makes the current (compute) stream wait for that event, and :meth:`done_with` records an event on the compute
+    stream after the last use of a destination, which the next copy into the same destination waits for. That is
+    what makes reusing persistent device buffers safe. Other devices copy synchronously (xla: a transfer to the
+    device whose result is graph data, not a constant), so both calls are no-ops there.
+    """
+
+    def __init__(self, device: DeviceLike):
+        self.device = _as_device(device)
+        self.asynchronous = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=self.device) if self.asynchronous else None
+
+    def start(self, host: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None,
+              after: Any = None) -> Transfer:
+        """Start copying ``host`` to the device, into the tensors ``into`` when given (persistent buffers), after
+        the event ``after`` (the compute stream's last use of ``into``) when given."""
+        if not self.asynchronous:
+            return Transfer([h.detach().to(self.device, copy=True) for h in host])
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            if into is None:
+                out = [h.detach().to(self.device, non_blocking=True, copy=True) for h in host]
+            else:
+                out = list(into)
+                for dst, src in zip(out, host):
+                    dst.copy_(src.detach(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        if into is None:  # allocated on the side stream, used on the compute stream
+            for t in out:
+                t.record_stream(torch.cuda.current_stream(self.device))
+        return Transfer(out, event)
+
+    def wait(self, transfer: Transfer, host_too: bool = False) -> List[torch.Tensor]:
+        """The copied tensors, once the compute stream may read them. ``host_too``: also block the host until the
+        copy is done, so the host tensors it reads from may be changed (an optimizer step) right after."""
+        if transfer.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(transfer.event)
+            if host_too:
+                transfer.event.synchronize()
+            transfer.event = None
+        return transfer.tensors
+
+    def done_with(self) -> Any:
+        """An event marking the compute stream's progress now (``None`` where copies are synchronous)."""
+        if not self.asynchronous:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+
+def to_host_blocking(tensor: torch.Tensor, host: DeviceLike) -> torch.Tensor:
+    """Bring a device tensor (a gradient) to ``host``. Blocking: the result is complete when this returns (on xla
+    this executes the pending graph up to ``tensor``)."""
+    return tensor.to(_as_device(host))
+
+
+def cut_graph(device: DeviceLike) -> None:
+    """End the pending lazy graph here and run it (xla); a no-op on eager devices.
+
+    Used between layers when parameters are streamed to an XLA device: each layer then runs as its own graph, whose
+    structure is the same for every layer of the same shape (compiled once, reused), and the layer's uploaded
+    parameters are released once that graph has run instead of staying referenced by one graph over all layers.
+    """
+    if device_kind(device) == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
+def host_placement_executes() -> bool:
+    """Whether XLA graphs with host-memory placement annotations can run here: on TPU (and GPU) PJRT, not on PJRT
+    CPU, whose runtime has no handler for them (the graph compiles, and fails when executed)."""
+    if not xla_available():
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.device_type() not in (None, "CPU")
+
+
+def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+    """XLA: ``tensor`` annotated to live in pinned host memory inside the graph (``place_to_host``), e.g. an
+    activation saved for the backward. Other devices, and XLA where the annotation cannot execute (PJRT CPU), get
+    ``tensor`` unchanged unless ``annotate=True`` (to inspect the HLO or compile it for TPU without running it)."""
+    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+        return tensor
+    from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+    return place_to_host(tensor)
+
+
+def place_on_device(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+    """The counterpart of :func:`place_on_host` (``place_to_device``): bring an annotated tensor back to HBM."""
+    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+        return tensor
+    from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+    return place_to_device(tensor)

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from . import backend
+from .fused_optimizer import FusedOptimizer, FusedOptimizerError
+from .offload import ParameterStreamer, offload_tensor
 from .coupling import COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, pick
 
 Tensor = torch.Tensor
@@ -60,14 +62,6 @@ def _not_yet(feature: str, issue: str) -> NotImplementedError:
     return NotImplementedError(
         f"{feature} is not implemented yet in revlib_xla (it is delivered by the issue '{issue}'); "
         f"leave it at its default for now")
-
-
-_OFFLOAD_ISSUE = "Parameters off the device: target_device, fused optimizer and OffloadModel"
-
-
-def offload_tensor(inp: Tensor, reference: Tensor) -> Tensor:
-    """RevLib's ``offload_tensor``: not available yet (see the error)."""
-    raise _not_yet("offload_tensor", _OFFLOAD_ISSUE)
 
 
 class ReversibleModuleCache:
@@ -120,10 +114,11 @@ class ReversibleModule(nn.Module):
                  cache: Optional[ReversibleModuleCache] = None, target_device: str = "",
                  fused_optimizer: FUSED_OPTIMIZER = None):
         super().__init__()
-        if target_device:
-            raise _not_yet("target_device (parameter offload)", _OFFLOAD_ISSUE)
-        if fused_optimizer is not None:
-            raise _not_yet("fused_optimizer", _OFFLOAD_ISSUE)
+        if target_device or fused_optimizer is not None:
+            raise ReversibleError(
+                "ReversibleModule: target_device and fused_optimizer are options of the ReversibleSequential that runs "
+                "the layers (ReversibleSequential(*blocks, target_device=..., fused_optimizer=...)); a standalone "
+                "layer runs with plain autograd and has no backward walk to offload or fuse into")
         self.wrapped_module = ReversibleWrapper(wrapped_module, coupling_forward, coupling_inverse)
         self.memory_savings = memory_savings
         self.cache = cache
@@ -207,6 +202,9 @@ class _Plan:
     seed: Optional[int]
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
+    offload: Optional["_LayerOffload"] = None
+    fused: Optional[FusedOptimizer] = None
+    fused_done: Optional[List[List[int]]] = None  # per layer: params whose fused step runs after its gradient
 
     def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
         args, kwargs = self.layer_args[i]
@@ -220,6 +218,35 @@ class _Plan:
         return f"layer {i} ('{self.names[i]}': {type(block).__name__})"
 
 
+@dataclasses.dataclass
+class _LayerOffload:
+    """``target_device``: each layer's block runs on device copies of its parameters and buffers, streamed from
+    where they live (the host) by a :class:`ParameterStreamer`, one layer ahead."""
+
+    streamer: ParameterStreamer
+    names: List[List[List[str]]]      # per layer, per streamed tensor: its names inside the block
+    param_pos: List[Dict[int, int]]   # per layer: index in plan.params -> position among the streamed tensors
+    buffer_pos: List[List[int]]       # per layer: positions of buffers (written back after the forward)
+
+    def mapping(self, i: int, tensors: Sequence[Tensor]) -> Dict[str, Tensor]:
+        return {name: t for names, t in zip(self.names[i], tensors) for name in names}
+
+    def write_back_buffers(self, i: int, copies: Sequence[Tensor]) -> None:
+        """Running statistics updated on the device copy in the forward go back to the host buffers."""
+        unit = self.streamer.units[i]
+        with torch.no_grad():
+            for pos in self.buffer_pos[i]:
+                unit[pos].copy_(copies[pos])
+
+
+def _call_block(plan: _Plan, i: int, x: Tensor, args, kwargs, tensors: Optional[Dict[str, Tensor]]):
+    """The block of layer ``i`` on ``x``: with its own parameters, or with ``tensors`` (name -> device copy)."""
+    wrapper = plan.layers[i].wrapped_module
+    if tensors is None:
+        return wrapper.fn(x, args, kwargs)
+    return torch.func.functional_call(wrapper.wrapped_module, tensors, (x, *args), dict(kwargs or {}))
+
+
 def _to_streams(plan: _Plan, x0: Tensor, x1: Tensor) -> Tuple[Tensor, Tensor]:
     if plan.stream_dtype is None:
         return x0, x1
@@ -230,11 +257,12 @@ def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
     return x if plan.compute_dtype is None else x.to(plan.compute_dtype)
 
 
-def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs) -> Tensor:
+def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
+                   tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
     """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
     wrapper = plan.layers[i].wrapped_module
     version = x1._version
-    fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+    fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
     if x1._version != version:
         raise ReversibleError(
             f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
@@ -302,11 +330,22 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         device = x0.device
         ctx.plan = plan
         ctx.autocast = backend.AutocastState.capture(device)
+        off = plan.offload
         with torch.no_grad(), ctx.autocast.replay(), backend.rng_scope(device, plan.seed is not None) as reseed:
             for i in range(len(plan.layers)):
                 args, kwargs = plan.args_for(i, arg_tensors)
                 reseed(plan.seed_of(i))
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+                if off is None:
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+                    continue
+                copies = off.streamer.fetch(i, prefetch=i + 1)
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, off.mapping(i, copies))
+                backend.cut_graph(device)
+                off.write_back_buffers(i, copies)
+                del copies
+                off.streamer.release(i)
+        if off is not None:
+            off.streamer.release_all()
         ctx.save_for_backward(x0, x1, *plan.params, *arg_tensors)
         return x0, x1
 
@@ -334,6 +373,8 @@ class _ReversibleSequenceFn(torch.autograd.Function):
             for i in reversed(range(len(plan.layers))):
                 y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
                                                    needs_arg_grad, param_grads, arg_grads)
+        if plan.offload is not None:
+            plan.offload.streamer.release_all()
         return (None, dy0, dy1, *param_grads, *arg_grads)
 
 
@@ -343,7 +384,18 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input and the
     gradient flowing into it; parameter and argument gradients are accumulated into the given lists."""
     wrapper = plan.layers[i].wrapped_module
-    own_params = [plan.params[k] for k in plan.layer_params[i]]
+    off = plan.offload
+    tensors = None
+    if off is None:
+        own_params = [plan.params[k] for k in plan.layer_params[i]]
+    else:  # differentiate against device copies of the host parameters; their gradients go back to the host
+        copies = list(off.streamer.fetch(i, prefetch=i - 1))
+        for k in plan.layer_params[i]:
+            pos = off.param_pos[i][k]
+            copies[pos] = copies[pos].detach().requires_grad_()
+        own_params = [copies[off.param_pos[i][k]] for k in plan.layer_params[i]]
+        tensors = off.mapping(i, copies)
+        del copies
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
@@ -351,7 +403,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.autocast.replay():
             x1 = y0.detach().requires_grad_()
-            fn_out = wrapper.fn(_to_compute(x1, plan), args, kwargs)
+            fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
             with torch.no_grad():
                 x0 = wrapper.uncouple(y1, _detach_all(fn_out))
                 if plan.stream_dtype is not None:
@@ -374,15 +426,27 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
             grads = (dy1,) + _grad_or_none(out, inputs[1:], dy1)
         else:
             grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
-    del fn_out, out
+    del fn_out, out, tensors, own_params
     dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
     dx1 = dy0 if grads[1] is None else dy0 + grads[1]
-    for k, g in zip(plan.layer_params[i], grads[2:2 + len(own_params)]):
+    if off is not None:
+        backend.cut_graph(dx0)  # xla: this layer's recomputation and gradients as one graph, run now
+    for k, g in zip(plan.layer_params[i], grads[2:2 + len(plan.layer_params[i])]):
         if g is not None:
+            if off is not None:
+                g = backend.to_host_blocking(g, plan.params[k].device)
             param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
-    for k, g in zip(own_args, grads[2 + len(own_params):]):
+    for k, g in zip(own_args, grads[2 + len(plan.layer_params[i]):]):
         if g is not None:
             arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
+    del grads
+    if off is not None:
+        off.streamer.release(i)
+    if plan.fused is not None and plan.fused_done[i]:  # this layer's gradients are complete: step, then free them
+        done = plan.fused_done[i]
+        plan.fused.step_params([plan.params[k] for k in done], [param_grads[k] for k in done])
+        for k in done:
+            param_grads[k] = None
     return x0, x1.detach(), dx0, dx1
 
 
@@ -426,20 +490,22 @@ class ReversibleSequential(nn.Sequential):
             seed the same way, so ``no_savings`` gives the same masks. Costs a few microseconds per layer.
         verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
             :func:`check_invertible`) and raise naming the first layer that does not.
-        target_device, fused_optimizer: RevLib's parameter offload and fused optimizer (not available yet: raise).
+        target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
+            the host, and run each layer on copies streamed to this device one layer ahead (forward and
+            recomputation); gradients accumulate on the host parameters. At most two layers' tensors are on the
+            device at once (see :mod:`revlib_xla.offload`).
+        fused_optimizer: ``params -> torch.optim.Optimizer``; one optimizer per layer is built at the first forward
+            and stepped inside the backward as soon as the layer's gradients are complete, which are then freed
+            (see :mod:`revlib_xla.fused_optimizer`; ``model.fused_optimizer`` is the optimizer object).
     """
 
     def __init__(self, *modules: nn.Module, split_dim: Optional[int] = 1,
                  coupling_forward: Optional[List[Optional[COUPLING]]] = None,
                  coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
                  memory_mode: MemoryModes = MemoryModes.autograd_function,
-                 target_device: str = "", fused_optimizer: FUSED_OPTIMIZER = None,
+                 target_device: Union[str, torch.device] = "", fused_optimizer: FUSED_OPTIMIZER = None,
                  stream_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
                  preserve_rng_state: bool = True, verify_inverse: bool = False):
-        if target_device:
-            raise _not_yet("target_device (parameter offload)", _OFFLOAD_ISSUE)
-        if fused_optimizer is not None:
-            raise _not_yet("fused_optimizer", _OFFLOAD_ISSUE)
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
         memory_mode = MemoryModes(memory_mode)
@@ -466,6 +532,17 @@ class ReversibleSequential(nn.Sequential):
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
         self._verified = False
+        self.target_device: Optional[torch.device] = torch.device(target_device) if target_device else None
+        if fused_optimizer is not None and not callable(fused_optimizer):
+            raise FusedOptimizerError(f"ReversibleSequential: fused_optimizer must be a callable params -> "
+                                      f"torch.optim.Optimizer, got {type(fused_optimizer).__name__}")
+        if fused_optimizer is not None and memory_mode == MemoryModes.no_savings:
+            raise FusedOptimizerError("ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
+                                      "reversible backward walk steps each layer); no_savings runs plain autograd")
+        self.fused_optimizer_factory = fused_optimizer
+        self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
+        self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
+        self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
 
     # -- streams --------------------------------------------------------------------------------------------------
     def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
@@ -563,7 +640,101 @@ class ReversibleSequential(nn.Sequential):
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
                      compute_dtype)
+        if self.target_device is not None:
+            plan.offload = self._layer_offload(plan)
+        fused = self.fused_optimizer
+        if fused is not None and self.memory_mode != MemoryModes.no_savings:
+            plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
         return plan, arg_tensors
+
+    # -- parameter offload and fused optimizer --------------------------------------------------------------------
+    def _layer_offload(self, plan: _Plan) -> _LayerOffload:
+        """Each layer's block tensors (parameters, buffers) as one streamed unit; the streamer (and on cuda its
+        two persistent device buffers) is reused across calls while the tensors stay the same objects."""
+        index = {id(p): k for k, p in enumerate(plan.params)}
+        units, names, param_pos, buffer_pos = [], [], [], []
+        for layer in plan.layers:
+            unit: List[Tensor] = []
+            unit_names: List[List[str]] = []
+            pos: Dict[int, int] = {}
+            own_params, own_buffers = {}, []
+            block = layer.block
+            for kind, items in (("param", block.named_parameters(remove_duplicate=False)),
+                                ("buffer", block.named_buffers(remove_duplicate=False))):
+                for name, t in items:
+                    if id(t) not in pos:
+                        pos[id(t)] = len(unit)
+                        unit.append(t)
+                        unit_names.append([])
+                        if kind == "buffer":
+                            own_buffers.append(pos[id(t)])
+                        elif id(t) in index:
+                            own_params[index[id(t)]] = pos[id(t)]
+                    unit_names[pos[id(t)]].append(name)
+            units.append(unit)
+            names.append(unit_names)
+            param_pos.append(own_params)
+            buffer_pos.append(own_buffers)
+        key = tuple(id(t) for unit in units for t in unit)
+        if self._streamer is None or self._streamer[0] != key:
+            self._streamer = (key, ParameterStreamer(units, self.target_device))
+        for i, layer in enumerate(plan.layers):
+            missing = [k for k in plan.layer_params[i] if k not in param_pos[i]]
+            if missing:
+                raise ReversibleError(
+                    f"{plan.describe(i)}: target_device streams the block's own parameters, but this layer also "
+                    f"uses a parameter outside its block (in its coupling); move it into the block")
+        return _LayerOffload(self._streamer[1], names, param_pos, buffer_pos)
+
+    def __getstate__(self):
+        """Copies and pickles leave the streamer behind (device buffers, cuda streams); it is rebuilt on use."""
+        state = super().__getstate__()
+        state["_streamer"] = None
+        return state
+
+    @property
+    def streamer(self) -> Optional[ParameterStreamer]:
+        """With ``target_device``: the :class:`ParameterStreamer` of the last call (its ``max_resident`` and
+        ``transfers`` say how many layers were on the device at once and how many were copied), else ``None``."""
+        return None if self._streamer is None else self._streamer[1]
+
+    @property
+    def fused_optimizer(self) -> Optional[FusedOptimizer]:
+        """The optimizer stepped inside the backward pass (built from ``fused_optimizer=`` at the first forward,
+        or attached by :func:`revlib_xla.fuse_optimizer`), or ``None``."""
+        if self._attached_fused_optimizer is not None:
+            return self._attached_fused_optimizer
+        if self.fused_optimizer_factory is None:
+            return None
+        layers = list(self._modules.items())
+        groups, names = [], []
+        for name, layer in layers:
+            own = [p for p in layer.parameters() if p.requires_grad]
+            if own:
+                groups.append(own)
+                names.append(f"layer '{name}'")
+        key = tuple(id(p) for g in groups for p in g)
+        if self._own_fused is None or self._own_fused[0] != key:
+            if self._own_fused is not None and any(opt.state for opt in self._own_fused[1].optimizers):
+                raise FusedOptimizerError(
+                    "ReversibleSequential: the parameters were replaced (e.g. by .to(device)) after the fused "
+                    "optimizer took its first step, which would drop its state; move the model before training")
+            self._own_fused = (key, FusedOptimizer(groups, self.fused_optimizer_factory, names))
+        return self._own_fused[1]
+
+    def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> List[List[int]]:
+        users: Dict[int, List[int]] = {}
+        for i, own in enumerate(plan.layer_params):
+            for k in own:
+                users.setdefault(k, []).append(i)
+        for k, layers in users.items():
+            if len(layers) > 1 and fused.covers(plan.params[k]):
+                raise FusedOptimizerError(
+                    f"ReversibleSequential: a fused optimizer cannot step a parameter shared by layers "
+                    f"{', '.join(plan.describe(i) for i in layers)}: its gradient arrives in parts, one per layer, "
+                    f"and the first layers' recomputation still reads it. Untie the weights or use an unfused "
+                    f"optimizer")
+        return [[k for k in own if fused.covers(plan.params[k])] for own in plan.layer_params]
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
     def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,
@@ -581,11 +752,23 @@ class ReversibleSequential(nn.Sequential):
                 for i in range(len(plan.layers)):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
-                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k)
+                    copies = self._plain_offload(plan, i)
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, None if copies is None else
+                                                plan.offload.mapping(i, copies))
+                    if copies is not None:
+                        plan.offload.write_back_buffers(i, copies)
         else:
             x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
+
+    def _plain_offload(self, plan: _Plan, i: int) -> Optional[List[Tensor]]:
+        """``target_device`` under plain autograd (``no_savings``, or no gradients): each tensor is copied
+        differentiably (:func:`offload_tensor`), so the graph keeps what it saves; memory is saved only by the
+        reversible modes."""
+        if plan.offload is None:
+            return None
+        return [offload_tensor(t, self.target_device) for t in plan.offload.streamer.units[i]]
 
     def inverse(self, output: Union[Tensor, Tuple[Tensor, Tensor]], *args,
                 layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
@@ -604,14 +787,24 @@ class ReversibleSequential(nn.Sequential):
         y0, y1 = _to_streams(plan, y0, y1)
         for i in reversed(range(len(plan.layers))):
             a, k = plan.args_for(i, arg_tensors)
-            y0, y1 = _inverse_layer(plan, i, y0, y1, a, k), y0
+            y0, y1 = _inverse_layer(plan, i, y0, y1, a, k, _plain_copies(plan, i)), y0
         y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
 
 
-def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs) -> Tensor:
+def _plain_copies(plan: _Plan, i: int) -> Optional[Dict[str, Tensor]]:
+    """With ``target_device``: layer ``i``'s tensors copied to the device (no streaming), for the inverse and the
+    invertibility check."""
+    if plan.offload is None:
+        return None
+    device = plan.offload.streamer.device
+    return plan.offload.mapping(i, [offload_tensor(t, device) for t in plan.offload.streamer.units[i]])
+
+
+def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs,
+                   tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
     wrapper = plan.layers[i].wrapped_module
-    x0 = wrapper.uncouple(y1, wrapper.fn(_to_compute(y0, plan), args, kwargs))
+    x0 = wrapper.uncouple(y1, _call_block(plan, i, _to_compute(y0, plan), args, kwargs, tensors))
     if plan.stream_dtype is not None:
         x0 = x0.to(plan.stream_dtype)
     return x0
@@ -654,9 +847,10 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
         for i in range(len(plan.layers)):
             a, k = plan.args_for(i, arg_tensors)
             reseed(plan.seed_of(i))
-            y1 = _forward_layer(plan, i, x0, x1, a, k)
+            copies = _plain_copies(plan, i)
+            y1 = _forward_layer(plan, i, x0, x1, a, k, copies)
             reseed(plan.seed_of(i))
-            rebuilt = _inverse_layer(plan, i, x1, y1, a, k)
+            rebuilt = _inverse_layer(plan, i, x1, y1, a, k, copies)
             scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
             err = float((rebuilt - x0).abs().max().cpu()) / scale
             errors.append(err)
