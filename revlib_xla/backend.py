@@ -305,16 +305,16 @@ def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
 
 
 def to_host(obj: Any) -> Any:
-    """A host-memory copy of the tensors in ``obj`` (nested tuples/lists), for offloading a saved activation.
+    """The tensors in ``obj`` (nested tuples/lists) moved to host memory, for offloading a saved activation.
 
-    cuda: pinned memory, copied without blocking the host (the copy is ordered on the current stream).
-    xla: not yet (host memory-space annotations come with the offload issue); raises NotImplementedError.
+    cuda: pinned memory, copied without blocking the host (ordered on the current stream). xla: annotated to live in
+    host memory inside the graph (:func:`place_on_host`; unchanged on PJRT CPU, which cannot execute it). cpu: a
+    copy (the host is the device).
     """
     if isinstance(obj, torch.Tensor):
         kind = device_kind(obj)
         if kind == "xla":
-            raise NotImplementedError("offloading an XLA tensor to host memory (place_to_host annotations) is not "
-                                      "implemented yet: plan without offload_bandwidth on XLA")
+            return place_on_host(obj)
         if kind == "cuda":
             out = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
             return out.copy_(obj, non_blocking=True)
@@ -325,8 +325,11 @@ def to_host(obj: Any) -> Any:
 
 
 def to_device(obj: Any, device: DeviceLike) -> Any:
-    """The tensors in ``obj`` moved to ``device`` (non-blocking from pinned host memory)."""
+    """The tensors in ``obj`` back on ``device`` (non-blocking from pinned host memory; on xla
+    :func:`place_on_device`)."""
     if isinstance(obj, torch.Tensor):
+        if device_kind(obj) == "xla":
+            return place_on_device(obj)
         return obj.to(_as_device(device), non_blocking=True)
     if isinstance(obj, (tuple, list)):
         return type(obj)(to_device(item, device) for item in obj)
