@@ -11,8 +11,10 @@
    * ``sqrt``: ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(L) segments.
    All in one run, interleaved, medians of repeats. Writes ``bench/results/planner-<device>.{json,md,png}``.
 
-torch's ``activation_memory_budget`` under ``torch.compile`` is not included: compiling for every budget takes
-minutes per point on the 2-core CPU machine; it belongs in a GPU run.
+torch's ``activation_memory_budget`` under ``torch.compile`` is not included: on the CPU, inductor needs setuptools
+and a C++ toolchain, and its compiled kernels allocate outside PyTorch's Python dispatch, so MemTracker cannot see
+their memory (the peak read the same at budgets 1.0, 0.5 and 0.1); it belongs in a GPU run, measured with
+``torch.cuda.max_memory_allocated``.
 
 Usage: ``python bench/planner.py [--quick]``.
 """
