@@ -346,7 +346,12 @@ class _ReversibleSequenceFn(torch.autograd.Function):
                 off.streamer.release(i)
         if off is not None:
             off.streamer.release_all()
-        ctx.save_for_backward(x0, x1, *plan.params, *arg_tensors)
+        # The output streams are kept as detached aliases rather than saved tensors, so the backward can drop them
+        # as soon as it has rebuilt the last layer's input (saved tensors live until the backward returns); their
+        # version is checked by hand, as save_for_backward would.
+        ctx.streams = [x0.detach(), x1.detach()]
+        ctx.stream_versions = (x0._version, x1._version)
+        ctx.save_for_backward(*plan.params, *arg_tensors)
         return x0, x1
 
     @staticmethod
@@ -361,9 +366,17 @@ class _ReversibleSequenceFn(torch.autograd.Function):
                 "a tensor the reversible backward needs was modified in place after the forward: the sequence's "
                 "output, one of its parameters, or a tensor argument (mask, memory, ...). Clone it before "
                 "changing it, or change it only after backward().") from None
-        y0, y1 = saved[0], saved[1]
+        streams = ctx.streams
+        if (streams[0]._version, streams[1]._version) != ctx.stream_versions:
+            raise ReversibleError(
+                "a tensor the reversible backward needs was modified in place after the forward: the sequence's "
+                "output. Clone it before changing it, or change it only after backward().")
+        y0, y1 = streams
+        if not _keeps_graph():
+            ctx.streams = None  # the last references: the streams are freed once the last layer is rebuilt
+        del streams
         n_params = len(plan.params)
-        arg_tensors = saved[2 + n_params:]
+        arg_tensors = saved[n_params:]
         needs_arg_grad = ctx.needs_input_grad[3 + n_params:]
         recompute_args = [a.detach().requires_grad_() if need else a for a, need in zip(arg_tensors, needs_arg_grad)]
         param_grads: List[Optional[Tensor]] = [None] * n_params
@@ -376,6 +389,13 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         if plan.offload is not None:
             plan.offload.streamer.release_all()
         return (None, dy0, dy1, *param_grads, *arg_grads)
+
+
+def _keeps_graph() -> bool:
+    """Whether the running backward was asked to keep the graph (``retain_graph=True``): then what the backward
+    reads must survive it. Unknown (torch without the query) counts as yes."""
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
 
 
 def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, reseed,

@@ -164,3 +164,15 @@ def test_tpu_v5e_keeps_the_recomputation(v5e):
             assert rev.count_ops(r"opt-barrier\(", "pre_optimization") == depth
             assert plain.count_ops(r"opt-barrier\(", "pre_optimization") == 0
             assert rev.count_ops() - plain.count_ops() >= 2 * (depth - 1), (rev.count_ops(), plain.count_ops())
+
+
+def test_backward_drops_the_saved_output_streams():
+    """The backward frees the two saved output streams once it has rebuilt the last layer's input (RevLib's peak),
+    unless the graph is retained: then they must outlive the backward, which costs exactly two streams more."""
+    torch.manual_seed(0)
+    model = revlib.ReversibleSequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(8)],
+                                 split_dim=-1)
+    x = torch.randn(4, 8, 32, requires_grad=True)
+    freed = memory.eager_peak(lambda m, inp: m(inp).mean().backward(), model, x)
+    retained = memory.eager_peak(lambda m, inp: m(inp).mean().backward(retain_graph=True), model, x)
+    assert retained.total - freed.total == 2 * x.numel() // 2 * x.element_size()
