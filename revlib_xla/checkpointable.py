@@ -117,9 +117,9 @@ class _Run:
         self.preserve_rng = owner.preserve_rng_state
 
     # -- running one stage, with the random numbers of its first run -------------------------------------------
-    def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False) -> Any:
-        stage = self.stages[i]
-        fn = stage.inverse if inverse else stage
+    def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False, option: int = 0) -> Any:
+        stage = self.stages[i] if option == 0 else self.owner.stage_options[i][option - 1][1]
+        fn = self.stages[i].inverse if inverse else stage
         if not recompute:
             if self.preserve_rng and i not in self.rng:
                 self.rng[i] = backend.RngState.capture(self.device)
@@ -164,7 +164,7 @@ class _Run:
                     self._barrier(i, self.grad.get(self._pending_grad()))
                 inp = grad_leaves(self._input(i))
                 with torch.enable_grad():
-                    out = self._call(i, inp, recompute=backward)
+                    out = self._call(i, inp, recompute=backward, option=op.option)
                 self.xbar[i + 1] = (inp, out)
             elif op.kind == "B":
                 inp, out = self.xbar.pop(i + 1)
@@ -181,7 +181,7 @@ class _Run:
                 del later
                 inp = grad_leaves(rebuilt)
                 with torch.enable_grad():
-                    out = self._call(i, inp, recompute=True)
+                    out = self._call(i, inp, recompute=True, option=op.option)
                 self._backward(out, self.grad.pop(i + 1))
                 self.grad[i] = _input_grads(inp)
                 del out

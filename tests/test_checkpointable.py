@@ -255,3 +255,41 @@ def test_cuda_peak_within_budget():
             assert max_rel_err(g, r) <= 1e-10
         peak = torch.cuda.max_memory_allocated(device) - start
         assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_stage_options_are_planned_and_run():
+    """A stage may offer another way to run with autograd (here: the same block under torch.utils.checkpoint,
+    which keeps only its input): the planner measures it, picks it where memory is tight, and the executor runs
+    it; gradients stay exact."""
+    model, x = small_gpt(depth=3)
+    weights = torch.randn(model(x).shape, dtype=torch.float64)
+
+    def step(m, inp):
+        (m(inp) * weights).sum().backward()
+
+    class Checkpointed(nn.Module):
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, inp):
+            return torch.utils.checkpoint.checkpoint(self.block, inp, use_reentrant=False)
+
+    reference = gradients(model, step, x)
+    options = {i: [("inner checkpoint", Checkpointed(model[i]))] for i in range(1, 7)}
+    checkpointed = revlib.Checkpointable(model, options=options)
+    chain = checkpointed.measure(x)
+    assert all(chain.options[i][0].cbw < chain.cbw[i + 1] for i in range(1, 7))
+    plain_chain = chain.replace(options=[()] * chain.length)
+    low, high = min_memory(plain_chain), no_checkpoint_memory(plain_chain)
+    chosen = []
+    for k in range(1, 20):
+        budget = low + k / 20 * (high - low)
+        with_options = solve(chain, budget)
+        assert with_options.makespan <= solve(plain_chain, budget).makespan
+        if any(op.option for op in with_options.ops):
+            chosen.append(with_options)
+    assert chosen
+    checkpointed.sequence = chosen[0]
+    for g, r in zip(gradients(model, step, x), reference):
+        assert max_rel_err(g, r) <= 1e-10
