@@ -319,6 +319,7 @@ class Checkpointable(nn.Module):
         self.sequence: Optional[Schedule] = None
         self.measurements: List[StageMeasurement] = []
         self._signature: Optional[Tuple] = None
+        self._sample: Any = None
         self._input_structure: Any = None
         if input is not None:
             self.measure(input)
@@ -389,6 +390,7 @@ class Checkpointable(nn.Module):
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
+        self._sample = _detached(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
         self._input_structure = _structure(sample_input)
         self.sequence = None
         return self.chain
@@ -454,6 +456,54 @@ class Checkpointable(nn.Module):
             free, _ = torch.cuda.mem_get_info(device)
             return min(plain, 0.9 * free)
         return plain
+
+    def fit_to_tpu(self, hbm_bytes: float, loss_fn: Optional[Any] = None, generation: Optional[str] = None,
+                   probes: int = 6) -> Schedule:
+        """Plan for a TPU without one: the fastest schedule found whose training step, compiled deviceless for
+        the TPU ``generation`` (default: ``tpu_generation``), fits ``hbm_bytes`` of HBM as the TPU compiler counts
+        it (parameters, gradients, activations, temporaries and code: the whole step).
+
+        Per-stage sizes do not add up exactly under XLA's whole-program optimization, so this closes the loop: a
+        binary search over the planner's budget, between the smallest one and the no-checkpoint peak, compiling
+        the step at each probe (``probes`` compiles after the two ends). ``loss_fn(output)`` makes the step's loss
+        (default: the sum of the output). The model must have been measured on an XLA input. Sets and returns
+        :attr:`sequence`; :attr:`tpu_hbm_bytes` is the compiled peak of that schedule.
+        """
+        from .memory import step_stablehlo, tpu_memory
+
+        if self._sample is None or self.chain is None:
+            raise RuntimeError("Checkpointable.fit_to_tpu: measure the model on an XLA input first "
+                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+        generation = generation or self.tpu_generation or "v5e"
+        loss = loss_fn or (lambda out: sum(t.sum() for t in backend.tensors_in(out)))
+
+        def compiled_peak(budget: float) -> Tuple[Schedule, int]:
+            schedule = self.compute_sequence(budget)
+            text = step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
+            return schedule, tpu_memory(text, generation).hbm_peak_bytes
+
+        low, high = self.min_memory() * 1.02, self.no_checkpoint_memory()
+        schedule, peak = compiled_peak(high)
+        if peak <= hbm_bytes:
+            self.tpu_hbm_bytes = peak
+            return schedule
+        best = None
+        schedule, peak = compiled_peak(low)
+        if peak > hbm_bytes:
+            raise InfeasibleBudget(f"Checkpointable.fit_to_tpu: even the smallest plan needs {peak:.6g} bytes of "
+                                   f"TPU {generation} HBM (compiled deviceless), more than {hbm_bytes:.6g}",
+                                   float(peak))
+        best = (low, schedule, peak)
+        for _ in range(probes):
+            middle = (low + high) / 2
+            schedule, peak = compiled_peak(middle)
+            if peak <= hbm_bytes:
+                low, best = middle, (middle, schedule, peak)
+            else:
+                high = middle
+        self.sequence = self.compute_sequence(best[0])
+        self.tpu_hbm_bytes = best[2]
+        return self.sequence
 
     def get_expected_memory(self) -> float:
         """Peak bytes the schedule needs (activations, their gradients, temporaries; the input, the output and its

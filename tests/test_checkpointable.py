@@ -1,5 +1,6 @@
 """Checkpointable: planned schedules run, give the plain model's gradients, and stay within their budget."""
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -293,3 +294,37 @@ def test_stage_options_are_planned_and_run():
     checkpointed.sequence = chosen[0]
     for g, r in zip(gradients(model, step, x), reference):
         assert max_rel_err(g, r) <= 1e-10
+
+
+def test_fit_to_tpu_finds_a_plan_that_the_tpu_compiler_fits():
+    """Planning for a TPU without one: the schedule chosen for an HBM limit compiles (deviceless, TPU v5e) to a
+    step within the limit and is at least as fast as the smallest plan; a limit that no probe fits is refused.
+
+    (On this model the compiled step of the smallest plan holds more HBM than the no-checkpoint step: the compiled
+    peak is not monotone in the planner's budget, which is why the search compiles.)"""
+    if not backend.xla_available() or importlib.util.find_spec("libtpu") is None:
+        pytest.skip("needs torch_xla and libtpu (pip install 'revlib_xla[xla,tpu-compile]')")
+    from revlib_xla import memory
+
+    device = backend.device_for("xla")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 512), nn.Tanh(), nn.Linear(512, 128)) for _ in range(6)])
+    model = model.to(device)
+    x = torch.randn(512, 128).to(device)
+    checkpointed = revlib.Checkpointable(model, input=x)
+
+    def compiled(budget):
+        schedule = checkpointed.compute_sequence(budget)
+        text = memory.step_stablehlo(lambda m, inp: checkpointed(inp).sum().backward(), model, x)
+        return schedule, memory.tpu_memory(text, "v5e").hbm_peak_bytes
+
+    smallest_plan, smallest = compiled(checkpointed.min_memory() * 1.02)
+    _, largest = compiled(checkpointed.no_checkpoint_memory())
+    limit = (smallest + largest) / 2
+    schedule = checkpointed.fit_to_tpu(limit, probes=3)
+    assert checkpointed.tpu_hbm_bytes <= limit
+    text = memory.step_stablehlo(lambda m, inp: checkpointed(inp).sum().backward(), model, x)
+    assert memory.tpu_memory(text, "v5e").hbm_peak_bytes == checkpointed.tpu_hbm_bytes
+    assert schedule.makespan <= smallest_plan.makespan
+    with pytest.raises(InfeasibleBudget, match="even the smallest plan needs"):
+        checkpointed.fit_to_tpu(min(smallest, largest) / 2, probes=1)
