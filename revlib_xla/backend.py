@@ -23,7 +23,7 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint",
+    "sync", "is_tracing_lazily", "checkpoint", "kernel_platform", "xla_runtime_type",
 ]
 
 
@@ -314,3 +314,26 @@ def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:
     if not xla_tensors or len(xla_tensors) != len(tensors):
         raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
     return _xla().get_stablehlo(xla_tensors)
+
+
+def xla_runtime_type() -> Optional[str]:
+    """The PJRT device type torch_xla runs on (``'TPU'``, ``'CPU'``, ...), or None without torch_xla."""
+    if not xla_available():
+        return None
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def kernel_platform(tensor: torch.Tensor) -> str:
+    """Which hand-written kernels serve this tensor: ``'triton'`` (cuda, triton installed), ``'pallas'`` (xla on a
+    TPU) or ``'reference'`` (everything else: cpu, xla on the CPU). ``REVLIB_XLA_KERNELS=reference`` forces the
+    pure-PyTorch reference everywhere."""
+    if os.environ.get("REVLIB_XLA_KERNELS", "auto") == "reference":
+        return "reference"
+    kind = device_kind(tensor)
+    if kind == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    if kind == "xla" and xla_runtime_type() == "TPU":
+        return "pallas"
+    return "reference"
