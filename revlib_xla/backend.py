@@ -23,7 +23,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "kernel_platform", "xla_runtime_type",
+    "sync", "is_tracing_lazily", "checkpoint", "kernel_platform", "xla_runtime_type", "HostCopy", "to_host",
+    "prefetch_to_device", "to_device", "host_annotations",
 ]
 
 
@@ -337,3 +338,104 @@ def kernel_platform(tensor: torch.Tensor) -> str:
     if kind == "xla" and xla_runtime_type() == "TPU":
         return "pallas"
     return "reference"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Keeping tensors in host memory between the forward and the backward pass (activation offload).
+
+_FORCE_HOST_ANNOTATIONS: List[Optional[bool]] = [None]
+
+
+@contextlib.contextmanager
+def host_annotations(enabled: bool = True) -> Iterator[None]:
+    """Within the block, XLA offloads emit ``place_to_host``/``place_to_device`` annotations even on a runtime that
+    cannot execute them (PJRT CPU), so that the HLO can be inspected or compiled for a TPU without running it."""
+    _FORCE_HOST_ANNOTATIONS.append(enabled)
+    try:
+        yield
+    finally:
+        _FORCE_HOST_ANNOTATIONS.pop()
+
+
+def _annotate_on_xla() -> bool:
+    forced = _FORCE_HOST_ANNOTATIONS[-1]
+    if forced is not None:
+        return forced
+    return xla_runtime_type() not in (None, "CPU")  # PJRT CPU fails on the annotate_device_placement custom call
+
+
+class HostCopy:
+    """A tensor kept in host memory for later use on ``device``: ``to_host`` makes one, ``to_device`` ends it.
+
+    cpu: the tensor itself. cuda: a pinned host buffer filled by an asynchronous copy on a side stream (the
+    device tensor's memory is released for reuse once the copy is done: ``record_stream``); ``prefetch_to_device``
+    starts the copy back on the side stream, ``to_device`` waits for it. xla: the tensor annotated for host
+    memory (``place_to_host``), placed back with ``place_to_device``; the TPU compiler schedules both transfers.
+    """
+
+    __slots__ = ("tensor", "device", "event", "on_device", "ready", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device, event: Any = None) -> None:
+        self.tensor, self.device, self.event = tensor, device, event
+        self.on_device: Optional[torch.Tensor] = None
+        self.ready: Any = None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def to_host(tensor: torch.Tensor) -> HostCopy:
+    """Start keeping ``tensor`` in host memory (see :class:`HostCopy`)."""
+    kind = device_kind(tensor)
+    if kind == "cuda":
+        stream = _side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            event = stream.record_event()
+        tensor.record_stream(stream)
+        return HostCopy(host, tensor.device, event)
+    if kind == "xla":
+        if _annotate_on_xla():
+            _xla()
+            from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+            tensor = place_to_host(tensor)
+        return HostCopy(tensor, tensor.device)
+    return HostCopy(tensor, tensor.device)
+
+
+def prefetch_to_device(copy: HostCopy) -> None:
+    """Start moving a :class:`HostCopy` back to its device, if that is asynchronous there (cuda); else nothing."""
+    if copy.device.type != "cuda" or copy.on_device is not None:
+        return
+    stream = _side_stream(copy.device)
+    with torch.cuda.stream(stream):
+        stream.wait_event(copy.event)
+        copy.on_device = copy.tensor.to(copy.device, non_blocking=True)
+        copy.ready = stream.record_event()
+
+
+def to_device(copy: HostCopy) -> torch.Tensor:
+    """The tensor of a :class:`HostCopy`, back on its device and usable on the current stream."""
+    if copy.device.type == "cuda":
+        prefetch_to_device(copy)
+        current = torch.cuda.current_stream(copy.device)
+        current.wait_event(copy.ready)
+        tensor, copy.on_device = copy.on_device, None
+        tensor.record_stream(current)
+        return tensor
+    if copy.device.type == "xla" and _annotate_on_xla():
+        _xla()
+        from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+        return place_to_device(copy.tensor)
+    return copy.tensor
