@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from .. import kernels
-from ..kernels import fewbit_reference
 from .approximation import SUPPORTED_BITS, StepwiseDerivative, optimal_stepwise
 
 Tensor = torch.Tensor
@@ -168,17 +167,6 @@ def write_builtin_tables(path: Path = TABLES_FILE) -> Dict[str, Dict[str, Any]]:
     return tables
 
 
-_LEVELS_CACHE: Dict[Tuple[Tuple[float, ...], torch.device, torch.dtype], Tensor] = {}
-
-
-def _levels_on(levels: Tuple[float, ...], device: torch.device, dtype: torch.dtype) -> Tensor:
-    key = (levels, device, dtype)
-    hit = _LEVELS_CACHE.get(key)
-    if hit is None:
-        hit = _LEVELS_CACHE[key] = torch.tensor(levels, dtype=dtype).to(device)
-    return hit
-
-
 class FewBitFunction(torch.autograd.Function):
     """y = forward(x) exactly; saves the packed codes of x; backward = grad * levels[code]."""
 
@@ -197,8 +185,7 @@ class FewBitFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None]:
         (packed,) = ctx.saved_tensors
         derivative = ctx.derivative
-        levels = _levels_on(tuple(derivative.levels), grad.device, fewbit_reference.opmath_dtype(grad.dtype))
-        return kernels.stepwise_grad(packed, grad.contiguous(), levels, derivative.bits), None, None
+        return kernels.stepwise_grad(packed, grad.contiguous(), tuple(derivative.levels), derivative.bits), None, None
 
 
 def _check_input(name: str, x: Any) -> None:
