@@ -18,12 +18,12 @@ from .conversion import convert_linear, map_module
 from .modules import (CELU, ELU, GELU, MODULES, SELU, FewBitActivation, Hardshrink, Hardsigmoid, Hardswish,
                       Hardtanh, LeakyReLU, LogSigmoid, Mish, ReLU, ReLU6, Sigmoid, SiLU, Softplus, Softshrink,
                       Softsign, Tanh, Tanhshrink, Threshold, activation, convert_activation)
-from .randomized_linear import RandomizedLinear, randomized_linear
+from .randomized_linear import LinearGRP, RandomizedLinear, randomized_linear
 
 __all__ = [
     "CELU", "ELU", "GELU", "Hardswish", "LogSigmoid", "Mish", "SELU", "Sigmoid", "SiLU", "Softplus", "Softsign",
     "Tanh", "Tanhshrink", "LeakyReLU", "ReLU", "Threshold", "Hardsigmoid", "Hardtanh", "ReLU6", "Hardshrink",
     "Softshrink", "FewBitActivation", "activation", "convert_activation", "MODULES", "SMOOTH", "PIECEWISE",
-    "functional", "RandomizedLinear", "randomized_linear", "convert_linear", "map_module", "stepwise_table",
+    "functional", "RandomizedLinear", "LinearGRP", "randomized_linear", "convert_linear", "map_module", "stepwise_table",
     "optimal_stepwise", "StepwiseDerivative", "SUPPORTED_BITS",
 ]

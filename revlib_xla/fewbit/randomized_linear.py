@@ -24,7 +24,7 @@ from .. import backend
 
 Tensor = torch.Tensor
 
-__all__ = ["RandomizedLinear", "randomized_linear", "SKETCHES"]
+__all__ = ["RandomizedLinear", "LinearGRP", "randomized_linear", "SKETCHES"]
 
 SKETCHES = ("gaussian", "rademacher")
 
@@ -128,3 +128,7 @@ class RandomizedLinear(nn.Linear):
     def extra_repr(self) -> str:
         size = f"proj_dim_ratio={self.proj_dim_ratio}" if self.proj_dim is None else f"proj_dim={self.proj_dim}"
         return f"{super().extra_repr()}, {size}, matmul={self.matmul!r}"
+
+
+#: FewBit's other name for it (Gaussian random projection).
+LinearGRP = RandomizedLinear
