@@ -150,7 +150,7 @@ def test_packing_is_exact_for_odd_sizes():
             packed = ref.pack(codes, bits)
             assert packed.dtype == torch.uint8 and packed.numel() == ref.packed_bytes(n, bits)
             assert packed.numel() * 8 < bits * n + 8 * bits  # bits per element plus less than one group
-            assert torch.equal(ref.unpack(packed, bits, n), codes.long())
+            assert torch.equal(ref.unpack(packed, bits, n), codes.int())
 
 
 def test_no_grad_saves_nothing():

@@ -76,4 +76,5 @@ def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[flo
 
         return fewbit_pallas.stepwise_grad_torch_xla(packed, grad, levels, bits)
     return reference.lookup(reference.unpack(packed, bits, grad.numel()), grad,
-                            levels_tensor(levels, grad.device, grad.dtype))
+                            levels_tensor(levels, grad.device, grad.dtype),
+                            gather=not backend.is_tracing_lazily(grad))

@@ -1,7 +1,8 @@
 """The @triton.jit kernels behind :mod:`.fewbit_triton` (imported on first use: importing triton here, at module
 level, is what lets ``TRITON_INTERPRET=1`` interpret them). Each program handles ``BLOCK_GROUPS`` packing groups,
-one group per lane, looping over the codes of a group; no ``tl.sum`` (a library @jit function, which the
-interpreter only interprets when triton itself was imported with ``TRITON_INTERPRET=1``)."""
+one group per lane, looping over the planes of the layout (:mod:`.fewbit_reference`); consecutive lanes read
+consecutive elements. No ``tl.sum``/``tl.zeros``-style library @jit functions: the interpreter only interprets
+those when triton itself was imported with ``TRITON_INTERPRET=1``."""
 import triton
 import triton.language as tl
 
@@ -10,30 +11,33 @@ import triton.language as tl
 def encode_kernel(x_ptr, borders_ptr, out_ptr, n, groups, NUM_BORDERS: tl.constexpr, BITS: tl.constexpr,
                   GROUP_SIZE: tl.constexpr, BYTES: tl.constexpr, BLOCK_GROUPS: tl.constexpr):
     group = tl.program_id(0) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    value = tl.zeros([BLOCK_GROUPS], dtype=tl.int32)
+    in_range = group < groups
+    value = group * 0
     for j in tl.static_range(GROUP_SIZE):
-        index = group * GROUP_SIZE + j
-        x = tl.load(x_ptr + index, mask=index < n, other=0.0).to(tl.float32)
-        code = tl.zeros([BLOCK_GROUPS], dtype=tl.int32)
+        index = j * groups + group
+        inside = in_range & (index < n)
+        x = tl.load(x_ptr + index, mask=inside, other=0.0).to(tl.float32)
+        code = group * 0
         for k in tl.static_range(NUM_BORDERS):
             code += (x > tl.load(borders_ptr + k)).to(tl.int32)
-        code = tl.where(index < n, code, 0)
+        code = tl.where(inside, code, 0)
         value = value | (code << (j * BITS))
     for i in tl.static_range(BYTES):
-        tl.store(out_ptr + group * BYTES + i, ((value >> (8 * i)) & 255).to(tl.uint8), mask=group < groups)
+        tl.store(out_ptr + i * groups + group, ((value >> (8 * i)) & 255).to(tl.uint8), mask=in_range)
 
 
 @triton.jit
 def grad_kernel(packed_ptr, grad_ptr, levels_ptr, out_ptr, n, groups, BITS: tl.constexpr,
                 GROUP_SIZE: tl.constexpr, BYTES: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BF16_BITS: tl.constexpr):
     group = tl.program_id(0) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
-    value = tl.zeros([BLOCK_GROUPS], dtype=tl.int32)
+    in_range = group < groups
+    value = group * 0
     for i in tl.static_range(BYTES):
-        byte = tl.load(packed_ptr + group * BYTES + i, mask=group < groups, other=0).to(tl.int32)
+        byte = tl.load(packed_ptr + i * groups + group, mask=in_range, other=0).to(tl.int32)
         value = value | (byte << (8 * i))
     for j in tl.static_range(GROUP_SIZE):
-        index = group * GROUP_SIZE + j
-        inside = index < n
+        index = j * groups + group
+        inside = in_range & (index < n)
         code = (value >> (j * BITS)) & ((1 << BITS) - 1)
         level = tl.load(levels_ptr + code, mask=inside, other=0.0)
         grad = tl.load(grad_ptr + index, mask=inside, other=0.0).to(tl.float32)

@@ -6,16 +6,18 @@ for bit:
 * **code**: element x gets code k = number of borders b with ``x > b`` (interval ``(b_{k-1}, b_k]``), the
   comparison done in float32 (float64 for float64 input; bfloat16 and float16 convert to float32 exactly); NaN gets
   code 0. A *band* code is 1 where ``lo < x < hi`` (or ``lo <= x <= hi`` when closed), else 0.
-* **pack**: codes of ``bits`` bits are packed in groups: a group of ``GROUP[bits]`` codes (8 for 1 and 3 bits, 4
-  for 2 bits, 2 for 4 bits) is the little-endian integer ``sum(code_j << (bits * j))``, stored as
-  ``bits * GROUP[bits] / 8`` little-endian bytes. n codes take ``bits * ceil(n / GROUP) * GROUP / 8`` bytes:
-  exactly ``bits`` bits per element, plus at most one group of padding.
+* **pack**: codes of ``bits`` bits are packed in groups of ``GROUP[bits]`` codes (8 for 1 and 3 bits, 4 for 2 bits,
+  2 for 4 bits), laid out in planes so that every step is an elementwise operation on long vectors (what TPUs and
+  coalesced GPU loads want; a (groups, 8) layout is padded to 128 lanes on a TPU): the n codes, padded with zeros
+  to G * GROUP (G = ceil(n / GROUP)), form GROUP planes of G codes (code e is lane e // G of group e % G); group g
+  is the integer ``sum_j code[j * G + g] << (bits * j)``, and its byte i is stored at ``i * G + g``. n codes take
+  ``bits * G * GROUP / 8`` bytes: exactly ``bits`` bits per element, plus at most one group of padding.
 * **lookup**: ``grad_in = (grad.to(opmath) * levels[code]).to(grad.dtype)`` with opmath float32 (float64 for
   float64 gradients): one rounding, as the kernels do.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -56,36 +58,49 @@ def band_codes(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed
     return inside.to(torch.uint8)
 
 
-def _powers(base_bits: int, count: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([1 << (base_bits * j) for j in range(count)], dtype=torch.int32, device=device)
+def _planes(numel: int, bits: int) -> Tuple[int, int, int]:
+    """(codes per group, bytes per group, number of groups G) for ``numel`` codes."""
+    group = GROUP[bits]
+    return group, bits * group // 8, -(-numel // group)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Flat uint8 codes (each < 2**bits) -> packed uint8 bytes (see the module docstring for the layout)."""
-    group = GROUP[bits]
-    per_group = bits * group // 8
-    pad = (-codes.numel()) % group
+    group, per_group, groups = _planes(codes.numel(), bits)
+    pad = groups * group - codes.numel()
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
-    value = (codes.view(-1, group).to(torch.int32) * _powers(bits, group, codes.device)).sum(1, dtype=torch.int32)
+    planes = codes.view(group, groups).to(torch.int32)
+    value = planes[0]
+    for j in range(1, group):
+        value = value | (planes[j] << (bits * j))
     if per_group == 1:
         return value.to(torch.uint8)
-    shifts = torch.arange(0, 8 * per_group, 8, dtype=torch.int32, device=codes.device)
-    return (torch.bitwise_right_shift(value.unsqueeze(1), shifts) & 255).to(torch.uint8).reshape(-1)
+    return torch.cat([((value >> (8 * i)) & 255).to(torch.uint8) for i in range(per_group)])
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Packed bytes -> the first ``numel`` codes, as int64 indices."""
-    group = GROUP[bits]
-    per_group = bits * group // 8
-    value = (packed.view(-1, per_group).to(torch.int32) * _powers(8, per_group, packed.device)).sum(
-        1, dtype=torch.int32)
-    shifts = torch.arange(0, bits * group, bits, dtype=torch.int32, device=packed.device)
-    codes = torch.bitwise_right_shift(value.unsqueeze(1), shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:numel].to(torch.int64)
+    """Packed bytes -> the first ``numel`` codes, as int32 indices."""
+    group, per_group, groups = _planes(numel, bits)
+    planes = packed.view(per_group, groups).to(torch.int32)
+    value = planes[0]
+    for i in range(1, per_group):
+        value = value | (planes[i] << (8 * i))
+    mask = (1 << bits) - 1
+    codes = torch.cat([(value >> (bits * j)) & mask for j in range(group)])
+    return codes[:numel]
 
 
-def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """``grad * levels[codes]`` in opmath precision, rounded once to the gradient's dtype; the gradient's shape."""
-    level = levels.index_select(0, codes).view(grad.shape)
-    return (grad.to(levels.dtype) * level).to(grad.dtype)
+def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather: bool = True) -> torch.Tensor:
+    """``grad * levels[codes]`` in opmath precision, rounded once to the gradient's dtype; the gradient's shape.
+
+    ``gather=False`` looks the levels up with a chain of selects instead of a gather (the same values; what a TPU
+    does well: ``2**bits`` fused elementwise passes rather than a gather).
+    """
+    if gather:
+        level = levels.index_select(0, codes)
+    else:
+        level = levels[0].expand(codes.shape)
+        for k in range(1, levels.numel()):
+            level = torch.where(codes == k, levels[k], level)
+    return (grad.to(levels.dtype) * level.view(grad.shape)).to(grad.dtype)
