@@ -45,7 +45,7 @@ def test_triton_kernels_equal_the_reference_bit_for_bit():
     done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpret_check.py"))],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("bit-exact") == 4 * 3 * 4
+    assert done.stdout.count("bit-exact") == 4 * 3 * 3
 
 
 def _jax_or_skip():
@@ -77,8 +77,10 @@ def test_pallas_kernels_equal_the_reference_bit_for_bit():
 
     with jax.default_device(jax.devices("cpu")[0]):
         for bits, table, dtype, n in _cases():
-            if n not in (13, 4099):
-                continue  # interpret mode is slow; the odd small and the multi-block sizes cover padding
+            # interpret mode is slow: every width in float32, the 16-bit types at 3 bits; an odd small size and a
+            # size of several blocks with a partial last group
+            if n not in (13, 4099) or (dtype != torch.float32 and bits != 3):
+                continue
             x, grad = _data(n, dtype, seed=n + bits)
             expected_packed = ref.pack(ref.stepwise_codes(x, table.borders), bits)
             packed = fewbit_pallas.encode_stepwise(_to_jax(jnp, x), table.borders, bits, interpret=True)

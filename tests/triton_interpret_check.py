@@ -21,7 +21,7 @@ def main() -> int:
     for bits in (1, 2, 3, 4):
         table = fewbit.stepwise_table("gelu", bits)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            for n in (1, 13, 1000, 4099):
+            for n in (1, 13, 4099):
                 g = torch.Generator().manual_seed(n + bits)
                 x, grad = torch.randn(n, generator=g) * 2, torch.randn(n, generator=g)
                 if n > 8:
