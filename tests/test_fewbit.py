@@ -309,3 +309,13 @@ def test_activation_by_name_and_conversion_of_torch_modules():
     assert isinstance(converted[1], fewbit.GELU) and converted[1].params == {"approximate": "tanh"}
     assert converted[1].bits == 2 and isinstance(converted[3], fewbit.LeakyReLU) and converted[3].bits == 1
     assert converted[3].params == {"negative_slope": 0.2} and isinstance(converted[4], nn.Softmax)
+
+
+def test_table_made_inside_saved_tensor_hooks_ignores_them():
+    from revlib_xla.utils import memory_efficient_intermediates
+
+    params = (("alpha", 0.3),)
+    with memory_efficient_intermediates(torch.bfloat16):
+        inside = fewbit.stepwise_table("elu", 1, params)      # computed now, on first use
+    outside = approx.optimal_stepwise(lambda t: F.elu(t, 0.3), 1, (0.0,))
+    assert inside == outside

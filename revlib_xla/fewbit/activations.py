@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
+from .. import backend, kernels
 from .approximation import SUPPORTED_BITS, StepwiseDerivative, optimal_stepwise
 
 Tensor = torch.Tensor
@@ -177,6 +177,9 @@ class FewBitFunction(torch.autograd.Function):
             packed = kernels.encode_band(x, derivative.lo, derivative.hi, derivative.closed)
         else:
             packed = kernels.encode_stepwise(x, derivative.borders, derivative.bits)
+        # Tie the codes to the output: the encode must run when the output is made, so the compiler cannot move it
+        # to the backward pass and keep the full input alive instead (a no-op in eager mode).
+        backend.optimization_barrier_([y, packed])
         ctx.save_for_backward(packed)
         ctx.derivative = derivative
         return y

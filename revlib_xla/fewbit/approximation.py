@@ -19,22 +19,23 @@ How it is solved:
    dJ/db_k = w(b_k) * (l_k - l_{k-1}) * (2 f'(b_k) - l_{k-1} - l_k),
    zero where f'(b_k) is the mean of the two neighbouring levels. Sweeps alternately over the odd and the even
    borders (each half is independent given the other) move every border to the zero of its own derivative with
-   its neighbours fixed, by bisection on the sign of that derivative, until no border moves more than 1e-12. The
+   its neighbours fixed (the minimum is bracketed on a 64-point grid between the neighbours, then located by
+   bisection on the sign of that derivative; a move that would raise J is refused). Every 10 sweeps Newton's method
+   (finite-difference Hessian, backtracking on J) is tried on the borders not sitting at a kink of f'; it is kept
+   only if a further sweep then moves nothing by more than 1e-9. Iteration stops when no border moves by 1e-12. The
    bisection also finds minima at a jump of f' (SELU at 0), where the derivative changes sign without a zero.
 4. Borders are rounded to float32 (the comparison precision of the kernels) and the levels recomputed for them.
 
 The moments S0, S1, S2 come from 32-point Gauss-Legendre quadrature on cells of width <= 1/20 whose ends include
 every kink of f', with f' evaluated by torch autograd in float64, which is accurate to ~1e-15.
-Results are cached per (activation, parameters, bits) in memory; the built-in activations' tables are also stored
-in ``tables.json`` (written by :func:`write_builtin_tables`, i.e. by this optimiser, and checked by the tests).
+The built-in activations' tables are stored in ``tables.json``, written by this optimiser
+(``python -m revlib_xla.fewbit.activations``) and checked against it by the tests; other parameters are computed on
+first use and cached in memory (:func:`revlib_xla.fewbit.stepwise_table`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
-from pathlib import Path
 from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import numpy as np
@@ -47,15 +48,16 @@ _LIMIT = 12.0          # the normal weight beyond +-12 is below 1e-31: the integ
 _CELL = 0.05           # quadrature cell width
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(32)
 _DP_GRID = np.linspace(-8.0, 8.0, 801)
-_TABLES_FILE = Path(__file__).with_name("tables.json")
 
 
 def derivative_of(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[np.ndarray], np.ndarray]:
     """f' as a numpy function, by torch autograd in float64 (f acts elementwise)."""
 
     def derivative(x: np.ndarray) -> np.ndarray:
-        t = torch.tensor(np.asarray(x, dtype=np.float64)).requires_grad_(True)
-        with torch.enable_grad():
+        t = torch.tensor(np.asarray(x, dtype=np.float64), device="cpu").requires_grad_(True)
+        # identity saved-tensor hooks: a table computed on first use inside a caller's hooks (a cast to bfloat16 by
+        # memory_efficient_intermediates, a byte counter) must not go through them
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda v: v, lambda v: v):
             (grad,) = torch.autograd.grad(fn(t).sum(), t)
         return grad.numpy()
 
