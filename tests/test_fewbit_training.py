@@ -130,3 +130,30 @@ def test_xla_training_step_compiles_once():
     assert compiled is None or compiled[0] == 0, met.short_metrics_report()
     assert met.counter_value("CachedCompile") >= 3
     assert all(l == l for l in losses)
+
+
+def test_xla_graph_ties_codes_and_sketches_to_the_forward():
+    """One optimization barrier per few-bit activation and per RandomizedLinear ties the codes / sketch to the
+    layer's output, so the TPU compiler cannot move the encode into the backward and keep the full input alive (it
+    did, before: see README, "Memory, FewBit's README table reproduced")."""
+    from revlib_xla import memory
+
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+
+    def mlp():
+        torch.manual_seed(0)
+        return nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))])
+
+    def step(model, x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    x = torch.randn(64, 16)
+    plain = memory.step_stablehlo(step, mlp(), x)
+    gelu = memory.step_stablehlo(step, fewbit.map_module(mlp(), lambda m: fewbit.convert_activation(m, bits=3)), x)
+    sketch = memory.step_stablehlo(step, fewbit.map_module(
+        mlp(), lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=0.2)), x)
+    barrier = "stablehlo.optimization_barrier"
+    assert (plain.count(barrier), gelu.count(barrier), sketch.count(barrier)) == (0, 3, 6)
