@@ -21,7 +21,6 @@ import copy
 import datetime
 import importlib.util
 import json
-import math
 import platform
 import sys
 from pathlib import Path

@@ -11,7 +11,6 @@
 * Bad input: unsupported bit widths, integer tensors, activations with no few-bit form.
 """
 import json
-import math
 
 import numpy as np
 import pytest

@@ -6,7 +6,6 @@ out of place (the memory saved is in what backward keeps, not in the output).
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
