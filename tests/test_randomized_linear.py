@@ -98,3 +98,19 @@ def test_bad_input_is_named():
         layer(torch.ones(2, 5))
     with pytest.raises(TypeError, match="must return an nn.Module"):
         map_module(nn.Sequential(nn.Linear(2, 2)), lambda m: None)
+
+
+def test_autocast_matches_linear_forward_and_input_gradient():
+    torch.manual_seed(0)
+    plain = nn.Linear(24, 16)
+    rand = convert_linear(plain, fewbit.RandomizedLinear, proj_dim_ratio=0.5)
+    x = torch.randn(32, 24, requires_grad=True)
+    results = []
+    for layer in (plain, rand):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = layer(x)
+        dx, dw = torch.autograd.grad(out.float().pow(2).sum(), [x, layer.weight])
+        results.append((out, dx, dw))
+    (out, dx, dw), (rout, rdx, rdw) = results
+    assert rout.dtype == out.dtype == torch.bfloat16 and torch.equal(rout, out)
+    assert rdx.dtype == torch.float32 and torch.equal(rdx, dx) and rdw.dtype == dw.dtype == torch.float32

@@ -51,18 +51,21 @@ class _RandomizedLinearFunction(torch.autograd.Function):
             sketched = _sketch(kind, proj_dim, rows.shape[0], seed, rows) @ rows
             backend.optimization_barrier_([out, sketched])  # as in the few-bit activations: sketch now
         ctx.save_for_backward(sketched, weight if x.requires_grad else None)
-        ctx.meta = (kind, seed, proj_dim, x.shape, bias is not None and bias.requires_grad)
+        ctx.meta = (kind, seed, proj_dim, x.shape, bias is not None and bias.requires_grad, rows.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         sketched, weight = ctx.saved_tensors
-        kind, seed, proj_dim, shape, bias_grad = ctx.meta
+        kind, seed, proj_dim, shape, bias_grad, input_dtype = ctx.meta
         g = grad.reshape(-1, grad.shape[-1])
-        dx = (g @ weight).view(shape) if weight is not None else None
+        # Under autocast the forward computed in a lower precision than the parameters: the backward computes in
+        # the gradient's dtype, and S is drawn exactly as in the forward (in the input's dtype), then cast.
+        dx = (g @ weight.to(g.dtype)).view(shape) if weight is not None else None
         dw = None
         if sketched is not None:
-            dw = (_sketch(kind, proj_dim, g.shape[0], seed, g) @ g).t() @ sketched
+            s = _sketch(kind, proj_dim, g.shape[0], seed, g.new_empty((), dtype=input_dtype)).to(g.dtype)
+            dw = (s @ g).t() @ sketched.to(g.dtype)
         db = g.sum(0) if bias_grad else None
         return dx, dw, db, None, None, None
 
