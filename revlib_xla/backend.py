@@ -23,8 +23,9 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
     "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "to_host", "to_device", "pin_host_tensor_", "Transfer",
-    "DeviceCopier", "to_host_blocking", "cut_graph", "host_placement_executes", "place_on_host", "place_on_device",
+    "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
+    "cut_graph", "host_placement_executes", "place_on_host", "place_on_device", "kernel_platform",
+    "xla_runtime_type", "HostCopy", "to_host", "prefetch_to_device", "to_device", "host_annotations",
 ]
 
 
@@ -304,38 +305,6 @@ def tensors_in(obj: Any) -> Iterable[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def to_host(obj: Any) -> Any:
-    """The tensors in ``obj`` (nested tuples/lists) moved to host memory, for offloading a saved activation.
-
-    cuda: pinned memory, copied without blocking the host (ordered on the current stream). xla: annotated to live in
-    host memory inside the graph (:func:`place_on_host`; unchanged on PJRT CPU, which cannot execute it). cpu: a
-    copy (the host is the device).
-    """
-    if isinstance(obj, torch.Tensor):
-        kind = device_kind(obj)
-        if kind == "xla":
-            return place_on_host(obj)
-        if kind == "cuda":
-            out = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
-            return out.copy_(obj, non_blocking=True)
-        return obj.clone()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_host(item) for item in obj)
-    return obj
-
-
-def to_device(obj: Any, device: DeviceLike) -> Any:
-    """The tensors in ``obj`` back on ``device`` (non-blocking from pinned host memory; on xla
-    :func:`place_on_device`)."""
-    if isinstance(obj, torch.Tensor):
-        if device_kind(obj) == "xla":
-            return place_on_device(obj)
-        return obj.to(_as_device(device), non_blocking=True)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(item, device) for item in obj)
-    return obj
-
-
 def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:
     """The StableHLO text of the pending XLA graph that computes ``tensors`` (nothing is compiled or run).
 
@@ -449,18 +418,14 @@ def cut_graph(device: DeviceLike) -> None:
 def host_placement_executes() -> bool:
     """Whether XLA graphs with host-memory placement annotations can run here: on TPU (and GPU) PJRT, not on PJRT
     CPU, whose runtime has no handler for them (the graph compiles, and fails when executed)."""
-    if not xla_available():
-        return False
-    import torch_xla.runtime as xr
-
-    return xr.device_type() not in (None, "CPU")
+    return xla_runtime_type() not in (None, "CPU")
 
 
 def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
     """XLA: ``tensor`` annotated to live in pinned host memory inside the graph (``place_to_host``), e.g. an
     activation saved for the backward. Other devices, and XLA where the annotation cannot execute (PJRT CPU), get
     ``tensor`` unchanged unless ``annotate=True`` (to inspect the HLO or compile it for TPU without running it)."""
-    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+    if device_kind(tensor) != "xla" or not (_annotate_on_xla() if annotate is None else annotate):
         return tensor
     from torch_xla.experimental.stablehlo_custom_call import place_to_host
 
@@ -469,8 +434,123 @@ def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torc
 
 def place_on_device(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
     """The counterpart of :func:`place_on_host` (``place_to_device``): bring an annotated tensor back to HBM."""
-    if device_kind(tensor) != "xla" or not (host_placement_executes() if annotate is None else annotate):
+    if device_kind(tensor) != "xla" or not (_annotate_on_xla() if annotate is None else annotate):
         return tensor
     from torch_xla.experimental.stablehlo_custom_call import place_to_device
 
     return place_to_device(tensor)
+
+def xla_runtime_type() -> Optional[str]:
+    """The PJRT device type torch_xla runs on (``'TPU'``, ``'CPU'``, ...), or None without torch_xla."""
+    if not xla_available():
+        return None
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def kernel_platform(tensor: torch.Tensor) -> str:
+    """Which hand-written kernels serve this tensor: ``'triton'`` (cuda, triton installed), ``'pallas'`` (xla on a
+    TPU) or ``'reference'`` (everything else: cpu, xla on the CPU). ``REVLIB_XLA_KERNELS=reference`` forces the
+    pure-PyTorch reference everywhere."""
+    if os.environ.get("REVLIB_XLA_KERNELS", "auto") == "reference":
+        return "reference"
+    kind = device_kind(tensor)
+    if kind == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    if kind == "xla" and xla_runtime_type() == "TPU":
+        return "pallas"
+    return "reference"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Keeping tensors in host memory between the forward and the backward pass (activation offload).
+
+_FORCE_HOST_ANNOTATIONS: List[Optional[bool]] = [None]
+
+
+@contextlib.contextmanager
+def host_annotations(enabled: bool = True) -> Iterator[None]:
+    """Within the block, XLA offloads emit ``place_to_host``/``place_to_device`` annotations even on a runtime that
+    cannot execute them (PJRT CPU), so that the HLO can be inspected or compiled for a TPU without running it."""
+    _FORCE_HOST_ANNOTATIONS.append(enabled)
+    try:
+        yield
+    finally:
+        _FORCE_HOST_ANNOTATIONS.pop()
+
+
+def _annotate_on_xla() -> bool:
+    forced = _FORCE_HOST_ANNOTATIONS[-1]
+    if forced is not None:
+        return forced
+    return host_placement_executes()
+
+
+class HostCopy:
+    """A tensor kept in host memory for later use on ``device``: ``to_host`` makes one, ``to_device`` ends it.
+
+    cpu: the tensor itself. cuda: a pinned host buffer filled by an asynchronous copy on a side stream (the
+    device tensor's memory is released for reuse once the copy is done: ``record_stream``); ``prefetch_to_device``
+    starts the copy back on the side stream, ``to_device`` waits for it. xla: the tensor annotated for host
+    memory (``place_to_host``), placed back with ``place_to_device``; the TPU compiler schedules both transfers.
+    """
+
+    __slots__ = ("tensor", "device", "event", "on_device", "ready", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, device: torch.device, event: Any = None) -> None:
+        self.tensor, self.device, self.event = tensor, device, event
+        self.on_device: Optional[torch.Tensor] = None
+        self.ready: Any = None
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return stream
+
+
+def to_host(tensor: torch.Tensor) -> HostCopy:
+    """Start keeping ``tensor`` in host memory (see :class:`HostCopy`)."""
+    kind = device_kind(tensor)
+    if kind == "cuda":
+        stream = _side_stream(tensor.device)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor, non_blocking=True)
+            event = stream.record_event()
+        tensor.record_stream(stream)
+        return HostCopy(host, tensor.device, event)
+    if kind == "xla":
+        return HostCopy(place_on_host(tensor), tensor.device)
+    return HostCopy(tensor, tensor.device)
+
+
+def prefetch_to_device(copy: HostCopy) -> None:
+    """Start moving a :class:`HostCopy` back to its device, if that is asynchronous there (cuda); else nothing."""
+    if copy.device.type != "cuda" or copy.on_device is not None:
+        return
+    stream = _side_stream(copy.device)
+    with torch.cuda.stream(stream):
+        stream.wait_event(copy.event)
+        copy.on_device = copy.tensor.to(copy.device, non_blocking=True)
+        copy.ready = stream.record_event()
+
+
+def to_device(copy: HostCopy) -> torch.Tensor:
+    """The tensor of a :class:`HostCopy`, back on its device and usable on the current stream."""
+    if copy.device.type == "cuda":
+        prefetch_to_device(copy)
+        current = torch.cuda.current_stream(copy.device)
+        current.wait_event(copy.ready)
+        tensor, copy.on_device = copy.on_device, None
+        tensor.record_stream(current)
+        return tensor
+    if copy.device.type == "xla":
+        return place_on_device(copy.tensor)
+    return copy.tensor

@@ -189,9 +189,12 @@ class _Run:
                     self.x[i] = _detached(rebuilt)
                 del inp, rebuilt
             elif op.kind == "WM":
-                self.host[i] = backend.to_host(self.x.pop(i))
+                x = self.x.pop(i)
+                self.host[i] = (_structure(x), [backend.to_host(t) for t in backend.tensors_in(x)])
+                del x
             elif op.kind == "RM":
-                self.x[i] = backend.to_device(self.host.pop(i), self.device)
+                structure, copies = self.host.pop(i)
+                self.x[i] = _rebuild(structure, [backend.to_device(c) for c in copies])
             elif op.kind == "L":
                 pass
 

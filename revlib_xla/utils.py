@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .coupling import COUPLING
+from .intermediates import memory_efficient_intermediates
 from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential, _not_yet
 
 Tensor = torch.Tensor
@@ -196,11 +197,3 @@ def module_list_to_momentum_net(module: nn.ModuleList, split_dim: Optional[int] 
                        coupling_inverse=coupling_inverse, memory_mode=memory_mode, target_device=target_device,
                        fused_optimizer=fused_optimizer, beta=beta, **kwargs)
     return nn.ModuleList([ReversibleStack(net, beta, len(blocks))])
-
-
-def memory_efficient_intermediates(storage_dtype: Optional[torch.dtype] = None, storage_device: Optional[str] = None,
-                                   tensor_filter: Callable[[Tensor], bool] = is_float):
-    """RevLib's cast/offload of saved intermediates: not available yet (see the error)."""
-    raise _not_yet("memory_efficient_intermediates",
-                   "Smaller saved activations: FewBit's few-bit activations, RandomizedLinear and "
-                   "memory_efficient_intermediates")

@@ -586,11 +586,3 @@ def test_layerwise_length_mismatch():
     model = ReversibleSequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(revlib.ReversibleError, match="has 1 entries but the model has 2 layers"):
         model(torch.randn(1, 4), layerwise_args_kwargs=[([], {})])
-
-
-def test_memory_efficient_intermediates_raises_not_implemented():
-    # target_device, fused_optimizer and offload_tensor are delivered: tests/test_offload.py,
-    # tests/test_fused_optimizer.py
-    from revlib_xla.utils import memory_efficient_intermediates
-    with pytest.raises(NotImplementedError, match="memory_efficient_intermediates"):
-        memory_efficient_intermediates(torch.half)

@@ -1,0 +1,146 @@
+"""Cast and/or offload every tensor autograd saves for backward: RevLib's ``memory_efficient_intermediates``.
+
+Inside ``with memory_efficient_intermediates(storage_dtype=torch.bfloat16, storage_device="cpu"):`` each saved
+floating-point activation is stored in ``storage_dtype`` and/or in host memory, and restored (to its own dtype and
+device) when the backward pass needs it. The forward computes exactly as without it; gradients change only by the
+rounding of the stored activations.
+
+* eager (cpu, cuda): ``torch.autograd.graph.saved_tensors_hooks``. On cuda the host copies go to pinned memory on
+  a side stream, and the backward prefetches the next two activations it will need while it uses one. A tensor
+  saved twice (a ``tanh`` output that the next ``Linear`` saves as its input) is stored once.
+* xla: the same hooks put casts and ``place_to_host``/``place_to_device`` annotations into the graph; the TPU
+  compiler turns them into transfers. PJRT CPU cannot execute the annotations, so there they are left out
+  (identity) unless :func:`revlib_xla.backend.host_annotations` asks for them (to inspect or compile the HLO).
+
+Not converted: parameters and other leaf tensors that require grad (they stay alive in the model anyway: a copy
+would only add memory), and tensors ``tensor_filter`` rejects (default: floating-point ones are converted).
+
+Nothing outlives the autograd graph that saved it, so the context may wrap a whole training loop (RevLib's may
+not).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from . import backend
+
+Tensor = torch.Tensor
+
+__all__ = ["memory_efficient_intermediates", "MemoryEfficientIntermediates"]
+
+_PREFETCH_AHEAD = 2
+
+
+def _is_float(tensor: Tensor) -> bool:
+    return tensor.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _held_elsewhere(tensor: Tensor) -> bool:
+    """Parameters (and views of them, ``weight.t()``) and other leaves that require grad."""
+    base = tensor._base if tensor._base is not None else tensor
+    return base.is_leaf and base.requires_grad
+
+
+class _Stored:
+    __slots__ = ("value", "dtype", "offloaded", "restored", "__weakref__")
+
+    def __init__(self, value: Any, dtype: torch.dtype, offloaded: bool) -> None:
+        self.value, self.dtype, self.offloaded = value, dtype, offloaded
+        self.restored: Optional[Tensor] = None  # XLA: one place_to_device per stored tensor, however often used
+
+
+class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
+    """The context manager :func:`memory_efficient_intermediates` returns."""
+
+    def __init__(self, storage_dtype: Optional[torch.dtype] = None,
+                 storage_device: Union[str, torch.device, None] = None,
+                 tensor_filter: Callable[[Tensor], bool] = _is_float) -> None:
+        if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype)
+                                          or not storage_dtype.is_floating_point):
+            raise TypeError(f"storage_dtype must be a floating-point torch.dtype, got {storage_dtype!r}")
+        if storage_device is not None and torch.device(storage_device).type != "cpu":
+            raise ValueError(f"storage_device must be 'cpu' (host memory) or None, got {storage_device!r}")
+        if not callable(tensor_filter):
+            raise TypeError("tensor_filter must be a function of a tensor returning a bool")
+        self.storage_dtype = storage_dtype
+        self.offload = storage_device is not None
+        self.tensor_filter = tensor_filter
+        # (storage address, view geometry, version) -> (the storage, what was stored), both weakly held: a storage
+        # freed and reallocated at the same address is a different tensor.
+        self._same: Dict[tuple, Tuple["weakref.ReferenceType[Any]", "weakref.ReferenceType[_Stored]"]] = {}
+        self._pending: List["weakref.ReferenceType[_Stored]"] = []
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> "MemoryEfficientIntermediates":
+        super().__enter__()
+        return self
+
+    @staticmethod
+    def _identity(tensor: Tensor) -> Tuple[tuple, Any]:
+        """A key for "the same tensor" and the object whose lifetime it is valid for."""
+        if backend.is_tracing_lazily(tensor):  # no addressable storage: the same tensor object
+            return (id(tensor), tensor._version), tensor
+        storage = tensor.untyped_storage()
+        return (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype,
+                tensor.device, tensor._version), storage
+
+    def _pack(self, tensor: Tensor) -> Any:
+        if not self.tensor_filter(tensor) or _held_elsewhere(tensor):
+            return tensor
+        key, owner = self._identity(tensor)
+        entry = self._same.get(key)
+        if entry is not None and entry[0]() is owner and entry[1]() is not None:
+            return entry[1]()
+        value = tensor.detach()
+        if self.storage_dtype is not None and value.dtype != self.storage_dtype:
+            value = value.to(self.storage_dtype)
+        offloaded = self.offload and value.device.type != "cpu"
+        if offloaded:
+            value = backend.to_host(value)
+            self._pending = [ref for ref in self._pending if ref() is not None]
+            stored = _Stored(value, tensor.dtype, True)
+            self._pending.append(weakref.ref(stored))
+        else:
+            stored = _Stored(value, tensor.dtype, False)
+        if len(self._same) > 1024:
+            self._same = {k: e for k, e in self._same.items() if e[0]() is not None and e[1]() is not None}
+        self._same[key] = (weakref.ref(owner), weakref.ref(stored))
+        return stored
+
+    def _unpack(self, stored: Any) -> Tensor:
+        if not isinstance(stored, _Stored):
+            return stored
+        if stored.restored is not None:
+            value = stored.restored
+        elif stored.offloaded:
+            self._prefetch_after(stored)
+            value = backend.to_device(stored.value)
+            if backend.is_tracing_lazily(value):  # a graph node, not memory: reusing it costs nothing
+                stored.restored = value
+        else:
+            value = stored.value
+        return value.to(stored.dtype)
+
+    def _prefetch_after(self, stored: _Stored) -> None:
+        # The backward uses saved tensors roughly in the reverse order of the forward: start moving the ones saved
+        # just before this one.
+        pending = [ref() for ref in self._pending]
+        try:
+            at = pending.index(stored)
+        except ValueError:
+            return
+        for other in pending[max(0, at - _PREFETCH_AHEAD):at]:
+            if other is not None:
+                backend.prefetch_to_device(other.value)
+
+
+def memory_efficient_intermediates(storage_dtype: Optional[torch.dtype] = None,
+                                   storage_device: Union[str, torch.device, None] = None,
+                                   tensor_filter: Callable[[Tensor], bool] = _is_float
+                                   ) -> MemoryEfficientIntermediates:
+    """Store what autograd saves for backward in ``storage_dtype`` and/or on ``storage_device='cpu'`` (see the
+    module docstring). ``tensor_filter(tensor)`` picks the tensors to convert (default: floating-point ones)."""
+    return MemoryEfficientIntermediates(storage_dtype, storage_device, tensor_filter)

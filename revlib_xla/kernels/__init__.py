@@ -1,0 +1,80 @@
+"""Device kernels, each tested bit for bit against its pure-PyTorch reference, picked by device.
+
+The few-bit backward has two fused steps:
+
+* :func:`encode_stepwise` - code each element by the borders it is above and pack the codes (forward pass);
+* :func:`stepwise_grad` - unpack the codes, look up their levels and multiply the incoming gradient (backward).
+
+Which implementation runs is decided by :func:`revlib_xla.backend.kernel_platform`: the Triton kernels
+(``fewbit_triton``) for CUDA tensors when triton is installed, the Pallas kernels (``fewbit_pallas``, JAX) for XLA
+tensors on a TPU, and the reference (``fewbit_reference``) everywhere else (cpu, XLA on the CPU, or when
+``REVLIB_XLA_KERNELS=reference``). The reference defines the results.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .. import backend
+from . import fewbit_reference as reference
+
+__all__ = ["encode_stepwise", "encode_band", "stepwise_grad", "implementation_for", "levels_tensor", "reference"]
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def implementation_for(tensor: torch.Tensor) -> str:
+    """``'triton'``, ``'pallas'`` or ``'reference'``: what the few-bit kernels run as for this tensor (float64
+    always uses the reference)."""
+    if tensor.dtype not in _KERNEL_DTYPES:
+        return "reference"
+    return backend.kernel_platform(tensor)
+
+
+_LEVELS: Dict[Tuple[Tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def levels_tensor(levels: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The levels as a tensor on ``device`` in the opmath precision of ``dtype`` (made once, then cached)."""
+    key = (tuple(levels), device, reference.opmath_dtype(dtype))
+    hit = _LEVELS.get(key)
+    if hit is None:
+        hit = _LEVELS[key] = torch.tensor(list(levels), dtype=key[2]).to(device)
+    return hit
+
+
+def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int) -> torch.Tensor:
+    """Packed ``bits``-bit codes of ``x`` (flat uint8, :func:`reference.packed_bytes` long)."""
+    impl = implementation_for(x)
+    if impl == "triton":
+        from . import fewbit_triton
+
+        return fewbit_triton.encode_stepwise(x, borders, bits)
+    if impl == "pallas":
+        from . import fewbit_pallas
+
+        return fewbit_pallas.encode_stepwise_torch_xla(x, borders, bits)
+    return reference.pack(reference.stepwise_codes(x, borders), bits)
+
+
+def encode_band(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool) -> torch.Tensor:
+    """Packed 1-bit band codes of ``x`` (reference implementation on every device: two comparisons and a pack)."""
+    return reference.pack(reference.band_codes(x, lo, hi, closed), 1)
+
+
+def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[float], bits: int) -> torch.Tensor:
+    """``grad * levels[code]`` for the packed codes of ``grad.numel()`` elements, shaped like ``grad``."""
+    impl = implementation_for(grad)
+    if impl == "triton":
+        from . import fewbit_triton
+
+        return fewbit_triton.stepwise_grad(packed, grad, levels_tensor(levels, grad.device, grad.dtype), bits)
+    if impl == "pallas":
+        from . import fewbit_pallas
+
+        return fewbit_pallas.stepwise_grad_torch_xla(packed, grad, levels, bits)
+    return reference.lookup(reference.unpack(packed, bits, grad.numel()), grad,
+                            levels_tensor(levels, grad.device, grad.dtype),
+                            gather=not backend.is_tracing_lazily(grad))

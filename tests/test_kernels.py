@@ -1,0 +1,122 @@
+"""Few-bit kernels (issue 4): Triton (TRITON_INTERPRET=1 on the CPU) and Pallas (interpret mode on the CPU), each
+bit for bit equal to the pure-PyTorch reference on the same data, for every bit width, float32 / bfloat16 /
+float16, sizes that need padding, and inf/NaN inputs; and the dispatch that picks them by device.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from revlib_xla import backend, fewbit, kernels
+from revlib_xla.kernels import fewbit_reference as ref
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SIZES = (1, 13, 1000, 4099)
+
+
+def _data(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 2
+    if n > 8:
+        x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    grad = torch.randn(n, generator=g)
+    return x.to(dtype), grad.to(dtype)
+
+
+def _cases():
+    for bits in (1, 2, 3, 4):
+        table = fewbit.stepwise_table("gelu", bits)
+        for dtype in DTYPES:
+            for n in SIZES:
+                yield bits, table, dtype, n
+
+
+def test_triton_kernels_equal_the_reference_bit_for_bit():
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed (it comes with torch on Linux x86-64; pip install triton)")
+    # A child process: TRITON_INTERPRET must be set before triton is imported, and this one may have imported it.
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpret_check.py"))],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("bit-exact") == 4 * 3 * 3
+
+
+def _jax_or_skip():
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax is not installed (pip install 'revlib_xla[jax]')")
+    import jax
+    import jax.numpy as jnp
+
+    return jax, jnp
+
+
+_JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _to_jax(jnp, tensor):
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: go through the bits
+        return jnp.asarray(tensor.view(torch.int16).numpy()).view(jnp.bfloat16)
+    return jnp.asarray(tensor.numpy())
+
+
+def _bits_of(jnp, array):
+    array = np.asarray(array.view(jnp.int16) if array.dtype == jnp.bfloat16 else array)
+    return array.view(np.int16 if array.dtype.itemsize == 2 else np.int32 if array.dtype.itemsize == 4 else np.uint8)
+
+
+def test_pallas_kernels_equal_the_reference_bit_for_bit():
+    jax, jnp = _jax_or_skip()
+    from revlib_xla.kernels import fewbit_pallas
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        for bits, table, dtype, n in _cases():
+            # interpret mode is slow: every width in float32, the 16-bit types at 3 bits; an odd small size and a
+            # size of several blocks with a partial last group
+            if n not in (13, 4099) or (dtype != torch.float32 and bits != 3):
+                continue
+            x, grad = _data(n, dtype, seed=n + bits)
+            expected_packed = ref.pack(ref.stepwise_codes(x, table.borders), bits)
+            packed = fewbit_pallas.encode_stepwise(_to_jax(jnp, x), table.borders, bits, interpret=True)
+            assert np.array_equal(np.asarray(packed), expected_packed.numpy()), (bits, dtype, n)
+            levels = kernels.levels_tensor(table.levels, x.device, dtype)
+            expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels)
+            got = fewbit_pallas.stepwise_grad(packed, _to_jax(jnp, grad), table.levels, bits, interpret=True)
+            assert got.dtype == jnp.dtype(_JAX_DTYPES[dtype])
+            exp_bits = expected.view(torch.int16 if dtype != torch.float32 else torch.int32).numpy()
+            assert np.array_equal(_bits_of(jnp, got), exp_bits), (bits, dtype, n)
+
+
+def test_dispatch_picks_by_device(monkeypatch):
+    x = torch.randn(4)
+    assert kernels.implementation_for(x) == "reference"
+    assert kernels.implementation_for(x.double()) == "reference"
+    monkeypatch.setattr(backend, "device_kind", lambda t: "cuda")
+    expected = "triton" if importlib.util.find_spec("triton") is not None else "reference"
+    assert backend.kernel_platform(x) == expected
+    monkeypatch.setattr(backend, "device_kind", lambda t: "xla")
+    monkeypatch.setattr(backend, "xla_runtime_type", lambda: "TPU")
+    assert backend.kernel_platform(x) == "pallas"
+    monkeypatch.setattr(backend, "xla_runtime_type", lambda: "CPU")
+    assert backend.kernel_platform(x) == "reference"
+    monkeypatch.setenv("REVLIB_XLA_KERNELS", "reference")
+    monkeypatch.setattr(backend, "device_kind", lambda t: "cuda")
+    assert backend.kernel_platform(x) == "reference"
+
+
+def test_cuda_activation_uses_triton_and_matches_reference(device):
+    if device.type != "cuda":
+        pytest.skip("needs a CUDA GPU (the cuda case of the device fixture)")
+    x = torch.randn(10001, device=device, requires_grad=True)
+    assert kernels.implementation_for(x) == "triton"
+    fewbit.GELU(bits=3)(x).sum().backward()
+    table = fewbit.stepwise_table("gelu", 3)
+    codes = ref.stepwise_codes(x.detach().cpu(), table.borders)
+    expected = ref.lookup(codes.long(), torch.ones(10001), kernels.levels_tensor(table.levels, "cpu", x.dtype))
+    assert torch.equal(x.grad.cpu(), expected)
