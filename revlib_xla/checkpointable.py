@@ -34,7 +34,7 @@ from .planner.measure import (StageMeasurement, differentiable, grad_leaves, mea
                                tensor_bytes)
 from .planner.schedule import Op
 
-__all__ = ["Checkpointable", "atomic", "flatten_sequential"]
+__all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +274,22 @@ def _structure(x: Any) -> Any:
     return x
 
 
+class SavedAs(nn.Module):
+    """``module`` run with what autograd saves stored in ``dtype`` (see
+    :func:`revlib_xla.utils.memory_efficient_intermediates`): a lossy, smaller way to run a stage with autograd."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.module = module
+        self.dtype = dtype
+
+    def forward(self, x: Any) -> Any:
+        from .intermediates import memory_efficient_intermediates
+
+        with memory_efficient_intermediates(storage_dtype=self.dtype):
+            return self.module(x)
+
+
 class Checkpointable(nn.Module):
     """Run ``model`` (an ``nn.Sequential``) with the fastest schedule that fits ``mem_limit`` bytes.
 
@@ -298,6 +314,7 @@ class Checkpointable(nn.Module):
                  reversible: bool = True, offload_bandwidth: Optional[float] = None,
                  loss_tmp_memory_usage: int = 0,
                  options: Optional[Dict[int, Sequence[Tuple[str, nn.Module]]]] = None,
+                 saved_dtypes: Sequence[torch.dtype] = (),
                  tpu_generation: Optional[str] = "v5e") -> None:
         super().__init__()
         self.model = model
@@ -311,6 +328,10 @@ class Checkpointable(nn.Module):
         self.loss_tmp_memory_usage = loss_tmp_memory_usage
         self.tpu_generation = tpu_generation
         self.stage_options = {int(k): list(v) for k, v in (options or {}).items()}
+        for dtype in saved_dtypes:
+            for index, stage in enumerate(self.stages):
+                self.stage_options.setdefault(index, []).append((f"saved as {dtype}".replace("torch.", ""),
+                                                                 SavedAs(stage, dtype)))
         for index in self.stage_options:
             if not 0 <= index < len(self.stages):
                 raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "

@@ -1,5 +1,6 @@
 """Checkpointable: planned schedules run, give the plain model's gradients, and stay within their budget."""
 import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -259,28 +260,30 @@ def test_cuda_peak_within_budget():
 
 
 def test_stage_options_are_planned_and_run():
-    """A stage may offer another way to run with autograd (here: the same block under torch.utils.checkpoint,
-    which keeps only its input): the planner measures it, picks it where memory is tight, and the executor runs
-    it; gradients stay exact."""
+    """Stages may offer other ways to run with autograd; here every stage may store what it saves in float32 (the
+    model is float64): the planner measures the options (half the saved bytes), uses them where memory is tight,
+    and the executor runs them. The gradients differ from the plain ones only by float32 rounding of saved
+    activations."""
     model, x = small_gpt(depth=3)
     weights = torch.randn(model(x).shape, dtype=torch.float64)
 
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    class Checkpointed(nn.Module):
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
-
-        def forward(self, inp):
-            return torch.utils.checkpoint.checkpoint(self.block, inp, use_reentrant=False)
-
     reference = gradients(model, step, x)
-    options = {i: [("inner checkpoint", Checkpointed(model[i]))] for i in range(1, 7)}
-    checkpointed = revlib.Checkpointable(model, options=options)
+    checkpointed = revlib.Checkpointable(model, saved_dtypes=(torch.float32,))
     chain = checkpointed.measure(x)
-    assert all(chain.options[i][0].cbw < chain.cbw[i + 1] for i in range(1, 7))
+    for i in range(1, 7):  # the residual blocks: their floating saved tensors halve (bool dropout masks do not;
+        option = chain.options[i][0]  # the output is kept at full size)
+        assert option.name == "saved as float32"
+        saved, plain_saved = option.cbw - chain.cw[i + 1], chain.cbw[i + 1] - chain.cw[i + 1]
+        assert plain_saved / 2 <= saved <= 0.6 * plain_saved
+    # Measured sizes, but times fixed (forward 1, backward 2, the option a little slower), so that which plan
+    # wins does not depend on this machine's timing noise.
+    n = chain.length
+    chain = chain.replace(fw=[1.0] * n, bw=[2.0] * n + [0.0], inverse_time=[1.0] * n,
+                          options=[tuple(dataclasses.replace(o, fw=1.1, bw=2.1) for o in opts)
+                                   for opts in chain.options])
     plain_chain = chain.replace(options=[()] * chain.length)
     low, high = min_memory(plain_chain), no_checkpoint_memory(plain_chain)
     chosen = []
@@ -293,7 +296,7 @@ def test_stage_options_are_planned_and_run():
     assert chosen
     checkpointed.sequence = chosen[0]
     for g, r in zip(gradients(model, step, x), reference):
-        assert max_rel_err(g, r) <= 1e-10
+        assert max_rel_err(g, r) <= 1e-6
 
 
 def test_fit_to_tpu_finds_a_plan_that_the_tpu_compiler_fits():
