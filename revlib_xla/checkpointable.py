@@ -18,16 +18,16 @@ forward phase stores the planned checkpoints and the backward phase recomputes t
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import backend
+from .running_stats import frozen_running_stats, norms_with_running_stats
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
 from .planner.measure import (StageMeasurement, differentiable, grad_leaves, measure_stage, stage_programs,
@@ -125,7 +125,7 @@ class _Run:
                 self.rng[i] = backend.RngState.capture(self.device)
             return fn(x)
         with backend.rng_scope(self.device, active=self.preserve_rng and i in self.rng), self.autocast.replay(), \
-                _norm_stats_frozen(self.owner._norms[i]):
+                frozen_running_stats(self.owner._norms[i]):
             if self.preserve_rng and i in self.rng:
                 self.rng[i].restore()
             return fn(x)
@@ -206,25 +206,6 @@ class _Run:
         pairs = [(o, g) for o, g in zip(backend.tensors_in(out), grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-
-
-@contextlib.contextmanager
-def _norm_stats_frozen(norms: Sequence[nn.Module]) -> Iterator[None]:
-    """Recomputing a batch-norm stage must not update its running statistics a second time."""
-    if not norms:
-        yield
-        return
-    saved = [(m, m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in norms]
-    for m in norms:
-        m.momentum = 0.0
-    try:
-        yield
-    finally:
-        for m, momentum, count in saved:
-            m.momentum = momentum
-            if count is not None:
-                m.num_batches_tracked.copy_(count)
 
 
 class _Schedule(torch.autograd.Function):
@@ -336,8 +317,7 @@ class Checkpointable(nn.Module):
             if not 0 <= index < len(self.stages):
                 raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "
                                  f"0..{len(self.stages) - 1}")
-        self._norms = [[m for m in stage.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
-                        and m.track_running_stats] for stage in self.stages]
+        self._norms = [norms_with_running_stats(stage) for stage in self.stages]
         self._option_modules = nn.ModuleList([m for opts in self.stage_options.values() for _, m in opts])
         self.chain: Optional[Chain] = None
         self.sequence: Optional[Schedule] = None

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import backend
+from .running_stats import frozen_running_stats, tracks_running_stats
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
 from .coupling import COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, pick
@@ -295,28 +296,6 @@ def _shape_of(value) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _tracks_running_stats(module: nn.Module) -> bool:
-    return isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats
-
-
-class _BufferGuard:
-    """Keeps normalization running statistics from being updated twice (once in the forward, once in the
-    recomputation): snapshots them before the recomputation and puts them back after."""
-
-    def __init__(self, norms: Sequence[nn.Module]):
-        self.buffers = [b for m in norms if m.training for b in m.buffers() if b is not None]
-        self.saved: List[Tensor] = []
-
-    def __enter__(self):
-        self.saved = [b.detach().clone() for b in self.buffers]
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved):
-                b.copy_(s)
-        self.saved = []
-
-
 _INPLACE_HINT = "modified by an inplace operation"
 
 
@@ -419,7 +398,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
-    with _BufferGuard(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
+    with frozen_running_stats(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.autocast.replay():
             x1 = y0.detach().requires_grad_()
@@ -642,7 +621,7 @@ class ReversibleSequential(nn.Sequential):
         for layer in layers:
             own, norms = [], []
             for module in layer.modules():
-                if _tracks_running_stats(module):
+                if tracks_running_stats(module):
                     norms.append(module)
                 for p in module._parameters.values():
                     if p is None or not p.requires_grad:
