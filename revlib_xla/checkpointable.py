@@ -27,11 +27,12 @@ import torch
 from torch import nn
 
 from . import backend
+from .coupling import optional_detach
 from .running_stats import frozen_running_stats, norms_with_running_stats
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
-from .planner.measure import (StageMeasurement, differentiable, grad_leaves, measure_stage, stage_programs,
-                               tensor_bytes)
+from .memory import tensor_bytes
+from .planner.measure import InPlaceInput, StageMeasurement, grad_leaves, measure_stage, stage_programs
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
@@ -77,14 +78,6 @@ def flatten_sequential(model: nn.Module) -> List[nn.Module]:
 
 def _signature(x: Any) -> Tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in backend.tensors_in(x))
-
-
-def _detached(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detached(item) for item in x)
-    return x
 
 
 def _input_grads(x: Any) -> Tuple[Optional[torch.Tensor], ...]:
@@ -157,8 +150,8 @@ class _Run:
                 if op.kind == "Fr":
                     self.held.add(i + 1)
                     self.x.pop(i, None)
-                elif op.kind == "Fn" and i != 0 and i not in self.held:
-                    self.x.pop(i, None)
+                elif op.kind == "Fn":
+                    self._free_input(i)
             elif op.kind == "Fe":
                 if backward:
                     self._barrier(i, self.grad.get(self._pending_grad()))
@@ -186,7 +179,7 @@ class _Run:
                 self.grad[i] = _input_grads(inp)
                 del out
                 if i in self.held:
-                    self.x[i] = _detached(rebuilt)
+                    self.x[i] = optional_detach(rebuilt)
                 del inp, rebuilt
             elif op.kind == "WM":
                 x = self.x.pop(i)
@@ -333,7 +326,7 @@ class Checkpointable(nn.Module):
     def measure(self, sample_input: Any) -> Chain:
         """Measure every stage on ``sample_input`` (times on the device, sizes in bytes) and build the chain.
         Invalidates the current schedule."""
-        x = _detached(sample_input)
+        x = optional_detach(sample_input)
         measured: List[StageMeasurement] = []
         options: List[List[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
@@ -344,31 +337,25 @@ class Checkpointable(nn.Module):
                 backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
                 programs.append(stage_programs(stage, x))
             rev = self.reversible and callable(getattr(stage, "inverse", None))
-            versions = [t._version for t in backend.tensors_in(x)]
-            buffers = [(b, b.clone()) for b in stage.buffers()]  # measuring must not move running statistics
-            try:
-                with torch.no_grad():
-                    stage(x)
-                if [t._version for t in backend.tensors_in(x)] != versions:
+            stage_opts = []
+            # Measuring runs the stage (and its options) several times: it must not move running statistics.
+            with frozen_running_stats(self._norms[i]):
+                try:
+                    m, out = measure_stage(stage, x, reversible=rev)
+                except InPlaceInput:
                     raise ValueError(
                         f"Checkpointable: stage {i} ({type(stage).__name__}) modifies its input in place; its "
                         f"input may be a checkpoint. Make its first operation out of place, or wrap it with the "
-                        f"stage before it in revlib_xla.atomic(nn.Sequential(...))")
-                m, out = measure_stage(stage, x, reversible=rev)
-            except ValueError:
-                raise
-            except Exception as exc:
-                raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}") \
-                    from exc
-            finally:
-                with torch.no_grad():
-                    for buf, value in buffers:
-                        buf.copy_(value)
-            stage_opts = []
-            for name, module in self.stage_options.get(i, []):
-                alt, _ = measure_stage(module, x)
-                stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, tensor_bytes(out)), alt.fwd_tmp,
-                                              alt.bwd_tmp))
+                        f"stage before it in revlib_xla.atomic(nn.Sequential(...))") from None
+                except ValueError:
+                    raise
+                except Exception as exc:
+                    raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: "
+                                    f"{exc}") from exc
+                for name, module in self.stage_options.get(i, []):
+                    alt, _ = measure_stage(module, x)
+                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, tensor_bytes(out)),
+                                                  alt.fwd_tmp, alt.bwd_tmp))
             options.append(stage_opts)
             measured.append(m)
             if self.verbosity >= 2:
@@ -394,7 +381,7 @@ class Checkpointable(nn.Module):
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
-        self._sample = _detached(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
+        self._sample = optional_detach(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
         self._input_structure = _structure(sample_input)
         self.sequence = None
         return self.chain
@@ -491,7 +478,6 @@ class Checkpointable(nn.Module):
         if peak <= hbm_bytes:
             self.tpu_hbm_bytes = peak
             return schedule
-        best = None
         schedule, peak = compiled_peak(low)
         if peak > hbm_bytes:
             raise InfeasibleBudget(f"Checkpointable.fit_to_tpu: even the smallest plan needs {peak:.6g} bytes of "

@@ -9,7 +9,7 @@ coupled, as in RevLib; the core keeps only element 0 of the result as the stream
 """
 from __future__ import annotations
 
-from typing import Callable, List, NamedTuple, Sequence, Union
+from typing import Any, Callable, List, NamedTuple, Sequence, Union
 
 import torch
 
@@ -19,7 +19,7 @@ COUPLING = Callable[[Tensor, TENSOR_OR_LIST], TENSOR_OR_LIST]
 
 __all__ = [
     "COUPLING", "TENSOR_OR_LIST", "CouplingPair", "additive_coupling_forward", "additive_coupling_inverse",
-    "momentum_coupling", "affine_coupling", "first_tensor",
+    "momentum_coupling", "affine_coupling", "first_tensor", "optional_detach",
 ]
 
 
@@ -29,6 +29,15 @@ class CouplingPair(NamedTuple):
 
     forward: COUPLING
     inverse: COUPLING
+
+
+def optional_detach(inp: Any) -> Any:
+    """Detach tensors (nested in lists/tuples too), leave everything else alone."""
+    if isinstance(inp, torch.Tensor):
+        return inp.detach()
+    if isinstance(inp, (list, tuple)):
+        return type(inp)(optional_detach(x) for x in inp)
+    return inp
 
 
 def first_tensor(value: TENSOR_OR_LIST) -> Tensor:

@@ -48,7 +48,7 @@ from . import backend
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
 __all__ = [
-    "SavedTensorCounter", "saved_bytes",
+    "SavedTensorCounter", "saved_bytes", "storage_of", "tensor_bytes",
     "MemoryBreakdown", "EagerPeak", "eager_peak", "CudaPeak", "cuda_peak",
     "CompiledMemory", "stablehlo_of", "step_stablehlo", "xla_cpu_memory", "tpu_memory", "tpu_memory_many",
     "clear_compile_cache", "TPU_GENERATIONS", "MATMUL_PATTERN", "MissingDependencyError", "TpuCompileError",
@@ -86,6 +86,31 @@ def format_bytes(n: int) -> str:
 
 # =================================================================================================================
 # 1. Bytes saved for backward
+
+
+def storage_of(tensor: torch.Tensor) -> Tuple[Any, int]:
+    """What holds ``tensor``'s memory and its size in bytes: its storage (a view shares its base's); on XLA, which
+    has no addressable storage, the base tensor at its logical size."""
+    if backend.is_tracing_lazily(tensor):
+        base = tensor._base if tensor._base is not None else tensor  # a view holds its base alive
+        return base, base.numel() * base.element_size()
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses without one storage
+        return tensor, tensor.numel() * tensor.element_size()
+    return storage, storage.nbytes()
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once (see :func:`storage_of`)."""
+    owners: Dict[int, Any] = {}  # holding the owners keeps their ids unique while counting
+    total = 0
+    for tensor in backend.tensors_in(obj):
+        owner, nbytes = storage_of(tensor)
+        if id(owner) not in owners:
+            owners[id(owner)] = owner
+            total += nbytes
+    return total
 
 
 class SavedTensorCounter:
@@ -128,16 +153,7 @@ class SavedTensorCounter:
         self.bytes = self.count = self.packed = 0
         self._seen = {key: entry for key, entry in self._seen.items() if entry[1] < 0}
 
-    @staticmethod
-    def _identity(tensor: torch.Tensor) -> Tuple[Any, int]:
-        if backend.is_tracing_lazily(tensor):
-            base = tensor._base if tensor._base is not None else tensor  # a view holds its base alive
-            return base, base.numel() * base.element_size()
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses without one storage
-            return tensor, tensor.numel() * tensor.element_size()
-        return storage, storage.nbytes()
+    _identity = staticmethod(storage_of)
 
     def _admit(self, tensor: torch.Tensor) -> None:
         # Excluded storages are recorded with a negative size, so reset() can keep them.

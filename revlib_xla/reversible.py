@@ -32,7 +32,8 @@ from . import backend
 from .running_stats import frozen_running_stats, tracks_running_stats
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
-from .coupling import COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, pick
+from .coupling import (COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, optional_detach,
+                       pick)
 
 Tensor = torch.Tensor
 DUAL_OR_QUAD_TENSOR = Union[Tuple[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor]]
@@ -404,7 +405,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
             x1 = y0.detach().requires_grad_()
             fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
             with torch.no_grad():
-                x0 = wrapper.uncouple(y1, _detach_all(fn_out))
+                x0 = wrapper.uncouple(y1, optional_detach(fn_out))
                 if plan.stream_dtype is not None:
                     x0 = x0.to(plan.stream_dtype)
             # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the
@@ -454,14 +455,6 @@ def _grad_or_none(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> Tuple[
     if not out.requires_grad:
         return (None,) * len(inputs)
     return torch.autograd.grad(out, inputs, grad, allow_unused=True)
-
-
-def _detach_all(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detach_all(v) for v in value)
-    return value
 
 
 class ReversibleSequential(nn.Sequential):

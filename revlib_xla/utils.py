@@ -4,14 +4,14 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
 
-from .coupling import COUPLING
+from .coupling import COUPLING, optional_detach
 from .intermediates import memory_efficient_intermediates
-from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential, _not_yet
+from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential
 
 Tensor = torch.Tensor
 
@@ -28,15 +28,6 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def is_float(inp: Any) -> bool:
     """True for floating-point tensors of the four usual dtypes."""
     return isinstance(inp, torch.Tensor) and inp.dtype in _FLOATS
-
-
-def optional_detach(inp: Any) -> Any:
-    """Detach tensors (nested in lists/tuples too), leave everything else alone."""
-    if isinstance(inp, torch.Tensor):
-        return inp.detach()
-    if isinstance(inp, (list, tuple)):
-        return type(inp)(optional_detach(x) for x in inp)
-    return inp
 
 
 def detached_additive_coupling_forward(other_stream: Tensor, fn_out: Union[Tensor, List[Tensor]]):

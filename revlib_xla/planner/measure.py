@@ -15,14 +15,19 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from .. import backend
+from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
-__all__ = ["StageMeasurement", "measure_stage", "tensor_bytes"]
+__all__ = ["StageMeasurement", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves", "differentiable"]
+
+
+class InPlaceInput(ValueError):
+    """A stage modified its input in place (its input may be a checkpoint the schedule still needs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,37 +43,13 @@ class StageMeasurement:
     inverse_time: Optional[float]
 
 
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once; logical size on XLA."""
-    seen = set()
-    total = 0
-    for tensor in backend.tensors_in(obj):
-        if backend.is_tracing_lazily(tensor):
-            base = tensor._base if tensor._base is not None else tensor
-            key, size = id(base), base.numel() * base.element_size()
-        else:
-            storage = tensor.untyped_storage()
-            key, size = storage.data_ptr(), storage.nbytes()
-        if key not in seen:
-            seen.add(key)
-            total += size
-    return total
-
-
-def _sync(sample: Any) -> None:
-    for tensor in backend.tensors_in(sample):
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)
-        return
-
-
-def _median_time(fn: Callable[[], Any], sample: Any, repeats: int) -> float:
+def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        _sync(sample)
+        backend.sync(device)
         start = time.perf_counter()
         fn()
-        _sync(sample)
+        backend.sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -98,17 +79,12 @@ def differentiable(x: Any) -> List[torch.Tensor]:
 
 
 def _tracker():
-    from ..memory import _mem_tracker
-
     MemTracker, _ = _mem_tracker()
     return MemTracker()
 
 
 def _total(snapshot, device: torch.device) -> int:
-    per_device = snapshot.get(device)
-    if per_device is None:
-        per_device = next((v for k, v in snapshot.items() if k.type == device.type), {})
-    return int(per_device.get("Total", 0))
+    return _breakdown(snapshot, device, _mem_tracker()[1]).total
 
 
 def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
@@ -118,8 +94,6 @@ def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
     Compiled deviceless for a TPU, their temporaries (peak minus arguments and outputs) are the stage's transient
     memory as the TPU compiler plans it: layout copies of weights, unfused intermediates, what autograd saves.
     """
-    from ..memory import stablehlo_of
-
     with torch.no_grad():
         forward = stablehlo_of(list(backend.tensors_in(stage(x))))
     params = [p for p in stage.parameters() if p.requires_grad]
@@ -150,14 +124,15 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
     device = tensors[0].device
     lazy = backend.is_tracing_lazily(tensors[0])
     cw = tensor_bytes(x)
+    versions = [t._version for t in tensors]
     with torch.no_grad():
         out = stage(x)
+    if [t._version for t in tensors] != versions:
+        raise InPlaceInput(f"{type(stage).__name__} modifies its input in place")
     params = [p for p in stage.parameters() if p.requires_grad]
     if lazy:
         fw = _flops(lambda: stage(grad_leaves(x)))
         inp = grad_leaves(x)
-        from ..memory import SavedTensorCounter
-
         with SavedTensorCounter(exclude=params + tensors) as counter:
             y = stage(inp)
         outs = differentiable(y)
@@ -172,7 +147,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         return StageMeasurement(fw, bw, cw, max(cbw, tensor_bytes(out)), 0, 0, inverse_time), out
 
     with torch.no_grad():
-        fw = _median_time(lambda: stage(x), x, repeats)
+        fw = _median_time(lambda: stage(x), device, repeats)
         # The transient memory of a forward without autograd (Fn, CF) differs from that of one with it (Fe):
         # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both.
         tracker = _tracker()
@@ -186,7 +161,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
     inverse_time = None
     if reversible:
         with torch.no_grad():
-            inverse_time = _median_time(lambda: stage.inverse(out), x, repeats)
+            inverse_time = _median_time(lambda: stage.inverse(out), device, repeats)
     # Parameter gradients exist before measuring (as in a training step after the first), so accumulating into
     # them is not counted; the caller's gradients are put back afterwards.
     kept_grads = [p.grad for p in params]
@@ -216,11 +191,11 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
             in_grad = tensor_bytes([t for t in backend.tensors_in(inp) if t.requires_grad])
             with tracker:
                 start = _total(tracker.get_tracker_snapshot("current"), device)
-                _sync(x)
+                backend.sync(device)
                 began = time.perf_counter()
                 if outs:
                     torch.autograd.backward(outs, grads)
-                _sync(x)
+                backend.sync(device)
                 bw_times.append(time.perf_counter() - began)
                 peak = _total(tracker.get_tracker_snapshot("peak"), device)
             bwd_tmp = max(0, peak - start - in_grad)

@@ -19,7 +19,7 @@ Operation kinds (rotor's names, then ours):
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from .chain import Chain
 

@@ -21,7 +21,7 @@ Every candidate is evaluated for all ``i`` of one segment length and all ``m`` a
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 
@@ -83,6 +83,19 @@ class _Arrays:
         self.fmax_list = fmax.tolist()
         self.lists = {name: getattr(self, name).tolist() for name in
                       ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")}
+
+    # What an operation needs of segment [i, l]'s budget (x_i held outside it), for stage i's option c. The tables
+    # compute the same for all i and m at once.
+    def fe_b_need(self, i: int, l: int, c: int) -> float:  # noqa: E741
+        """``Fe_i`` with the gradient of x_{l+1} held, then ``B_i`` (the base case when ``l == i``)."""
+        cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
+        return max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
+
+    def fr_br_need(self, i: int, l: int, c: int) -> float:  # noqa: E741
+        """``Fr_i`` with the gradient of x_{l+1} held, then ``Br_i`` (x_{i+1}, its gradient, the rebuilt x_i)."""
+        cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
+        return max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c],
+                   cw[l + 1] + cw[i + 1] + self.lists["ftmp"][i])
 
 
 def _shifted(values: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Tensor:
@@ -185,11 +198,10 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noq
     """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
     in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
-    ofw, obw, oxb, oft, obt = (a.lists[k] for k in ("ofw", "obw", "oxb", "oft", "obt"))
+    ofw, obw, oxb = (a.lists[k] for k in ("ofw", "obw", "oxb"))
     if i == l:
         for c in range(a.k):
-            need = max(cw[i + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
-            if m >= need:
+            if m >= a.fe_b_need(i, i, c):
                 yield ofw[i][c] + obw[i][c], (lambda c=c: [("op", Op("L", a.n))] if i == a.n else
                                           [("op", Op("Fe", i, c)), ("op", Op("B", i, c))])
         return
@@ -201,8 +213,7 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noq
             yield (prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
                    lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)])
     for c in range(a.k):
-        need = max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
-        if m >= need:
+        if m >= a.fe_b_need(i, l, c):
             sub = m - int(oxb[i][c])
             yield (ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
                    lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))])
@@ -211,9 +222,7 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noq
     if a.lists["rev"][i]:
         sub = m + int(cw[i]) - int(cw[i + 1])
         for c in range(a.k):
-            need = max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c],
-                       cw[l + 1] + cw[i + 1] + a.lists["ftmp"][i])
-            if m >= need:
+            if m >= a.fr_br_need(i, l, c):
                 yield (fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
                        lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))])
     off = a.lists["off"][i]
@@ -247,27 +256,25 @@ def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
     return ops
 
 
-def _min_budget(chain: Chain) -> float:
-    """The smallest budget (chain units, x_0 included) that some persistent schedule fits in.
+def min_memory(chain: Chain) -> float:
+    """The smallest budget (in the chain's size unit, the input x_0 included) that any schedule fits in.
 
     Feasibility is monotone in the budget, so the DP over slots becomes a DP over the least budget per segment
     (max of what the operations need and what the sub-segments need, shifted by what stays held meanwhile).
     """
     a = _Arrays(chain, 1.0, float)
     n = a.n
-    cw, fmax, rev, off, ftmp = a.lists["cw"], a.fmax_list, a.lists["rev"], a.lists["off"], a.lists["ftmp"]
+    cw, fmax, rev, off = a.lists["cw"], a.fmax_list, a.lists["rev"], a.lists["off"]
     opts = [[c for c in range(a.k) if math.isfinite(a.lists["ofw"][i][c])] for i in range(n + 1)]
-    oxb, oft, obt = a.lists["oxb"], a.lists["oft"], a.lists["obt"]
+    oxb = a.lists["oxb"]
     free = [[_INF] * (n + 1) for _ in range(n + 1)]
     kept = [[_INF] * (n + 1) for _ in range(n + 1)]
     for i in range(n + 1):
-        free[i][i] = kept[i][i] = min(max(cw[i + 1] + oxb[i][c] + oft[i][c],
-                                          cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c]) for c in opts[i])
+        free[i][i] = kept[i][i] = min(a.fe_b_need(i, i, c) for c in opts[i])
     for d in range(1, n + 1):
         for i in range(0, n + 1 - d):
             l = i + d  # noqa: E741
-            chain_need = min(max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c],
-                                 kept[i + 1][l] + oxb[i][c]) for c in opts[i])
+            chain_need = min(max(a.fe_b_need(i, l, c), kept[i + 1][l] + oxb[i][c]) for c in opts[i])
             leaf_free = leaf_kept = _INF
             for j in range(i + 1, l + 1):
                 head = max(cw[l + 1] + fmax[i][j], free[j][l] + cw[j])
@@ -278,18 +285,11 @@ def _min_budget(chain: Chain) -> float:
                                                    free[i][j - 1], 0.0))
             best_free = min(chain_need, leaf_free)
             if rev[i]:
-                need = min(max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c])
-                           for c in opts[i])
-                best_free = min(best_free, max(need, cw[l + 1] + cw[i + 1] + ftmp[i],
-                                               free[i + 1][l] + cw[i + 1] - cw[i], 0.0))
+                need = min(a.fr_br_need(i, l, c) for c in opts[i])
+                best_free = min(best_free, max(need, free[i + 1][l] + cw[i + 1] - cw[i], 0.0))
             free[i][l] = best_free
             kept[i][l] = min(chain_need, leaf_kept)
     return max(kept[0][n], 0.0) + chain.cw[0]
-
-
-def min_memory(chain: Chain) -> float:
-    """The smallest budget (in the chain's size unit, the input x_0 included) that any schedule fits in."""
-    return _min_budget(chain)
 
 
 def no_checkpoint_memory(chain: Chain) -> float:
