@@ -22,8 +22,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "draw_seed", "derive_seed", "rng_scope", "AutocastState", "optimization_barrier_",
-    "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
+    "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "rng_scope", "AutocastState",
+    "optimization_barrier_", "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
     "cut_graph", "host_placement_executes", "place_on_host", "place_on_device", "kernel_platform",
     "xla_runtime_type", "HostCopy", "to_host", "prefetch_to_device", "to_device", "host_annotations",
 ]
@@ -210,13 +210,15 @@ def derive_seed(base: int, index: int) -> int:
     return (base + _GOLDEN * (index + 1)) % _SEED_RANGE
 
 
-def _reseed(device: torch.device, seed: int) -> None:
+def manual_seed(device: DeviceLike, seed: int) -> None:
+    """Seed the CPU generator and that of ``device`` (cuda or xla) with ``seed``."""
+    dev = _as_device(device)
     torch.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()] \
+    if dev.type == "cuda":
+        torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()] \
             .manual_seed(seed)
-    elif device.type == "xla":
-        _xla().set_rng_state(seed, str(device))
+    elif dev.type == "xla":
+        _xla().set_rng_state(seed, str(dev))
 
 
 @contextlib.contextmanager
@@ -237,7 +239,7 @@ def rng_scope(device: DeviceLike, active: bool = True) -> Iterator[Callable[[Opt
 
     def reseed(seed: Optional[int]) -> None:
         if seed is not None:
-            _reseed(dev, seed)
+            manual_seed(dev, seed)
 
     try:
         yield reseed

@@ -51,19 +51,11 @@ def _models(device, dtype, **kwargs):
     return ref, off
 
 
-def _seed(device, seed):
-    torch.manual_seed(seed)
-    if device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(seed, str(device))
-
-
 def _two_forwards_one_backward(model, device, dtype):
     gen = torch.Generator().manual_seed(2)
     x1, x2 = (torch.randn(3, 2 * WIDTH, generator=gen, dtype=dtype).to(device) for _ in range(2))
     bias = torch.randn(WIDTH, generator=gen, dtype=dtype).to(device).requires_grad_()
-    _seed(device, 5)
+    backend.manual_seed(device, 5)
     out1 = model(x1, bias=bias)
     out2 = model(x2, bias=bias)  # a second forward before the first backward: nothing kept on the module
     (out1.square().mean() + (out2 * x1).mean()).backward()

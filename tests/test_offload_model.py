@@ -19,7 +19,6 @@ import pytest
 import torch
 from torch import nn
 
-import revlib_xla as revlib
 from revlib_xla import OffloadModel, OffloadModelError, backend
 
 from conftest import max_rel_err, to_host
@@ -33,19 +32,11 @@ def _layers(p=0.25):
             nn.Linear(16, 16), nn.Linear(16, 4)]
 
 
-def _seed(device, seed):
-    torch.manual_seed(seed)
-    if device.type == "xla":
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(seed, str(device))
-
-
 def _step(model, device, dtype):
     """Two forwards, then one backward; returns outputs, input gradients and parameter gradients on the host."""
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(6, 8, generator=gen, dtype=dtype).to(device).requires_grad_() for _ in range(2)]
-    _seed(device, 7)
+    backend.manual_seed(device, 7)
     outs = [model(x) for x in xs]
     (outs[0].square().mean() + (outs[1] * outs[1].detach().flip(0)).sum()).backward()
     backend.sync(device)
