@@ -130,6 +130,9 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
     the memory saving (and can use more memory than no saving at all). Eager devices execute op by op, so there is
     nothing to protect and this is a no-op.
     """
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or first.device.type != "xla":
+        return  # called once per layer: an eager step (all its tensors on one eager device) leaves at once
     xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
     if xla_tensors:
         _xla().optimization_barrier_(xla_tensors)
@@ -236,9 +239,14 @@ def rng_scope(device: DeviceLike, active: bool = True) -> Iterator[Callable[[Opt
         return
     dev = _as_device(device)
     saved = RngState.capture(dev)
+    cpu_only = dev.type == "cpu"
 
     def reseed(seed: Optional[int]) -> None:
-        if seed is not None:
+        if seed is None:
+            return
+        if cpu_only:  # once per layer per pass: skip the device dispatch
+            torch.default_generator.manual_seed(seed)
+        else:
             manual_seed(dev, seed)
 
     try:
@@ -265,6 +273,10 @@ class AutocastState:
         cpu_enabled, cpu_dtype = _autocast_of("cpu")
         return cls(kind, enabled, dtype, cpu_enabled, cpu_dtype, torch.is_autocast_cache_enabled())
 
+    def differs_from_now(self) -> bool:
+        """Whether :meth:`replay` has anything to do: autocast was on at capture, or is on now."""
+        return bool(self.enabled or self.cpu_enabled or _autocast_of(self.device_type)[0] or _autocast_of("cpu")[0])
+
     @contextlib.contextmanager
     def replay(self, cache_enabled: Optional[bool] = False) -> Iterator[None]:
         """Enter exactly this autocast state (switching autocast off if it was off at forward time).
@@ -272,7 +284,7 @@ class AutocastState:
         The weight-cast cache is off by default: casts made under ``no_grad`` in a forward would otherwise be cached
         without their autograd history and reused by the recomputation, and the parameters would get no gradient.
         """
-        if not (self.enabled or self.cpu_enabled or _autocast_of(self.device_type)[0] or _autocast_of("cpu")[0]):
+        if not self.differs_from_now():
             yield  # off then and off now: nothing to enter (and no weight-cast cache to worry about)
             return
         cache = self.cache_enabled if cache_enabled is None else cache_enabled

@@ -20,6 +20,7 @@ Design (what differs from RevLib and why):
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import warnings
@@ -207,13 +208,33 @@ class _Plan:
     offload: Optional["_LayerOffload"] = None
     fused: Optional[FusedOptimizer] = None
     fused_done: Optional[List[List[int]]] = None  # per layer: params whose fused step runs after its gradient
+    wrappers: List[ReversibleWrapper] = dataclasses.field(init=False)
+
+    lazy: bool = False  # the streams are XLA tensors: recomputations need optimization barriers
+    # Derived once per call rather than once per layer and pass (see _layer_backward):
+    adds: List[bool] = dataclasses.field(init=False)          # per layer: coupling_forward is additive
+    subtracts: List[bool] = dataclasses.field(init=False)     # per layer: coupling_inverse is its additive inverse
+    additive: List[bool] = dataclasses.field(init=False)      # adds, and streams and blocks share one dtype
+    seeds: List[Optional[int]] = dataclasses.field(init=False)
+    own_params: List[List[nn.Parameter]] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.wrappers = [layer.wrapped_module for layer in self.layers]
+        self.adds = [w.coupling_forward is additive_coupling_forward for w in self.wrappers]
+        self.subtracts = [w.coupling_inverse is additive_coupling_inverse for w in self.wrappers]
+        one_dtype = self.stream_dtype is None and self.compute_dtype is None
+        self.additive = [one_dtype and add for add in self.adds]
+        self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
+        self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
 
     def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
         args, kwargs = self.layer_args[i]
+        if not self.layer_arg_slots[i]:  # no tensors inside: nothing to fill in (the common case, and per layer)
+            return args, kwargs
         return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
 
     def seed_of(self, i: int) -> Optional[int]:
-        return None if self.seed is None else backend.derive_seed(self.seed, i)
+        return self.seeds[i]
 
     def describe(self, i: int) -> str:
         block = self.layers[i].block
@@ -243,7 +264,7 @@ class _LayerOffload:
 
 def _call_block(plan: _Plan, i: int, x: Tensor, args, kwargs, tensors: Optional[Dict[str, Tensor]]):
     """The block of layer ``i`` on ``x``: with its own parameters, or with ``tensors`` (name -> device copy)."""
-    wrapper = plan.layers[i].wrapped_module
+    wrapper = plan.wrappers[i]
     if tensors is None:
         return wrapper.fn(x, args, kwargs)
     return torch.func.functional_call(wrapper.wrapped_module, tensors, (x, *args), dict(kwargs or {}))
@@ -262,7 +283,7 @@ def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
 def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
                    tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
     """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
-    wrapper = plan.layers[i].wrapped_module
+    wrapper = plan.wrappers[i]
     version = x1._version
     fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
     if x1._version != version:
@@ -270,7 +291,7 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
             f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
             f"first operation); a reversible block must not change its input stream. Use the out-of-place form.")
     try:
-        y1 = wrapper.couple(x0, fn_out)
+        y1 = x0 + fn_out if plan.adds[i] and isinstance(fn_out, torch.Tensor) else wrapper.couple(x0, fn_out)
     except RuntimeError as err:
         raise ReversibleError(
             f"{plan.describe(i)}: coupling its output {_shape_of(fn_out)} with the other stream "
@@ -362,6 +383,9 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         param_grads: List[Optional[Tensor]] = [None] * n_params
         arg_grads: List[Optional[Tensor]] = [None] * len(arg_tensors)
 
+        # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
+        # autograd does. Off then and off now (the usual case), there is nothing to enter for each layer.
+        ctx.layer_autocast = ctx.autocast.replay if ctx.autocast.differs_from_now() else _nothing
         with backend.rng_scope(y0.device, plan.seed is not None) as reseed:
             for i in reversed(range(len(plan.layers))):
                 y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
@@ -382,12 +406,15 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
                     recompute_args: List[Tensor], needs_arg_grad: Sequence[bool],
                     param_grads: List[Optional[Tensor]], arg_grads: List[Optional[Tensor]]):
     """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input and the
-    gradient flowing into it; parameter and argument gradients are accumulated into the given lists."""
-    wrapper = plan.layers[i].wrapped_module
+    gradient flowing into it; parameter and argument gradients are accumulated into the given lists.
+
+    This runs once per layer in every backward, so per-layer bookkeeping is kept out of it (see ``_Plan``): on
+    small layers the Python around the block costs as much as the block."""
+    wrapper = plan.wrappers[i]
     off = plan.offload
     tensors = None
     if off is None:
-        own_params = [plan.params[k] for k in plan.layer_params[i]]
+        own_params = plan.own_params[i]
     else:  # differentiate against device copies of the host parameters; their gradients go back to the host
         copies = list(off.streamer.fetch(i, prefetch=i - 1))
         for k in plan.layer_params[i]:
@@ -397,46 +424,49 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         tensors = off.mapping(i, copies)
         del copies
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
-    backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
+    if plan.lazy:
+        backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
-    with frozen_running_stats(plan.layer_norms[i]):  # normalization statistics are put back after the gradient is taken
+    norms = plan.layer_norms[i]
+    with frozen_running_stats(norms) if norms else _NOTHING:  # statistics are put back after the gradient is taken
         reseed(plan.seed_of(i))
-        with torch.enable_grad(), ctx.autocast.replay():
+        with torch.enable_grad(), ctx.layer_autocast():
             x1 = y0.detach().requires_grad_()
             fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
-            with torch.no_grad():
+            if plan.subtracts[i] and isinstance(fn_out, torch.Tensor):
+                x0 = y1 - fn_out.detach()
+            else:
                 x0 = wrapper.uncouple(y1, optional_detach(fn_out))
-                if plan.stream_dtype is not None:
-                    x0 = x0.to(plan.stream_dtype)
+                if x0.requires_grad:  # a coupling that closes over parameters: its inverse is not differentiated
+                    x0 = x0.detach()
+            if plan.stream_dtype is not None:
+                x0 = x0.to(plan.stream_dtype)
             # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the
             # block's output (when it has the stream's shape, i.e. is not broadcast) gets dy1 too, so the coupling
             # need not be differentiated: one graph node and one stream-sized tensor less per layer.
-            additive = wrapper.coupling_forward is additive_coupling_forward and plan.stream_dtype is None and \
-                plan.compute_dtype is None and isinstance(first_tensor(fn_out), torch.Tensor) and \
-                first_tensor(fn_out).shape == y1.shape
-            if additive:
-                x0_leaf, out = None, first_tensor(fn_out)
-            else:
+            out = first_tensor(fn_out)
+            additive = plan.additive[i] and isinstance(out, torch.Tensor) and out.shape == y1.shape
+            if not additive:
                 x0_leaf = x0.detach().requires_grad_()
                 out = wrapper.couple(x0_leaf, fn_out)
                 if plan.stream_dtype is not None:
                     out = out.to(plan.stream_dtype)
-        inputs = [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)]
         if additive:
-            grads = (dy1,) + _grad_or_none(out, inputs[1:], dy1)
+            grads = (dy1,) + _vjp(out, [x1, *own_params, *(recompute_args[k] for k in own_args)], dy1)
         else:
-            grads = torch.autograd.grad(out, inputs, dy1, allow_unused=True)
+            grads = _vjp(out, [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)], dy1)
     del fn_out, out, tensors, own_params
     dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
     dx1 = dy0 if grads[1] is None else dy0 + grads[1]
     if off is not None:
         backend.cut_graph(dx0)  # xla: this layer's recomputation and gradients as one graph, run now
-    for k, g in zip(plan.layer_params[i], grads[2:2 + len(plan.layer_params[i])]):
+    n_own = len(plan.layer_params[i])
+    for k, g in zip(plan.layer_params[i], grads[2:2 + n_own]):
         if g is not None:
             if off is not None:
                 g = backend.to_host_blocking(g, plan.params[k].device)
             param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
-    for k, g in zip(own_args, grads[2 + len(plan.layer_params[i]):]):
+    for k, g in zip(own_args, grads[2 + n_own:]):
         if g is not None:
             arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
     del grads
@@ -447,14 +477,30 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         plan.fused.step_params([plan.params[k] for k in done], [param_grads[k] for k in done])
         for k in done:
             param_grads[k] = None
-    return x0, x1.detach(), dx0, dx1
+    return x0, y0, dx0, dx1
 
 
-def _grad_or_none(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-    """``torch.autograd.grad`` that gives ``None`` for every input when ``out`` does not depend on any of them."""
+_NOTHING = contextlib.nullcontext()
+
+
+def _nothing() -> contextlib.nullcontext:
+    return _NOTHING
+
+_ENGINE_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _vjp(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """The gradients of ``out`` (weighted by ``grad``) with respect to ``inputs``; ``None`` for an input it does not
+    depend on, and for every input when it depends on none.
+
+    ``torch.autograd.grad`` without its argument checks, which cost about 45 us per call and run once per layer:
+    here the arguments are built by the caller and are known to be well-formed. Falls back to the public function
+    on torch versions without the engine entry point."""
     if not out.requires_grad:
         return (None,) * len(inputs)
-    return torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    if _ENGINE_BACKWARD is None:
+        return torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    return _ENGINE_BACKWARD((out,), (grad,), False, False, tuple(inputs), True, accumulate_grad=False)
 
 
 class ReversibleSequential(nn.Sequential):
@@ -631,7 +677,7 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype)
+                     compute_dtype, lazy=backend.is_tracing_lazily(x0))
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
