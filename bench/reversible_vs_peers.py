@@ -318,13 +318,18 @@ class _Runner:
                 "threads": self.torch.get_num_threads(), "torch": self.torch.__version__, "pid": os.getpid()}
 
     def cmd_time(self, n: int = 1):
+        """Step times on the primary clock (eager CPU: CPU time of this single-threaded worker, which other load on
+        a shared machine barely moves; elsewhere wall-clock, since the device works asynchronously) and wall-clock."""
         self.dev.finish()
-        times = []
+        times, wall = [], []
+        cpu_clock = self.dev.kind == "cpu"
         for _ in range(n):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             self.step()
-            times.append(time.perf_counter() - start)
-        return {"times": times}
+            end, end_cpu = time.perf_counter(), time.process_time()
+            wall.append(end - start)
+            times.append(end_cpu - start_cpu if cpu_clock else end - start)
+        return {"times": times, "wall_times": wall}
 
     def cmd_memory(self):
         torch = self.torch
@@ -689,12 +694,14 @@ def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[
             call(variant, "time", n=warmup)
             bar.update(warmup)
         times: Dict[str, List[float]] = {v: [] for v in variants}
+        wall: Dict[str, List[float]] = {v: [] for v in variants}
         for r in range(repeats):  # round-robin, rotating the order every round
             order = variants[r % len(variants):] + variants[:r % len(variants)]
             for variant in order:
                 res = call(variant, "time", n=1)
                 if res:
                     times[variant].extend(res["times"])
+                    wall[variant].extend(res.get("wall_times", res["times"]))
                 bar.update(1)
         for variant in variants:
             if device == "xla":
@@ -713,7 +720,9 @@ def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[
         for variant in variants:
             if times[variant]:
                 rows[variant]["time"] = summarize(times[variant])
+                rows[variant]["time"]["clock"] = "process_cpu" if device == "cpu" else "wall"
                 rows[variant]["times_ms"] = [round(t * 1e3, 3) for t in times[variant]]
+                rows[variant]["wall_time"] = summarize(wall[variant])
             if variant in errors:
                 lines = [ln for ln in errors[variant].strip().splitlines() if ln.strip()]
                 rows[variant]["error"] = (lines[-1] if lines else "unknown error")[:500]
@@ -859,10 +868,13 @@ def write_markdown(results: Dict[str, Any], path: Path) -> None:
                       if device == "cuda" else
                       "storage tracker: peak live bytes of storages allocated during the step (activations, saved "
                       "tensors, temporaries, gradients; parameters and input excluded)")
-            lines += [f"Step time: forward + loss + backward + zero grads, median of {cfgs['repeats']} interleaved "
-                      f"repeats after {cfgs['warmup']} warm-up steps. Peak memory: {method}.", "",
+            clock = ("CPU time of the single-threaded worker process (other load on a shared machine barely moves "
+                     "it; wall-clock medians in the last column)" if device == "cpu" else "wall-clock")
+            lines += [f"Step time: forward + loss + backward + zero grads, {clock}, median of {cfgs['repeats']} "
+                      f"interleaved repeats after {cfgs['warmup']} warm-up steps. Peak memory: {method}.", "",
                       "| variant | step ms (median) | p25–p75 | vs revlib | vs no_savings | peak MiB | vs revlib | "
-                      "vs no_savings | grad err vs no_savings |", "|---|---|---|---|---|---|---|---|---|"]
+                      "vs no_savings | grad err vs no_savings | wall ms (median) |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             r = row.get("ratios", {})
             t = row.get("time")
@@ -870,6 +882,8 @@ def write_markdown(results: Dict[str, Any], path: Path) -> None:
             iq = f"{t['p25_ms']:.1f}–{t['p75_ms']:.1f}" if t else "—"
             ge = row.get("grad_error", {}).get("max_rel_err")
             ge_s = "—" if ge is None else f"{ge:.1e}"
+            wt = row.get("wall_time")
+            wall_ms = f"{wt['median_ms']:.1f}" if wt else "—"
             name = row["variant"] + (" (failed: see JSON)" if row.get("error") else "")
             if device == "xla":
                 c = row.get("compiled") or {}
@@ -885,7 +899,7 @@ def write_markdown(results: Dict[str, Any], path: Path) -> None:
                     f"| {name} | {tm} | {iq} | {_fmt_ratio(r.get('time_vs_revlib'))} | "
                     f"{_fmt_ratio(r.get('time_vs_no_savings'))} | {_fmt_bytes(row.get('peak_bytes'))} | "
                     f"{_fmt_ratio(r.get('memory_vs_revlib'))} | {_fmt_ratio(r.get('memory_vs_no_savings'))} | "
-                    f"{ge_s} |")
+                    f"{ge_s} | {wall_ms} |")
     lines += ["", "Variants: `no_savings` = revlib_xla `MemoryModes.no_savings` (plain autograd, the reference); "
               "`checkpoint` = the same model with `torch.utils.checkpoint(use_reentrant=False)` per reversible "
               "layer (XLA: `torch_xla.utils.checkpoint`); `revlib_xla` = revlib_xla's default reversible mode; "
