@@ -19,8 +19,10 @@ Memory, three yardsticks (each row says which it has):
   outside Python dispatch, so MemTracker cannot see them (it read the same peak at every budget).
 * ``allocator peak``: how far the bytes allocated by PyTorch's allocator rose during one step
   (``revlib_xla.memory.allocator_peak``: profiler memory events on cpu, ``max_memory_allocated`` on cuda), with
-  the parameter gradients already allocated (the step accumulates into them). Every row has it; on an eager step
-  it equals ``peak`` less the input.
+  the parameter gradients already allocated (the step accumulates into them). Every row has it. On the eager
+  no-checkpoint steps it equals ``peak`` less the input; on planned steps ``peak`` can read more, because
+  MemTracker's module hooks keep tensors alive that the untracked step frees (the allocator peak of a hybrid plan
+  rises to MemTracker's reading while MemTracker tracks the step).
 * ``saved``: bytes saved for backward (saved-tensor hooks; they see what AOTAutograd's partitioned forward keeps,
   i.e. what ``activation_memory_budget`` decides; parameters excluded). No-checkpoint and compiled rows only (the
   checkpointing variants install hooks of their own, which take over from the counting ones).
@@ -356,7 +358,9 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
         "kernels.",
         "* `allocator`: how far PyTorch's allocator rose during one step (`revlib_xla.memory.allocator_peak`: "
         "profiler memory events on cpu, `max_memory_allocated` on cuda), parameter gradients already allocated. "
-        "All rows; on eager rows it equals `peak` less the input.",
+        "All rows. On the eager no-checkpoint steps it equals `peak` less the input; on planned steps `peak` "
+        "can read more: MemTracker's module hooks keep tensors alive that the untracked step frees (a hybrid "
+        "plan's allocator peak rises to MemTracker's reading while MemTracker tracks the step).",
         "* `saved`: bytes saved for backward (saved-tensor hooks, which see what AOTAutograd's compiled graph "
         "keeps), parameters excluded; no-checkpoint and compiled rows.",
         "* `hybrid` plans the reversible-block variant of the decoder (two streams of width 128) against that "
