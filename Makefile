@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-EXTRAS := xla,jax,tpu-compile,triton,demo,test
+EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test
 export PJRT_DEVICE ?= CPU
 
 .PHONY: venv test test-fast demo bench clean

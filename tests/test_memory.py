@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from revlib_xla import backend, memory
 from revlib_xla.memory import (
-    CompiledMemory, EagerPeak, MissingDependencyError, SavedTensorCounter, TpuCompileError, eager_peak,
-    saved_bytes, step_stablehlo, tpu_memory, tpu_memory_many, xla_cpu_memory,
+    CompiledMemory, EagerPeak, MissingDependencyError, SavedTensorCounter, TpuCompileError, allocator_peak,
+    eager_peak, saved_bytes, step_stablehlo, tensor_bytes, tpu_memory, tpu_memory_many, xla_cpu_memory,
 )
 
 F32 = 4
@@ -177,6 +177,76 @@ def test_eager_peak_names_the_torch_it_needs(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)  # import now fails
     with pytest.raises(RuntimeError, match=r"MemTracker \(torch >= 2\.5"):
         eager_peak(train_step, small_mlp(), torch.randn(8, 16))
+
+
+def _compiled_backward_node(grad_fn):
+    """The autograd node of AOTAutograd's compiled function (``CompiledFunctionBackward``) behind ``grad_fn``."""
+    seen, stack = set(), [grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CompiledFunctionBackward":
+            return node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    raise AssertionError("no CompiledFunctionBackward node: the step did not run compiled")
+
+
+def test_saved_bytes_count_what_a_compiled_graph_saves():
+    """Under ``torch.compile`` the saved-tensor hooks see exactly what AOTAutograd's partitioned forward saves
+    (what ``activation_memory_budget`` decides), so bench/planner.py can size compiled steps with them.
+    ``aot_eager_decomp_partition`` runs the same partitioner as inductor without a C++ compile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64),
+                          nn.Tanh())
+    x = torch.randn(32, 64)
+    params = list(model.parameters())
+    eager = saved_bytes(model, x, exclude=params)
+    assert eager == nbytes(x) + 2 * 32 * 256 * F32 + 32 * 64 * F32  # the input and the three tanh outputs
+    counted = {}
+    try:
+        for budget in (1.0, 0.0):
+            torch._dynamo.reset()  # the budget is read when the graph is partitioned, at the first call
+            compiled = torch.compile(model, backend="aot_eager_decomp_partition")
+            with torch._functorch.config.patch(activation_memory_budget=budget):
+                compiled(x).sum().backward()
+            with SavedTensorCounter(exclude=params) as counter:
+                out = compiled(x)
+            node = _compiled_backward_node(out.grad_fn)
+            param_storages = {p.untyped_storage().data_ptr() for p in params}
+            saved = [t for t in node.saved_tensors if t.untyped_storage().data_ptr() not in param_storages]
+            assert counter.bytes == tensor_bytes(saved)
+            counted[budget] = counter.bytes
+    finally:
+        torch._dynamo.reset()
+    assert counted[1.0] == eager  # nothing recomputed: the eager activations
+    assert counted[0.0] == nbytes(x)  # recompute everything: only the input is kept
+
+
+def test_allocator_peak_follows_allocations_and_frees_in_order():
+    def allocate():
+        first = torch.empty(1 << 20, dtype=torch.uint8)
+        second = torch.empty(2 << 20, dtype=torch.uint8)
+        del first
+        return torch.empty(1 << 19, dtype=torch.uint8), second
+
+    assert allocator_peak(allocate).increase == 3 << 20
+
+
+def test_allocator_peak_agrees_with_eager_peak_on_an_eager_step(eager_device):
+    """On an eager step the allocator's peak is MemTracker's activations + temporaries (gradients already exist,
+    so the step accumulates into them; the input existed before the step and is MemTracker's "other"): the two
+    yardsticks agree, so eager and compiled steps can share one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64)
+                          ).to(eager_device)
+    x = torch.randn(256, 64, device=eager_device)
+    train_step(model, x)  # .grad exists from here on
+    tracked = eager_peak(train_step, model, x, zero_grad=False)
+    counted = allocator_peak(train_step, model, x, device=eager_device).increase
+    expected = tracked.activations + tracked.temporaries
+    assert abs(counted - expected) <= 0.02 * expected + 8192, (counted, str(tracked))
 
 
 # ----------------------------------------------------------------------------------------------------------------
