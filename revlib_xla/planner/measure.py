@@ -133,7 +133,8 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
     if lazy:
         fw = _flops(lambda: stage(grad_leaves(x)))
         inp = grad_leaves(x)
-        with SavedTensorCounter(exclude=params + tensors) as counter:
+        # The stage's input is x_i, counted by the chain as cw[i]: the eager tracker does not count it either.
+        with SavedTensorCounter(exclude=params + tensors + list(backend.tensors_in(inp))) as counter:
             y = stage(inp)
         outs = differentiable(y)
         cbw = counter.bytes + tensor_bytes(y)
