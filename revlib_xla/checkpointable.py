@@ -506,6 +506,28 @@ class Checkpointable(nn.Module):
         self.tpu_hbm_bytes = best[2]
         return self.sequence
 
+    def tpu_activation_memory(self, loss_fn: Optional[Any] = None, generation: Optional[str] = None) -> int:
+        """What the current schedule's training step keeps, as the TPU compiler plans it (deviceless compile of the
+        whole step, no TPU): the peak of the live values other than the step's arguments and outputs (liveness over
+        the compiled program, every buffer in HBM: ``tpu_memory(..., hbm_only=True, liveness=True)``) plus the
+        model's input. The same quantity as :meth:`get_expected_memory`, measured instead of planned.
+
+        ``loss_fn(output)`` makes the step's loss (default: the mean of the squared outputs, whose gradient depends
+        on the output as a real loss's does; ``sum()`` would let the compiler fold the seed gradient into a
+        constant). The model must have been measured on an XLA input.
+        """
+        from .memory import step_stablehlo, tpu_memory
+
+        if self._sample is None or self.chain is None:
+            raise RuntimeError("Checkpointable.tpu_activation_memory: measure the model on an XLA input first "
+                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+        self._need_sequence()
+        loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in backend.tensors_in(out)
+                                           if t.is_floating_point()))
+        text = step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
+        compiled = tpu_memory(text, generation or self.tpu_generation or "v5e", hbm_only=True, liveness=True)
+        return compiled.live_peak_bytes + tensor_bytes(self._sample)
+
     def get_expected_memory(self) -> float:
         """Peak bytes the schedule needs (activations, their gradients, temporaries; the input, the output and its
         gradient included)."""

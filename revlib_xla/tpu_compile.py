@@ -14,7 +14,10 @@ neither torch nor torch_xla, and it is both
 
 The request file is JSON ``{"topology": "v5e:2x2", "device_index": 0, "modules": [PATH, ...]}`` where each PATH holds
 StableHLO text; the result file is JSON ``{"results": [...]}`` with one entry per module (see
-:func:`compile_module`), or an ``"error"`` string per module that failed to compile.
+:func:`compile_module`), or an ``"error"`` string per module that failed to compile. With ``"dump_dir": DIR`` in the
+request (and the worker started with ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, see
+:func:`dump_flags`), each entry also holds ``"buffer_assignment"``: the text of the compiler's buffer-assignment
+dump for that module.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 __all__ = [
     "TPU_GENERATIONS", "JAX_VERSION_TESTED", "HBM_ONLY_FLAGS", "versions", "tpu_environment", "compile_module",
-    "compile_for_cpu", "compile_for_tpu", "main",
+    "compile_for_cpu", "compile_for_tpu", "dump_flags", "main",
 ]
 
 #: The jax/jaxlib release whose internals this module was written against.
@@ -101,6 +104,29 @@ def tpu_environment(topology: str, base: Optional[Dict[str, str]] = None, hbm_on
     if hbm_only:
         env["LIBTPU_INIT_ARGS"] = " ".join([env.get("LIBTPU_INIT_ARGS", "").strip(), *HBM_ONLY_FLAGS]).strip()
     return env
+
+
+def dump_flags(directory: str, base: Optional[str] = None) -> str:
+    """``XLA_FLAGS`` (on top of ``base``) that make the compiler write its HLO and buffer assignment as text into
+    ``directory``."""
+    return " ".join([(base or "").strip(), f"--xla_dump_to={directory}", "--xla_dump_hlo_as_text"]).strip()
+
+
+_BUFFER_ASSIGNMENT_SUFFIX = "after_optimizations-buffer-assignment.txt"
+
+
+def _new_buffer_assignment(directory: str, seen: set) -> Optional[str]:
+    """The text of the buffer-assignment dump written since the last call (the newest, if several)."""
+    try:
+        names = [n for n in os.listdir(directory) if n.endswith(_BUFFER_ASSIGNMENT_SUFFIX) and n not in seen]
+    except OSError:
+        return None
+    seen.update(names)
+    if not names:
+        return None
+    newest = max(names, key=lambda n: os.path.getmtime(os.path.join(directory, n)))
+    with open(os.path.join(directory, newest), encoding="utf-8") as f:
+        return f.read()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -210,6 +236,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         request = json.load(f)
     topology = request.get("topology", TPU_GENERATIONS["v5e"])
     device_index = int(request.get("device_index", 0))
+    dump_dir = request.get("dump_dir")
+    seen: set = set()
     results = []
     for path in request["modules"]:
         with open(path, encoding="utf-8") as f:
@@ -218,6 +246,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             results.append(compile_for_tpu(text, topology, device_index))
         except Exception as exc:  # report per module; the parent raises with this message
             results.append({"error": f"{type(exc).__name__}: {exc}"})
+        if dump_dir:
+            results[-1]["buffer_assignment"] = _new_buffer_assignment(dump_dir, seen)
     out = {"topology": topology, "device_index": device_index, "versions": versions(), "results": results}
     tmp = args[1] + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
