@@ -9,7 +9,8 @@ host memory when a bandwidth is given.
 **The budget** is rotor's: the bytes of activations, their gradients and temporaries of the chain, the model's
 input included; parameters, their gradients and optimizer state are not counted. Unlike rotor, it also counts the
 model's output and its gradient for the whole backward pass (the caller holds the one, autograd the other), so
-the measured peak stays within the budget. ``mem_limit=None`` means the
+the measured peak stays within the budget; on XLA, where lifetimes follow the compiled program's dataflow, it
+counts them only while the program needs them. ``mem_limit=None`` means the
 fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
 
 In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
@@ -318,6 +319,7 @@ class Checkpointable(nn.Module):
         self._signature: Optional[Tuple] = None
         self._sample: Any = None
         self._input_structure: Any = None
+        self._traced = False  # measured on lazily traced (XLA) tensors
         if input is not None:
             self.measure(input)
             self.compute_sequence()
@@ -381,6 +383,7 @@ class Checkpointable(nn.Module):
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
+        self._traced = lazy
         self._sample = optional_detach(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
         self._input_structure = _structure(sample_input)
         self.sequence = None
@@ -392,16 +395,17 @@ class Checkpointable(nn.Module):
         from .memory import MissingDependencyError, tpu_memory_many
 
         try:
-            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation)
+            # hbm_only: every buffer in HBM, so the peak is what the program keeps (not VMEM's allocation).
+            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation,
+                                       hbm_only=True)
         except MissingDependencyError as exc:
             warnings.warn(f"Checkpointable: {exc}; planning with temporaries taken as 0", stacklevel=3)
             return measured
         out = []
         for k, m in enumerate(measured):
             forward, step = compiled[2 * k], compiled[2 * k + 1]
-            fwd_tmp = max(0, forward.hbm_peak_bytes - forward.argument_bytes - forward.output_bytes)
-            step_tmp = max(0, step.hbm_peak_bytes - step.argument_bytes - step.output_bytes)
-            out.append(dataclasses.replace(m, fwd_tmp=fwd_tmp, bwd_tmp=max(0, step_tmp - m.cbw)))
+            out.append(dataclasses.replace(m, fwd_tmp=forward.live_temporary_bytes,
+                                           bwd_tmp=max(0, step.live_temporary_bytes - m.cbw)))
         return out
 
     def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
@@ -428,9 +432,16 @@ class Checkpointable(nn.Module):
         return self.sequence
 
     def held_during_backward(self) -> float:
-        """Bytes outside the chain's model that stay alive through the backward phase: the model's output (the
-        caller holds it) and its gradient (autograd holds it until the whole backward returns)."""
-        return 2 * self.chain.cw[-1]
+        """Bytes outside the chain's model that stay alive through the backward phase.
+
+        Eager (cpu, cuda): the model's output (the caller holds it) and its gradient (autograd holds it until the
+        whole backward returns). Measured on XLA: 0. There lifetimes follow the compiled program's dataflow: the
+        output dies once the loss's gradient has been computed from it and that gradient once the last stage's
+        backward has consumed it, both already counted by the chain (its ``L`` and ``B`` operations). A step that
+        also returns the output keeps it for the whole program, outside this count."""
+        if self.chain is None:
+            raise RuntimeError("Checkpointable.held_during_backward: call measure(sample_input) first")
+        return 0.0 if self._traced else 2 * self.chain.cw[-1]
 
     def min_memory(self) -> float:
         """The smallest mem_limit any schedule fits in (bytes)."""
@@ -494,6 +505,28 @@ class Checkpointable(nn.Module):
         self.sequence = self.compute_sequence(best[0])
         self.tpu_hbm_bytes = best[2]
         return self.sequence
+
+    def tpu_activation_memory(self, loss_fn: Optional[Any] = None, generation: Optional[str] = None) -> int:
+        """What the current schedule's training step keeps, as the TPU compiler plans it (deviceless compile of the
+        whole step, no TPU): the peak of the live values other than the step's arguments and outputs (liveness over
+        the compiled program, every buffer in HBM: ``tpu_memory(..., hbm_only=True, liveness=True)``) plus the
+        model's input. The same quantity as :meth:`get_expected_memory`, measured instead of planned.
+
+        ``loss_fn(output)`` makes the step's loss (default: the mean of the squared outputs, whose gradient depends
+        on the output as a real loss's does; ``sum()`` would let the compiler fold the seed gradient into a
+        constant). The model must have been measured on an XLA input.
+        """
+        from .memory import step_stablehlo, tpu_memory
+
+        if self._sample is None or self.chain is None:
+            raise RuntimeError("Checkpointable.tpu_activation_memory: measure the model on an XLA input first "
+                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+        self._need_sequence()
+        loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in backend.tensors_in(out)
+                                           if t.is_floating_point()))
+        text = step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
+        compiled = tpu_memory(text, generation or self.tpu_generation or "v5e", hbm_only=True, liveness=True)
+        return compiled.live_peak_bytes + tensor_bytes(self._sample)
 
     def get_expected_memory(self) -> float:
         """Peak bytes the schedule needs (activations, their gradients, temporaries; the input, the output and its

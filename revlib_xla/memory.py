@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 
 from . import backend
+from .hlo_liveness import live_peak
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
 __all__ = [
@@ -538,6 +539,18 @@ class CompiledMemory:
     peak is the number to use: ``temp_bytes`` is often 0 on v5e/v6e, and on v5p (megacore) it can even exceed the
     peak.
 
+    ``hbm_only``: compiled with the TPU compiler's memory-space assignment into VMEM turned off (see
+    :func:`tpu_memory`); then ``peak_bytes`` = arguments + outputs + the peak of the temporaries, every buffer in
+    HBM, and :attr:`live_temporary_bytes` is the most the program keeps alive at once besides its arguments and
+    outputs. Without it, a TPU peak counts VMEM too: see :data:`revlib_xla.tpu_compile.HBM_ONLY_FLAGS`.
+
+    ``live_peak_bytes`` (only when compiled with ``liveness=True``, else ``None``): the most bytes that values other
+    than the program's arguments and outputs hold at one point of its schedule, from the compiler's buffer
+    assignment (:func:`revlib_xla.hlo_liveness.live_peak`); ``live_peak_values`` names the largest of them. This is
+    what the program keeps, where :attr:`live_temporary_bytes` is what its allocations reserve: the compiler may
+    park a temporary in an output's buffer before that output is written (a step's parameter gradients come
+    last), so the two differ.
+
     ``optimized_hlo`` is the HLO after the compiler's passes: count recomputation there with :meth:`count_ops`.
     ``pre_optimization_hlo`` (HLO before any pass) and ``stablehlo`` (the input) are where to assert that
     optimization barriers (``opt-barrier`` / ``stablehlo.optimization_barrier``) and host-offload annotations
@@ -559,9 +572,19 @@ class CompiledMemory:
     host_output_bytes: int
     host_temp_bytes: int
     versions: Tuple[Tuple[str, str], ...]
+    hbm_only: bool
+    live_peak_bytes: Optional[int]
+    live_peak_values: Tuple[Tuple[str, int], ...]
     optimized_hlo: str = dataclasses.field(repr=False, compare=False)
     pre_optimization_hlo: str = dataclasses.field(repr=False, compare=False)
     stablehlo: str = dataclasses.field(repr=False, compare=False)
+
+    @property
+    def live_temporary_bytes(self) -> int:
+        """The peak minus the host buffers, the arguments and the outputs: the most the program keeps alive at once
+        besides its inputs and results (the compiler gives every argument and output its own buffer for the whole
+        program). On TPU, meaningful only for an ``hbm_only`` compile."""
+        return max(0, self.hbm_peak_bytes - self.argument_bytes - self.output_bytes)
 
     def count_ops(self, pattern: str = MATMUL_PATTERN, text: str = "optimized") -> int:
         """Matches of the regular expression ``pattern`` in one of the texts: ``'optimized'`` (default),
@@ -652,10 +675,12 @@ def _require(modules: Sequence[str], hint: str, what: str) -> None:
         raise MissingDependencyError(f"{what} needs {', '.join(missing)}, which is not installed: {hint}")
 
 
-def _cache_key(platform: str, topology: Optional[str], device_index: int, text: str) -> str:
+def _cache_key(platform: str, topology: Optional[str], device_index: int, text: str, hbm_only: bool = False,
+               liveness: bool = False) -> str:
     tc = _compile_helpers()
     header = json.dumps({
-        "format": 1, "platform": platform, "topology": topology, "device_index": device_index,
+        "format": 1, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
+        "liveness": liveness,
         "versions": tc.versions(),
         # Flags that can change compiled numbers.
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
@@ -677,7 +702,7 @@ def _disk_dir(disk_cache: Union[bool, str, "os.PathLike[str]", None]) -> Optiona
 
 
 def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[str], text: str,
-                 versions: Mapping[str, Optional[str]]) -> CompiledMemory:
+                 versions: Mapping[str, Optional[str]], hbm_only: bool = False) -> CompiledMemory:
     host = result["host_argument_size_in_bytes"] + result["host_output_size_in_bytes"] + \
         result["host_temp_size_in_bytes"]
     return CompiledMemory(
@@ -688,7 +713,9 @@ def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[st
         alias_bytes=result["alias_size_in_bytes"], generated_code_bytes=result["generated_code_size_in_bytes"],
         host_argument_bytes=result["host_argument_size_in_bytes"],
         host_output_bytes=result["host_output_size_in_bytes"], host_temp_bytes=result["host_temp_size_in_bytes"],
-        versions=tuple(sorted((k, str(v)) for k, v in versions.items())),
+        versions=tuple(sorted((k, str(v)) for k, v in versions.items())), hbm_only=hbm_only,
+        live_peak_bytes=result.get("live_peak_bytes"),
+        live_peak_values=tuple((str(n), int(b)) for n, b in result.get("live_peak_values", ())),
         optimized_hlo=result["optimized_hlo"], pre_optimization_hlo=result["pre_optimization_hlo"], stablehlo=text,
     )
 
@@ -766,7 +793,7 @@ def _resolve_topology(generation: str, topology: Optional[str]) -> str:
 def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Optional[str] = None,
                device_index: int = 0, cache: bool = True,
                disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
-               timeout: float = 600.0) -> CompiledMemory:
+               timeout: float = 600.0, hbm_only: bool = False, liveness: bool = False) -> CompiledMemory:
     """Memory the TPU compiler plans for this StableHLO on one chip of a TPU ``generation``, without a TPU.
 
     The figures come from the TPU compiler (libtpu, compiling deviceless against a topology description), not from
@@ -775,6 +802,16 @@ def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Option
     process (``python revlib_xla/tpu_compile.py``) so that libtpu never loads into the caller's process; starting
     it costs about two seconds, so use :func:`tpu_memory_many` for several graphs.
 
+    ``hbm_only=True`` compiles with memory-space assignment into VMEM turned off
+    (:data:`revlib_xla.tpu_compile.HBM_ONLY_FLAGS`): every buffer lives in HBM, and the peak is the program's
+    whole live set. Use it to compare a program's memory with a model of what it keeps (the planner's): by default
+    the compiler moves whole buffers into the chip's ~112 MiB of VMEM, and the reported peak then counts the VMEM
+    allocation instead of the HBM temporaries whenever it is the larger - for a small step, most of the "peak".
+    A real TPU compiles with VMEM assignment on; its HBM use is at most the ``hbm_only`` peak.
+
+    ``liveness=True`` also reads the compiler's buffer assignment (an XLA dump into a temporary directory) and fills
+    :attr:`CompiledMemory.live_peak_bytes`: the peak of what the program keeps besides its arguments and outputs.
+
     Caveat: this uses the libtpu that jax finds (0.0.20 with jax 0.7.1), with jax's compile options, while torch_xla
     on a TPU compiles with its own libtpu and options; treat the numbers as a faithful approximation.
 
@@ -782,32 +819,34 @@ def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Option
     or the worker fails (with the compiler's message or the worker's stderr tail).
     """
     return tpu_memory_many([stablehlo_text], generation, topology=topology, device_index=device_index,
-                           cache=cache, disk_cache=disk_cache, timeout=timeout)[0]
+                           cache=cache, disk_cache=disk_cache, timeout=timeout, hbm_only=hbm_only,
+                           liveness=liveness)[0]
 
 
 def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, topology: Optional[str] = None,
                     device_index: int = 0, cache: bool = True,
                     disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
-                    timeout: float = 600.0) -> List[CompiledMemory]:
+                    timeout: float = 600.0, hbm_only: bool = False, liveness: bool = False
+                    ) -> List[CompiledMemory]:
     """:func:`tpu_memory` for several modules, compiled in one child process (results in the same order).
 
     ``cache``: reuse results for StableHLO already compiled with the same compiler versions, topology and flags
     (in memory; and on disk when ``disk_cache`` is true, a directory, or ``None`` with ``$REVLIB_XLA_CACHE`` set -
     ``True`` means ``$REVLIB_XLA_CACHE`` or ``~/.cache/revlib_xla``). ``timeout`` bounds the child process, in
-    seconds.
+    seconds. ``hbm_only``, ``liveness``: see :func:`tpu_memory`.
     """
     _require(("jax", "jaxlib", "libtpu"), _TPU_EXTRA_HINT, "tpu_memory (the deviceless TPU compile)")
     tc = _compile_helpers()
     topo = _resolve_topology(generation, topology)
     directory = _disk_dir(disk_cache)
     texts = list(stablehlo_texts)
-    keys = [_cache_key("tpu", topo, device_index, text) for text in texts]
+    keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness) for text in texts]
     results: List[Optional[CompiledMemory]] = [None] * len(texts)
     todo: Dict[str, List[int]] = {}
     for i, (key, text) in enumerate(zip(keys, texts)):
         hit, stored = _cached_result(key, cache, directory)
         if hit is None and stored is not None:
-            hit = _from_result(stored, "tpu", topo, text, stored.get("versions", {}))
+            hit = _from_result(stored, "tpu", topo, text, stored.get("versions", {}), hbm_only)
             _COMPILE_CACHE[key] = hit
         if hit is not None:
             results[i] = hit
@@ -815,12 +854,13 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
             todo.setdefault(key, []).append(i)
     if todo:
         order = list(todo)
-        compiled = _run_tpu_worker([texts[todo[key][0]] for key in order], topo, device_index, timeout, tc)
+        compiled = _run_tpu_worker([texts[todo[key][0]] for key in order], topo, device_index, timeout, tc,
+                                   hbm_only, liveness)
         for key, stored in zip(order, compiled):
             if cache:
                 _store(key, directory, stored)
             for i in todo[key]:
-                results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}))
+                results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only)
             if cache:
                 _COMPILE_CACHE[key] = results[todo[key][0]]
     return [r for r in results if r is not None]
@@ -832,8 +872,8 @@ def _stderr_tail(stderr: Union[str, bytes, None], lines: int = 40) -> str:
     return "\n".join((stderr or "").strip().splitlines()[-lines:])
 
 
-def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, timeout: float, tc: Any
-                    ) -> List[Dict[str, Any]]:
+def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, timeout: float, tc: Any,
+                    hbm_only: bool = False, liveness: bool = False) -> List[Dict[str, Any]]:
     worker = Path(tc.__file__).resolve()
     with tempfile.TemporaryDirectory(prefix="revlib_xla_tpu_") as tmp:
         paths = []
@@ -842,13 +882,17 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
             path.write_text(text, encoding="utf-8")
             paths.append(str(path))
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        request.write_text(json.dumps({"topology": topology, "device_index": device_index, "modules": paths}),
-                           encoding="utf-8")
+        env = tc.tpu_environment(topology, hbm_only=hbm_only)
+        order: Dict[str, Any] = {"topology": topology, "device_index": device_index, "modules": paths}
+        if liveness:
+            order["dump_dir"] = str(Path(tmp) / "dump")
+            env["XLA_FLAGS"] = tc.dump_flags(order["dump_dir"], env.get("XLA_FLAGS"))
+        request.write_text(json.dumps(order), encoding="utf-8")
         command = [sys.executable, str(worker), str(request), str(result)]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(command, env=tc.tpu_environment(topology), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, timeout=timeout, check=False)
+            proc = subprocess.run(command, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise TpuCompileError(f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; "
                                   f"stderr tail:\n{_stderr_tail(exc.stderr)}") from None
@@ -862,5 +906,13 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
         if "error" in item:
             raise TpuCompileError(f"the TPU compiler ({topology}) rejected module {i}: {item['error']}")
         item["versions"] = payload.get("versions", {})
+        if liveness:
+            text = item.pop("buffer_assignment", None)
+            if not text:
+                raise TpuCompileError(f"the TPU compiler ({topology}) wrote no buffer assignment for module {i}; "
+                                      f"is --xla_dump_to overridden in XLA_FLAGS?")
+            peak = live_peak(text)
+            item["live_peak_bytes"] = peak.bytes
+            item["live_peak_values"] = [list(v) for v in peak.largest]
         out.append(item)
     return out

@@ -472,7 +472,7 @@ def test_tpu_worker_crash_reports_stderr_tail(tmp_path):
         __file__ = str(script)
 
         @staticmethod
-        def tpu_environment(topology):
+        def tpu_environment(topology, hbm_only=False):
             return dict(os.environ)
 
     with pytest.raises(TpuCompileError, match=r"(?s)exit code 3.*something went badly wrong"):

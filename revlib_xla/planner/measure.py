@@ -6,9 +6,10 @@ of its forward and backward, tracked by PyTorch's ``MemTracker`` (allocations an
 eager device; parameter gradients are allocated beforehand so they are not counted). Times are medians of repeated
 runs on the device, synchronised.
 
-On XLA nothing runs eagerly: sizes come from shapes (the saved tensors are the same), temporaries are taken as 0
-(the compiler fuses them), and the time of a stage is its FLOP count (``torch.utils.flop_counter``), a time model
-that does not need the device.
+On XLA nothing runs eagerly: sizes come from shapes (the saved tensors are the same; the stage's input is not
+counted, as on eager devices), temporaries are taken as 0 here (``Checkpointable`` takes them from the stage's
+programs compiled deviceless for a TPU, every buffer in HBM), and the time of a stage is its FLOP count
+(``torch.utils.flop_counter``), a time model that does not need the device.
 """
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
     if lazy:
         fw = _flops(lambda: stage(grad_leaves(x)))
         inp = grad_leaves(x)
-        with SavedTensorCounter(exclude=params + tensors) as counter:
+        # The stage's input is x_i, counted by the chain as cw[i]: the eager tracker does not count it either.
+        with SavedTensorCounter(exclude=params + tensors + list(backend.tensors_in(inp))) as counter:
             y = stage(inp)
         outs = differentiable(y)
         cbw = counter.bytes + tensor_bytes(y)
