@@ -45,7 +45,8 @@ DEFAULT_OUT_DIR = ROOT / "bench" / "results"
 VARIANTS = ("no_savings", "checkpoint", "revlib_xla", "revlib")
 
 # Sizes: a step of the full configuration takes ~50-200 ms per variant on one CPU thread (compute-bound enough that
-# per-op Python overhead is a minor part), and the whole run stays under ~5 minutes on a 2-core machine.
+# per-op Python overhead is a minor part), and the whole run stays under ~8 minutes on a 2-core machine. 41 repeats:
+# on a shared machine the spread of one variant's step times (p25-p75) is +-15 %, the size of the margins judged.
 CONFIGS: Dict[str, Dict[str, Any]] = {
     "full": {
         "models": {
@@ -53,7 +54,7 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
             "transformer": {"kind": "transformer", "width": 128, "hidden": 512, "heads": 4, "batch": 1, "seq": 128,
                             "depth": 32},
         },
-        "warmup": 3, "repeats": 15,
+        "warmup": 3, "repeats": 41,
         "xla_models": ["mlp"], "xla_warmup": 2, "xla_repeats": 7,
     },
     "quick": {
@@ -916,7 +917,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="comma-separated cpu,xla,cuda or 'auto' (all available; --quick: cpu only)")
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where the .json/.md results go")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every worker (default 1)")
-    parser.add_argument("--repeats", type=int, help="timed steps per variant (default 15; quick 3)")
+    parser.add_argument("--repeats", type=int, help="timed steps per variant (default 41; quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps per variant first (default 3; quick 1)")
     parser.add_argument("--models", help="comma-separated subset of the configuration's models")
     parser.add_argument("--revlib-dir", default=str(DEFAULT_REVLIB_DIR),
