@@ -33,7 +33,8 @@ from .running_stats import frozen_running_stats, norms_with_running_stats
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
 from .memory import tensor_bytes
-from .planner.measure import InPlaceInput, StageMeasurement, grad_leaves, measure_stage, stage_programs
+from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, grad_leaves, measure_stage,
+                              stage_programs)
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
@@ -333,11 +334,13 @@ class Checkpointable(nn.Module):
         options: List[List[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
         lazy = any(backend.is_tracing_lazily(t) for t in backend.tensors_in(x))
-        programs: List[Tuple[str, str]] = []
+        programs: List[List[StagePrograms]] = []  # per stage: the plain stage, then its options
+        out_bytes: List[int] = []
         for i, stage in enumerate(self.stages):
             if lazy and self.tpu_generation:
                 backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
-                programs.append(stage_programs(stage, x))
+                programs.append([stage_programs(s, x) for s in
+                                 [stage] + [module for _, module in self.stage_options.get(i, [])]])
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             stage_opts = []
             # Measuring runs the stage (and its options) several times: it must not move running statistics.
@@ -360,13 +363,14 @@ class Checkpointable(nn.Module):
                                                   alt.fwd_tmp, alt.bwd_tmp))
             options.append(stage_opts)
             measured.append(m)
+            out_bytes.append(tensor_bytes(out))
             if self.verbosity >= 2:
                 logger.info("stage %d %s: %s", i, type(stage).__name__, m)
             x = out
             progress.update()
         progress.close()
         if programs:
-            measured = self._with_compiled_temporaries(measured, programs)
+            measured, options = self._with_compiled_sizes(measured, options, programs, out_bytes)
         self.measurements = measured
         n = len(measured)
         names = [f"{type(s).__name__}" for s in self.stages]
@@ -389,24 +393,51 @@ class Checkpointable(nn.Module):
         self.sequence = None
         return self.chain
 
-    def _with_compiled_temporaries(self, measured: List[StageMeasurement], programs: List[Tuple[str, str]]
-                                   ) -> List[StageMeasurement]:
-        """Transient memory of each stage from its programs compiled deviceless for ``tpu_generation``."""
+    def _with_compiled_sizes(self, measured: List[StageMeasurement], options: List[List[StageOption]],
+                             programs: List[List[StagePrograms]], out_bytes: List[int]
+                             ) -> Tuple[List[StageMeasurement], List[List[StageOption]]]:
+        """What each stage (and each option) keeps and its transient memory, from its programs compiled deviceless
+        for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`).
+
+        With ``y`` the stage's output: ``cbw`` = what the backward program keeps live across the point where its
+        backward starts (not its arguments x_i, parameters, the gradient of y, nor y, one of its outputs) + ``y``:
+        the compiled stage keeps fusion inputs, not everything autograd saves. ``fwd_tmp``: the larger of the
+        forward program's live peak and the backward program's forward peak above what it keeps; ``bwd_tmp``: the
+        backward's live peak above what it keeps (its input gradient and parameter gradients are outputs, not
+        counted)."""
+        from .hlo_liveness import forward_backward_split
         from .memory import MissingDependencyError, tpu_memory_many
 
+        flat = [p for stage in programs for p in stage]
         try:
-            # hbm_only: every buffer in HBM, so the peak is what the program keeps (not VMEM's allocation).
-            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation,
-                                       hbm_only=True)
+            compiled = tpu_memory_many([text for p in flat for text in (p.forward, p.backward)], self.tpu_generation,
+                                       hbm_only=True, liveness=True)
         except MissingDependencyError as exc:
-            warnings.warn(f"Checkpointable: {exc}; planning with temporaries taken as 0", stacklevel=3)
-            return measured
-        out = []
-        for k, m in enumerate(measured):
-            forward, step = compiled[2 * k], compiled[2 * k + 1]
-            out.append(dataclasses.replace(m, fwd_tmp=forward.live_temporary_bytes,
-                                           bwd_tmp=max(0, step.live_temporary_bytes - m.cbw)))
-        return out
+            warnings.warn(f"Checkpointable: {exc}; planning with what autograd saves and temporaries taken as 0",
+                          stacklevel=3)
+            return measured, options
+
+        def sizes(k: int, y: int) -> Tuple[int, int, int]:
+            forward, backward = compiled[2 * k], compiled[2 * k + 1]
+            if not flat[k].gradient_arguments:
+                return y, forward.live_peak_bytes, 0
+            split = forward_backward_split(backward.buffer_assignment, backward.optimized_hlo,
+                                           flat[k].gradient_arguments)
+            return (split.across + y, max(forward.live_peak_bytes, split.before - split.across),
+                    split.after - split.across)
+
+        new_measured, new_options, k = [], [], 0
+        for i, m in enumerate(measured):
+            cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i])
+            new_measured.append(dataclasses.replace(m, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
+            k += 1
+            stage_opts = []
+            for opt in options[i]:
+                cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i])
+                stage_opts.append(dataclasses.replace(opt, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
+                k += 1
+            new_options.append(stage_opts)
+        return new_measured, new_options
 
     def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
         """Solve for the fastest schedule within ``mem_limit`` (default: the one given at construction)."""
