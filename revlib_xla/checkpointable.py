@@ -125,11 +125,21 @@ class _Run:
                 self.rng[i].restore()
             return fn(x)
 
-    def _barrier(self, i: int, *extra: Any) -> None:
+    def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
-        starting it before the gradient it waits for exists."""
-        tensors = [t for obj in (self.x.get(i), *extra) for t in backend.tensors_in(obj)]
+        starting it before the gradient it waits for exists. Returns x_i behind the barrier, the input to recompute
+        from.
+
+        x_i is either a checkpoint (``self.x``, barriered in place) or the output of stage i-1 run with autograd
+        (``self.xbar``, e.g. kept since the forward phase): that one is an output of a graph autograd still needs,
+        so a detached alias of it goes behind the barrier. Without it the recomputation reads the very tensor the
+        forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
+        x = self.x.get(i)
+        if x is None and i in self.xbar:
+            x = optional_detach(self.xbar[i][1])
+        tensors = [t for obj in (x, *extra) for t in backend.tensors_in(obj)]
         backend.optimization_barrier_(tensors)
+        return x if x is not None else self._input(i)
 
     def _free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
@@ -144,10 +154,10 @@ class _Run:
         for op in ops:
             i = op.index
             if op.kind in ("Fn", "CF", "Fr"):
-                if backward:
-                    self._barrier(i, self.grad.get(self._pending_grad()))
+                x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
                 with torch.no_grad():
-                    out = self._call(i, self._input(i), recompute=backward)
+                    out = self._call(i, x, recompute=backward)
+                del x
                 self.x[i + 1] = out
                 if op.kind == "Fr":
                     self.held.add(i + 1)
@@ -155,9 +165,9 @@ class _Run:
                 elif op.kind == "Fn":
                     self._free_input(i)
             elif op.kind == "Fe":
-                if backward:
-                    self._barrier(i, self.grad.get(self._pending_grad()))
-                inp = grad_leaves(self._input(i))
+                x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
+                inp = grad_leaves(x)
+                del x
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=backward, option=op.option)
                 self.xbar[i + 1] = (inp, out)
