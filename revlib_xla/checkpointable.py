@@ -407,14 +407,18 @@ class Checkpointable(nn.Module):
                              programs: List[List[StagePrograms]], out_bytes: List[int]
                              ) -> Tuple[List[StageMeasurement], List[List[StageOption]]]:
         """What each stage (and each option) keeps and its transient memory, from its programs compiled deviceless
-        for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`).
+        for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`),
+        in the terms of the chain (rotor's model; ``y`` is the stage's output, x_{i+1}):
 
-        With ``y`` the stage's output: ``cbw`` = what the backward program keeps live across the point where its
-        backward starts (not its arguments x_i, parameters, the gradient of y, nor y, one of its outputs) + ``y``:
-        the compiled stage keeps fusion inputs, not everything autograd saves. ``fwd_tmp``: the larger of the
-        forward program's live peak and the backward program's forward peak above what it keeps; ``bwd_tmp``: the
-        backward's live peak above what it keeps (its input gradient and parameter gradients are outputs, not
-        counted)."""
+        * ``cbw`` (x̄_{i+1}): what the backward program keeps live across the point where its backward starts (not
+          its arguments x_i, parameters and the gradient of y, nor y, one of its outputs) + ``y``. The compiled
+          stage keeps fusion inputs, not everything autograd saves.
+        * ``fwd_tmp``: the larger of the forward program's live peak and the backward program's forward peak above
+          what it keeps.
+        * ``bwd_tmp``: the backward's live peak, the input gradient counted from when it is computed, above what
+          the chain already holds while the stage's backward runs: x̄_{i+1} (of which ``y`` only if the backward
+          reads it: the plan holds y, the compiled step may not) and the input gradient (``cw[i]``).
+        """
         from .hlo_liveness import forward_backward_split
         from .memory import MissingDependencyError, tpu_memory_many
 
@@ -427,23 +431,27 @@ class Checkpointable(nn.Module):
                           stacklevel=3)
             return measured, options
 
-        def sizes(k: int, y: int) -> Tuple[int, int, int]:
-            forward, backward = compiled[2 * k], compiled[2 * k + 1]
-            if not flat[k].gradient_arguments:
+        def sizes(k: int, y: int, cw: int) -> Tuple[int, int, int]:
+            forward, backward, program = compiled[2 * k], compiled[2 * k + 1], flat[k]
+            if not program.gradient_arguments:
                 return y, forward.live_peak_bytes, 0
-            split = forward_backward_split(backward.buffer_assignment, backward.optimized_hlo,
-                                           flat[k].gradient_arguments)
+            outputs = range(program.output_count)
+            split = forward_backward_split(
+                backward.buffer_assignment, backward.optimized_hlo, program.gradient_arguments,
+                counted_outputs=range(program.output_count, program.output_count + program.input_gradient_count),
+                read_outputs=outputs)
+            held_y = y if any(split.outputs_read) else 0
             return (split.across + y, max(forward.live_peak_bytes, split.before - split.across),
-                    split.after - split.across)
+                    max(0, split.after_with_outputs + held_y - split.across - y - cw))
 
         new_measured, new_options, k = [], [], 0
         for i, m in enumerate(measured):
-            cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i])
+            cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i], m.cw)
             new_measured.append(dataclasses.replace(m, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
             k += 1
             stage_opts = []
             for opt in options[i]:
-                cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i])
+                cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i], m.cw)
                 stage_opts.append(dataclasses.replace(opt, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
                 k += 1
             new_options.append(stage_opts)

@@ -74,9 +74,11 @@ def _allocations(text: str) -> List[Tuple[str, str]]:
             for k, m in enumerate(starts)]
 
 
-def _values(buffer_assignment: str, memory_space: int) -> Tuple[int, Dict[str, int], List[_Value]]:
+def _values(buffer_assignment: str, memory_space: int, outputs: Optional[List[_Value]] = None
+            ) -> Tuple[int, Dict[str, int], List[_Value]]:
     """The schedule's last position, the instruction sequence (name -> position) and every value other than the
-    program's arguments and outputs in ``memory_space``, with its buffer and live interval."""
+    program's arguments and outputs in ``memory_space``, with its buffer and live interval; the values of outputs
+    are appended to ``outputs`` when given."""
     match = _MAX_TIME.search(buffer_assignment)
     if match is None:
         raise LivenessParseError("the buffer-assignment dump has no HloLiveRange section")
@@ -100,6 +102,8 @@ def _values(buffer_assignment: str, memory_space: int) -> Tuple[int, Dict[str, i
                 raise LivenessParseError(f"value {name} has no live range in the dump")
             start, stop = interval
             if stop >= end_of_schedule:  # live at the end: an output of the program
+                if outputs is not None:
+                    outputs.append(_Value(name, (index, offset, size), start, stop))
                 continue
             values.append(_Value(name, (index, offset, size), start, stop))
     return end_of_schedule, sequence, values
@@ -159,15 +163,21 @@ def live_peak(buffer_assignment: str, memory_space: int = 0, top: int = 8) -> Li
 @dataclasses.dataclass(frozen=True)
 class ForwardBackwardSplit:
     """What a program that runs a forward and then a backward keeps, split at the backward's first instruction
-    (``time``, a position in the schedule): ``before``, the peak of the live values before it (the forward);
-    ``across``, the bytes of values computed before it and still live at it (what the forward keeps for the
-    backward); ``after``, the peak of the live values from it on (the backward). Arguments and outputs of the
-    program are not counted (see :func:`live_peak`)."""
+    (``time``, a position in the schedule). Arguments and outputs of the program are not counted (see
+    :func:`live_peak`), except where said.
+
+    ``before``: the peak of the live values before ``time`` (the forward). ``across``: the bytes of values computed
+    before ``time`` and still live at it (what the forward keeps for the backward). ``after``: the peak of the live
+    values from ``time`` on (the backward). ``after_with_outputs``: the same, counting the outputs asked for
+    (``counted_outputs``) from the instruction that computes them on. ``outputs_read``: for each output asked about
+    (``read_outputs``), whether an instruction from ``time`` on reads it (other than to return it)."""
 
     time: int
     before: int
     across: int
     after: int
+    after_with_outputs: int
+    outputs_read: Tuple[bool, ...]
 
 
 def optimization_barrier_arguments(stablehlo: str) -> List[Optional[int]]:
@@ -180,15 +190,26 @@ def optimization_barrier_arguments(stablehlo: str) -> List[Optional[int]]:
     return [int(o[4:]) if re.fullmatch(r"%arg\d+", o) else None for o in operands]
 
 
-def _entry_dependents(optimized_hlo: str, parameters: Sequence[int]) -> List[str]:
-    """The instructions of the entry computation that depend on any of the entry ``parameters`` (by number),
-    the parameters themselves excluded."""
+def _entry(optimized_hlo: str) -> List[Tuple[str, str]]:
+    """(name, right-hand side) of each instruction of the entry computation, in text (schedule) order; the last
+    one is the root."""
     start = optimized_hlo.find("\nENTRY ")
     if start < 0:
         raise LivenessParseError("the optimized HLO has no ENTRY computation")
     end = optimized_hlo.find("\n}", start)
     body = optimized_hlo[start:end if end >= 0 else len(optimized_hlo)]
-    instructions: List[Tuple[str, str]] = [(m.group(1), m.group(2)) for m in _INSTRUCTION.finditer(body)]
+    instructions = [(m.group(1), m.group(2)) for m in _INSTRUCTION.finditer(body)]
+    if not instructions:
+        raise LivenessParseError("the optimized HLO's entry computation has no instruction")
+    root = re.search(r"^\s*ROOT\s+%(\S+)", body, re.M)
+    if root is not None and root.group(1) != instructions[-1][0]:  # put the root last
+        instructions = [i for i in instructions if i[0] != root.group(1)] + \
+            [i for i in instructions if i[0] == root.group(1)]
+    return instructions
+
+
+def _dependents(instructions: Sequence[Tuple[str, str]], parameters: Sequence[int]) -> List[str]:
+    """The instructions that depend on any of the entry ``parameters`` (by number), the parameters excluded."""
     wanted = set(parameters)
     reached = {name for name, rhs in instructions
                if (p := _PARAMETER.search(rhs)) is not None and int(p.group(1)) in wanted}
@@ -205,27 +226,79 @@ def _entry_dependents(optimized_hlo: str, parameters: Sequence[int]) -> List[str
     return [name for name, _ in instructions if name in reached and name not in params]
 
 
+def _root_outputs(instructions: Sequence[Tuple[str, str]]) -> List[str]:
+    """The instructions whose results the program returns, in order (the root's tuple operands, or the root)."""
+    name, rhs = instructions[-1]
+    match = re.search(r"\btuple\(([^()]*)\)", rhs)
+    return _OPERAND.findall(match.group(1)) if match else [name]
+
+
+def _value_of(name: str, rhs_of: Dict[str, str]) -> Tuple[str, str]:
+    """(the instruction whose buffer holds ``name``'s result, the dump's value name of it): through
+    get-tuple-element and bitcast."""
+    index: List[str] = []
+    while True:
+        rhs = rhs_of.get(name, "")
+        gte = re.search(r"\bget-tuple-element\(%([\w.\-]+)\), index=(\d+)", rhs)
+        cast = re.search(r"\bbitcast\(%([\w.\-]+)\)", rhs)
+        if gte:
+            index.insert(0, gte.group(2))
+            name = gte.group(1)
+        elif cast and not index:
+            name = cast.group(1)
+        else:
+            return name, name + "{" + ",".join(index) + "}"
+
+
 def forward_backward_split(buffer_assignment: str, optimized_hlo: str, backward_arguments: Sequence[int],
-                           memory_space: int = 0) -> ForwardBackwardSplit:
+                           memory_space: int = 0, counted_outputs: Sequence[int] = (),
+                           read_outputs: Sequence[int] = ()) -> ForwardBackwardSplit:
     """Split a compiled forward-then-backward program at its backward's first instruction: the earliest scheduled
     instruction of the entry computation that depends on one of ``backward_arguments`` (entry parameter numbers,
     e.g. the incoming gradient, held behind an optimization barrier with the forward's output so that no backward
     work can start before the forward is done). ``buffer_assignment`` and ``optimized_hlo``: the compiler's dump of
-    that program and its HLO after optimizations. See :class:`ForwardBackwardSplit`."""
-    _, sequence, values = _values(buffer_assignment, memory_space)
-    times = [sequence[name] for name in _entry_dependents(optimized_hlo, backward_arguments) if name in sequence]
+    that program and its HLO after optimizations. ``counted_outputs`` and ``read_outputs``: positions in the tuple
+    the program returns. See :class:`ForwardBackwardSplit`."""
+    outputs: List[_Value] = []
+    _, sequence, values = _values(buffer_assignment, memory_space, outputs)
+    instructions = _entry(optimized_hlo)
+    times = [sequence[name] for name in _dependents(instructions, backward_arguments) if name in sequence]
     if not times:
         raise LivenessParseError("no scheduled instruction depends on the backward's arguments")
     split = min(times)
-    before = after = 0
-    for time, level, _ in _sweep(values):
-        if time < split:
-            before = max(before, level)
-            after = level  # in force until the next change, so also at `split` unless one happens there
-        else:
-            after = max(after, level)
+    rhs_of = dict(instructions)
+    returned = _root_outputs(instructions)
+    for k in list(counted_outputs) + list(read_outputs):
+        if not 0 <= k < len(returned):
+            raise LivenessParseError(f"the program returns {len(returned)} values, not {k + 1}")
+
+    def peaks(extra: Sequence[_Value]) -> Tuple[int, int]:
+        before = after = 0
+        for time, level, _ in _sweep(list(values) + list(extra)):
+            if time < split:
+                before = max(before, level)
+                after = level  # in force until the next change, so also at `split` unless one happens there
+            else:
+                after = max(after, level)
+        return before, after
+
+    before, after = peaks(())
+    wanted = {_value_of(returned[k], rhs_of)[1] for k in counted_outputs}
+    counted = [v for v in outputs if (v.name if "{" in v.name else v.name + "{}") in wanted]
+    if len(counted) < len(wanted):
+        raise LivenessParseError(f"no buffer found for some of the outputs {sorted(wanted)}")
+    _, after_with_outputs = peaks(counted)
     across: Dict[Tuple[int, int, int], int] = {}
     for v in values:
         if v.start < split <= v.stop:
             across[v.key] = v.key[2]
-    return ForwardBackwardSplit(time=split, before=before, across=sum(across.values()), after=after)
+    root = instructions[-1][0]
+    read = []
+    for k in read_outputs:
+        holder = _value_of(returned[k], rhs_of)[0]
+        aliases = {holder} | {name for name, rhs in instructions
+                              if _value_of(name, rhs_of)[0] == holder}
+        read.append(any(sequence.get(name, -1) >= split and name != root and name not in aliases
+                        and any(op in aliases for op in _OPERAND.findall(rhs)) for name, rhs in instructions))
+    return ForwardBackwardSplit(time=split, before=before, across=sum(across.values()), after=after,
+                                after_with_outputs=after_with_outputs, outputs_read=tuple(read))

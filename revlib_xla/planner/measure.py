@@ -95,7 +95,8 @@ class StagePrograms:
 
     ``forward``: the forward without autograd (x_i -> x_{i+1}). ``backward``: the forward with autograd, then an
     optimization barrier over the output and its incoming gradient (an argument of the program, as in a training
-    step), then the backward (x_i, parameters, gradient -> the output, the input gradient, the parameter gradients).
+    step), then the backward (x_i, parameters, gradient -> the output's ``output_count`` tensors, the input's
+    ``input_gradient_count`` gradients, the parameter gradients, returned in that order).
     The barrier keeps every instruction that uses the gradient after the whole forward, so the program's schedule
     splits into the forward and the backward at the first of them, and what is live across that point is what the
     compiled stage keeps for its backward. ``gradient_arguments``: the numbers of the ``backward`` program's
@@ -105,6 +106,8 @@ class StagePrograms:
     forward: str
     backward: str
     gradient_arguments: Tuple[int, ...]
+    output_count: int = 0
+    input_gradient_count: int = 0
 
 
 def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
@@ -128,6 +131,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         backend.optimization_barrier_(outs + dys)
         torch.autograd.backward(outs, dys)
         grads = [t.grad for t in backend.tensors_in(inp) if t.requires_grad and t.grad is not None]
+        input_gradients = len(grads)
         grads += [p.grad for p in params if p.grad is not None]
         # The output is returned too: the chain keeps it anyway (it is x_{i+1}), and an output nobody uses would
         # let the compiler drop the barrier's hold on the backward.
@@ -140,7 +144,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
     finally:
         for p, g in zip(params, kept):
             p.grad = g
-    return StagePrograms(forward, backward, arguments)
+    return StagePrograms(forward, backward, arguments, len(outs), input_gradients)
 
 
 def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
