@@ -139,6 +139,9 @@ class _Run:
             x = optional_detach(self.xbar[i][1])
         tensors = [t for obj in (x, *extra) for t in backend.tensors_in(obj)]
         backend.optimization_barrier_(tensors)
+        if i == 0 and x is not None:
+            # x_0 is the model's input, normally an argument of the step: see backend.after.
+            x = backend.after(x, next(iter(backend.tensors_in(extra)), None))
         return x if x is not None else self._input(i)
 
     def _free_input(self, i: int) -> None:
