@@ -14,7 +14,10 @@ measure of what the program keeps at once:
 value's allocation, offset, size and memory space, and, in its ``HloLiveRange`` section, the interval of the
 program's schedule over which each value is live. It returns the most bytes held at one point of the schedule by
 values that are neither arguments nor outputs of the program, in one memory space (0: HBM on TPU), each buffer
-counted once however many values alias it. Pure text processing: no jax, no torch.
+counted once however many values alias it. :func:`forward_backward_split` splits the schedule of a program that runs
+a forward and then a backward (behind an optimization barrier) at the backward's first instruction and reports what
+is live across that point and the peaks on either side: what a compiled stage keeps for its backward, from the
+compiler itself. Pure text processing: no jax, no torch.
 
 The dump format is XLA's debugging output, not a stable API; it was checked against jax 0.7.1 + libtpu 0.0.20, and
 :class:`LivenessParseError` is raised when a dump does not have the expected sections.

@@ -6,10 +6,11 @@ of its forward and backward, tracked by PyTorch's ``MemTracker`` (allocations an
 eager device; parameter gradients are allocated beforehand so they are not counted). Times are medians of repeated
 runs on the device, synchronised.
 
-On XLA nothing runs eagerly: sizes come from shapes (the saved tensors are the same; the stage's input is not
-counted, as on eager devices), temporaries are taken as 0 here (``Checkpointable`` takes them from the stage's
-programs compiled deviceless for a TPU, every buffer in HBM), and the time of a stage is its FLOP count
-(``torch.utils.flop_counter``), a time model that does not need the device.
+On XLA nothing runs eagerly: sizes here come from shapes (what autograd saves, the stage's input not counted, as on
+eager devices), temporaries are taken as 0, and the time of a stage is its FLOP count
+(``torch.utils.flop_counter``), a time model that does not need the device. ``Checkpointable`` then replaces the
+sizes with what the TPU compiler keeps: :func:`stage_programs` gives each stage's programs, compiled deviceless for a
+TPU with every buffer in HBM (fused programs keep fusion inputs, not every tensor autograd saves).
 """
 from __future__ import annotations
 
