@@ -138,6 +138,28 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         _xla().optimization_barrier_(xla_tensors)
 
 
+def after(x: Any, token: Optional[torch.Tensor]) -> Any:
+    """``x`` (a tensor, or tensors nested in lists and tuples) made to depend on ``token`` as data, on XLA: each XLA
+    tensor ``t`` becomes ``t + 0 * sum(token)`` (exactly ``t`` for a finite token; the compiler does not fold
+    ``0 * y`` in floating point). On eager devices, ``x`` itself.
+
+    Why: the TPU compiler drops optimization barriers after scheduling, and then rewrites the instructions that
+    read a barrier's output of a program *argument* to read the argument itself; the rewritten instructions are put
+    back in the schedule as early as their operands allow, i.e. at the start of the program. A recomputation from
+    the model's input (an argument of the step) then runs at the start and its result is held until the backward
+    needs it. Reading the input through a value computed from the incoming gradient keeps the recomputation where
+    the schedule put it.
+    """
+    if token is None or not isinstance(token, torch.Tensor) or token.device.type != "xla":
+        return x
+    zero = token.detach().sum() * 0
+    if isinstance(x, torch.Tensor):
+        return x + zero.to(x.dtype) if x.device.type == "xla" else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(after(item, token) for item in x)
+    return x
+
+
 def checkpoint(function, *args: Any, preserve_rng_state: bool = True) -> Any:
     """Activation checkpointing of ``function(*args)`` on the device its tensor arguments live on: keep only the
     inputs, recompute the rest in the backward pass.

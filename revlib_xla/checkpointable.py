@@ -33,7 +33,8 @@ from .running_stats import frozen_running_stats, norms_with_running_stats
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
 from .memory import tensor_bytes
-from .planner.measure import InPlaceInput, StageMeasurement, grad_leaves, measure_stage, stage_programs
+from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, grad_leaves, measure_stage,
+                              stage_programs)
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
@@ -124,11 +125,24 @@ class _Run:
                 self.rng[i].restore()
             return fn(x)
 
-    def _barrier(self, i: int, *extra: Any) -> None:
+    def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
-        starting it before the gradient it waits for exists."""
-        tensors = [t for obj in (self.x.get(i), *extra) for t in backend.tensors_in(obj)]
+        starting it before the gradient it waits for exists. Returns x_i behind the barrier, the input to recompute
+        from.
+
+        x_i is either a checkpoint (``self.x``, barriered in place) or the output of stage i-1 run with autograd
+        (``self.xbar``, e.g. kept since the forward phase): that one is an output of a graph autograd still needs,
+        so a detached alias of it goes behind the barrier. Without it the recomputation reads the very tensor the
+        forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
+        x = self.x.get(i)
+        if x is None and i in self.xbar:
+            x = optional_detach(self.xbar[i][1])
+        tensors = [t for obj in (x, *extra) for t in backend.tensors_in(obj)]
         backend.optimization_barrier_(tensors)
+        if i == 0 and x is not None:
+            # x_0 is the model's input, normally an argument of the step: see backend.after.
+            x = backend.after(x, next(iter(backend.tensors_in(extra)), None))
+        return x if x is not None else self._input(i)
 
     def _free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
@@ -143,10 +157,10 @@ class _Run:
         for op in ops:
             i = op.index
             if op.kind in ("Fn", "CF", "Fr"):
-                if backward:
-                    self._barrier(i, self.grad.get(self._pending_grad()))
+                x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
                 with torch.no_grad():
-                    out = self._call(i, self._input(i), recompute=backward)
+                    out = self._call(i, x, recompute=backward)
+                del x
                 self.x[i + 1] = out
                 if op.kind == "Fr":
                     self.held.add(i + 1)
@@ -154,9 +168,9 @@ class _Run:
                 elif op.kind == "Fn":
                     self._free_input(i)
             elif op.kind == "Fe":
-                if backward:
-                    self._barrier(i, self.grad.get(self._pending_grad()))
-                inp = grad_leaves(self._input(i))
+                x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
+                inp = grad_leaves(x)
+                del x
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=backward, option=op.option)
                 self.xbar[i + 1] = (inp, out)
@@ -333,11 +347,13 @@ class Checkpointable(nn.Module):
         options: List[List[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
         lazy = any(backend.is_tracing_lazily(t) for t in backend.tensors_in(x))
-        programs: List[Tuple[str, str]] = []
+        programs: List[List[StagePrograms]] = []  # per stage: the plain stage, then its options
+        out_bytes: List[int] = []
         for i, stage in enumerate(self.stages):
             if lazy and self.tpu_generation:
                 backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
-                programs.append(stage_programs(stage, x))
+                programs.append([stage_programs(s, x) for s in
+                                 [stage] + [module for _, module in self.stage_options.get(i, [])]])
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             stage_opts = []
             # Measuring runs the stage (and its options) several times: it must not move running statistics.
@@ -360,13 +376,14 @@ class Checkpointable(nn.Module):
                                                   alt.fwd_tmp, alt.bwd_tmp))
             options.append(stage_opts)
             measured.append(m)
+            out_bytes.append(tensor_bytes(out))
             if self.verbosity >= 2:
                 logger.info("stage %d %s: %s", i, type(stage).__name__, m)
             x = out
             progress.update()
         progress.close()
         if programs:
-            measured = self._with_compiled_temporaries(measured, programs)
+            measured, options = self._with_compiled_sizes(measured, options, programs, out_bytes)
         self.measurements = measured
         n = len(measured)
         names = [f"{type(s).__name__}" for s in self.stages]
@@ -389,24 +406,59 @@ class Checkpointable(nn.Module):
         self.sequence = None
         return self.chain
 
-    def _with_compiled_temporaries(self, measured: List[StageMeasurement], programs: List[Tuple[str, str]]
-                                   ) -> List[StageMeasurement]:
-        """Transient memory of each stage from its programs compiled deviceless for ``tpu_generation``."""
+    def _with_compiled_sizes(self, measured: List[StageMeasurement], options: List[List[StageOption]],
+                             programs: List[List[StagePrograms]], out_bytes: List[int]
+                             ) -> Tuple[List[StageMeasurement], List[List[StageOption]]]:
+        """What each stage (and each option) keeps and its transient memory, from its programs compiled deviceless
+        for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`),
+        in the terms of the chain (rotor's model; ``y`` is the stage's output, x_{i+1}):
+
+        * ``cbw`` (x̄_{i+1}): what the backward program keeps live across the point where its backward starts (not
+          its arguments x_i, parameters and the gradient of y, nor y, one of its outputs) + ``y``. The compiled
+          stage keeps fusion inputs, not everything autograd saves.
+        * ``fwd_tmp``: the larger of the forward program's live peak and the backward program's forward peak above
+          what it keeps.
+        * ``bwd_tmp``: the backward's live peak, the input gradient counted from when it is computed, above what
+          the chain already holds while the stage's backward runs: x̄_{i+1} (of which ``y`` only if the backward
+          reads it: the plan holds y, the compiled step may not) and the input gradient (``cw[i]``).
+        """
+        from .hlo_liveness import forward_backward_split
         from .memory import MissingDependencyError, tpu_memory_many
 
+        flat = [p for stage in programs for p in stage]
         try:
-            # hbm_only: every buffer in HBM, so the peak is what the program keeps (not VMEM's allocation).
-            compiled = tpu_memory_many([text for pair in programs for text in pair], self.tpu_generation,
-                                       hbm_only=True)
+            compiled = tpu_memory_many([text for p in flat for text in (p.forward, p.backward)], self.tpu_generation,
+                                       hbm_only=True, liveness=True)
         except MissingDependencyError as exc:
-            warnings.warn(f"Checkpointable: {exc}; planning with temporaries taken as 0", stacklevel=3)
-            return measured
-        out = []
-        for k, m in enumerate(measured):
-            forward, step = compiled[2 * k], compiled[2 * k + 1]
-            out.append(dataclasses.replace(m, fwd_tmp=forward.live_temporary_bytes,
-                                           bwd_tmp=max(0, step.live_temporary_bytes - m.cbw)))
-        return out
+            warnings.warn(f"Checkpointable: {exc}; planning with what autograd saves and temporaries taken as 0",
+                          stacklevel=3)
+            return measured, options
+
+        def sizes(k: int, y: int, cw: int) -> Tuple[int, int, int]:
+            forward, backward, program = compiled[2 * k], compiled[2 * k + 1], flat[k]
+            if not program.gradient_arguments:
+                return y, forward.live_peak_bytes, 0
+            outputs = range(program.output_count)
+            split = forward_backward_split(
+                backward.buffer_assignment, backward.optimized_hlo, program.gradient_arguments,
+                counted_outputs=range(program.output_count, program.output_count + program.input_gradient_count),
+                read_outputs=outputs)
+            held_y = y if any(split.outputs_read) else 0
+            return (split.across + y, max(forward.live_peak_bytes, split.before - split.across),
+                    max(0, split.after_with_outputs + held_y - split.across - y - cw))
+
+        new_measured, new_options, k = [], [], 0
+        for i, m in enumerate(measured):
+            cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i], m.cw)
+            new_measured.append(dataclasses.replace(m, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
+            k += 1
+            stage_opts = []
+            for opt in options[i]:
+                cbw, fwd_tmp, bwd_tmp = sizes(k, out_bytes[i], m.cw)
+                stage_opts.append(dataclasses.replace(opt, cbw=cbw, fwd_tmp=fwd_tmp, bwd_tmp=bwd_tmp))
+                k += 1
+            new_options.append(stage_opts)
+        return new_measured, new_options
 
     def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
         """Solve for the fastest schedule within ``mem_limit`` (default: the one given at construction)."""

@@ -551,6 +551,9 @@ class CompiledMemory:
     park a temporary in an output's buffer before that output is written (a step's parameter gradients come
     last), so the two differ.
 
+    ``buffer_assignment`` (only with ``liveness=True``): the text of the compiler's buffer-assignment dump, for other
+    liveness questions (:mod:`revlib_xla.hlo_liveness`).
+
     ``optimized_hlo`` is the HLO after the compiler's passes: count recomputation there with :meth:`count_ops`.
     ``pre_optimization_hlo`` (HLO before any pass) and ``stablehlo`` (the input) are where to assert that
     optimization barriers (``opt-barrier`` / ``stablehlo.optimization_barrier``) and host-offload annotations
@@ -578,6 +581,7 @@ class CompiledMemory:
     optimized_hlo: str = dataclasses.field(repr=False, compare=False)
     pre_optimization_hlo: str = dataclasses.field(repr=False, compare=False)
     stablehlo: str = dataclasses.field(repr=False, compare=False)
+    buffer_assignment: Optional[str] = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def live_temporary_bytes(self) -> int:
@@ -679,7 +683,7 @@ def _cache_key(platform: str, topology: Optional[str], device_index: int, text: 
                liveness: bool = False) -> str:
     tc = _compile_helpers()
     header = json.dumps({
-        "format": 1, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
+        "format": 2, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
         "liveness": liveness,
         "versions": tc.versions(),
         # Flags that can change compiled numbers.
@@ -717,6 +721,7 @@ def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[st
         live_peak_bytes=result.get("live_peak_bytes"),
         live_peak_values=tuple((str(n), int(b)) for n, b in result.get("live_peak_values", ())),
         optimized_hlo=result["optimized_hlo"], pre_optimization_hlo=result["pre_optimization_hlo"], stablehlo=text,
+        buffer_assignment=result.get("buffer_assignment"),
     )
 
 
@@ -810,7 +815,8 @@ def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Option
     A real TPU compiles with VMEM assignment on; its HBM use is at most the ``hbm_only`` peak.
 
     ``liveness=True`` also reads the compiler's buffer assignment (an XLA dump into a temporary directory) and fills
-    :attr:`CompiledMemory.live_peak_bytes`: the peak of what the program keeps besides its arguments and outputs.
+    :attr:`CompiledMemory.live_peak_bytes`: the peak of what the program keeps besides its arguments and outputs,
+    and keeps the dump's text in :attr:`CompiledMemory.buffer_assignment`.
 
     Caveat: this uses the libtpu that jax finds (0.0.20 with jax 0.7.1), with jax's compile options, while torch_xla
     on a TPU compiles with its own libtpu and options; treat the numbers as a faithful approximation.
@@ -907,7 +913,7 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
             raise TpuCompileError(f"the TPU compiler ({topology}) rejected module {i}: {item['error']}")
         item["versions"] = payload.get("versions", {})
         if liveness:
-            text = item.pop("buffer_assignment", None)
+            text = item.get("buffer_assignment")
             if not text:
                 raise TpuCompileError(f"the TPU compiler ({topology}) wrote no buffer assignment for module {i}; "
                                       f"is --xla_dump_to overridden in XLA_FLAGS?")

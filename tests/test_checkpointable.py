@@ -345,7 +345,9 @@ class _ResidualBlock(nn.Module):
 def test_planned_peak_tracks_what_the_tpu_compiler_keeps():
     """The plan's activation peak is what the compiled step keeps: a residual MLP planned on XLA at six budgets from
     the smallest to the no-checkpoint peak, each step compiled deviceless for TPU v5e (every buffer in HBM) and its
-    live values measured over the compiler's buffer assignment; at five or more budgets the two agree within 15 %."""
+    live values measured over the compiler's buffer assignment; the two agree within 15 % at every budget, the
+    smallest included (rotor's quadratic schedule, whose recomputations from the model's input the compiler used to
+    move to the start of the step: 1.33x)."""
     if not backend.xla_available() or importlib.util.find_spec("libtpu") is None:
         pytest.skip("needs torch_xla and libtpu (pip install 'revlib_xla[xla,tpu-compile]')")
     device = backend.device_for("xla")
@@ -362,3 +364,4 @@ def test_planned_peak_tracks_what_the_tpu_compiler_keeps():
     assert len(set(planned)) >= 5, planned
     ratios = [c / p for c, p in zip(compiled, planned)]
     assert sum(abs(r - 1) <= 0.15 for r in ratios) >= 5, list(zip(planned, compiled))
+    assert all(abs(r - 1) <= 0.15 for r in ratios), list(zip(planned, compiled))

@@ -6,10 +6,11 @@ of its forward and backward, tracked by PyTorch's ``MemTracker`` (allocations an
 eager device; parameter gradients are allocated beforehand so they are not counted). Times are medians of repeated
 runs on the device, synchronised.
 
-On XLA nothing runs eagerly: sizes come from shapes (the saved tensors are the same; the stage's input is not
-counted, as on eager devices), temporaries are taken as 0 here (``Checkpointable`` takes them from the stage's
-programs compiled deviceless for a TPU, every buffer in HBM), and the time of a stage is its FLOP count
-(``torch.utils.flop_counter``), a time model that does not need the device.
+On XLA nothing runs eagerly: sizes here come from shapes (what autograd saves, the stage's input not counted, as on
+eager devices), temporaries are taken as 0, and the time of a stage is its FLOP count
+(``torch.utils.flop_counter``), a time model that does not need the device. ``Checkpointable`` then replaces the
+sizes with what the TPU compiler keeps: :func:`stage_programs` gives each stage's programs, compiled deviceless for a
+TPU with every buffer in HBM (fused programs keep fusion inputs, not every tensor autograd saves).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from torch import nn
 from .. import backend
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
-__all__ = ["StageMeasurement", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves", "differentiable"]
+__all__ = ["StageMeasurement", "StagePrograms", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves",
+           "differentiable"]
 
 
 class InPlaceInput(ValueError):
@@ -88,15 +90,34 @@ def _total(snapshot, device: torch.device) -> int:
     return _breakdown(snapshot, device, _mem_tracker()[1]).total
 
 
-def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
-    """The StableHLO of a stage's forward without autograd (x_i -> x_{i+1}) and of its forward with autograd plus
-    backward (x_i, parameters -> input gradient, parameter gradients), for an XLA input that is device data.
+@dataclasses.dataclass(frozen=True)
+class StagePrograms:
+    """The XLA programs of one stage, as StableHLO text, to be compiled deviceless for a TPU.
 
-    Compiled deviceless for a TPU, their temporaries (peak minus arguments and outputs) are the stage's transient
-    memory as the TPU compiler plans it: layout copies of weights, unfused intermediates, what autograd saves.
+    ``forward``: the forward without autograd (x_i -> x_{i+1}). ``backward``: the forward with autograd, then an
+    optimization barrier over the output and its incoming gradient (an argument of the program, as in a training
+    step), then the backward (x_i, parameters, gradient -> the output's ``output_count`` tensors, the input's
+    ``input_gradient_count`` gradients, the parameter gradients, returned in that order).
+    The barrier keeps every instruction that uses the gradient after the whole forward, so the program's schedule
+    splits into the forward and the backward at the first of them, and what is live across that point is what the
+    compiled stage keeps for its backward. ``gradient_arguments``: the numbers of the ``backward`` program's
+    arguments that hold the gradient.
     """
+
+    forward: str
+    backward: str
+    gradient_arguments: Tuple[int, ...]
+    output_count: int = 0
+    input_gradient_count: int = 0
+
+
+def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
+    """The programs of a stage (see :class:`StagePrograms`) for an XLA input ``x`` that is device data."""
+    from ..hlo_liveness import optimization_barrier_arguments
+
     with torch.no_grad():
-        forward = stablehlo_of(list(backend.tensors_in(stage(x))))
+        out = stage(x)
+        forward = stablehlo_of(list(backend.tensors_in(out)))
     params = [p for p in stage.parameters() if p.requires_grad]
     kept = [p.grad for p in params]
     for p in params:
@@ -104,14 +125,27 @@ def stage_programs(stage: nn.Module, x: Any) -> Tuple[str, str]:
     try:
         inp = grad_leaves(x)
         outs = differentiable(stage(inp))
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        if not outs:
+            return StagePrograms(forward, forward, ())
+        # Made on the host and moved: device data, so arguments of the program (not constants it could fold).
+        dys = [torch.zeros(o.shape, dtype=o.dtype).to(o.device) for o in outs]
+        backend.optimization_barrier_(outs + dys)
+        torch.autograd.backward(outs, dys)
         grads = [t.grad for t in backend.tensors_in(inp) if t.requires_grad and t.grad is not None]
+        input_gradients = len(grads)
         grads += [p.grad for p in params if p.grad is not None]
-        step = stablehlo_of(grads) if grads else forward
+        # The output is returned too: the chain keeps it anyway (it is x_{i+1}), and an output nobody uses would
+        # let the compiler drop the barrier's hold on the backward.
+        backward = stablehlo_of(outs + grads)
+        operands = optimization_barrier_arguments(backward)
+        arguments = tuple(a for a in operands[len(outs):] if a is not None)
+        if len(arguments) != len(dys):
+            raise RuntimeError(f"stage_programs: the gradient of {type(stage).__name__}'s output is not an argument "
+                               f"of its backward program (barrier operands {operands})")
     finally:
         for p, g in zip(params, kept):
             p.grad = g
-    return forward, step
+    return StagePrograms(forward, backward, arguments, len(outs), input_gradients)
 
 
 def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
