@@ -148,7 +148,8 @@ def after(x: Any, token: Optional[torch.Tensor]) -> Any:
     back in the schedule as early as their operands allow, i.e. at the start of the program. A recomputation from
     the model's input (an argument of the step) then runs at the start and its result is held until the backward
     needs it. Reading the input through a value computed from the incoming gradient keeps the recomputation where
-    the schedule put it.
+    the schedule put it. A non-finite gradient makes the recomputed values NaN: the step's gradients are
+    non-finite either way, so a loss scaler still finds them and skips the step.
     """
     if token is None or not isinstance(token, torch.Tensor) or token.device.type != "xla":
         return x
