@@ -7,7 +7,8 @@
    no-checkpoint step time, against memory, for
    * ``rotor``: ``Checkpointable`` with the reversible option off, at budgets from 10 % to 100 % of the
      no-checkpoint peak (budgets below the smallest feasible one are skipped);
-   * ``hybrid``: the same decoder with reversible blocks, planned with the reversible option on;
+   * ``hybrid``: the same decoder with reversible blocks, planned with the reversible option on, and
+     ``rotor (reversible-block model)``: that model planned with the option off (rotor alone on the same model);
    * ``sqrt``: ``torch.utils.checkpoint.checkpoint_sequential`` with sqrt(L) segments;
    * ``torch.compile``: the decoder under ``torch.compile`` (inductor) with
      ``torch._functorch.config.activation_memory_budget`` at 1.0 ... 0.0, one compile per budget.
@@ -71,6 +72,8 @@ COMPILE_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)
 GRAD_TOLERANCE = 1e-4
 MiB = 2 ** 20
 
+
+REV_ROTOR = "rotor (reversible-block model)"
 
 def device_name(device: torch.device) -> str:
     """The name results are filed under: the GPU's name on cuda, ``cpu-<processor>`` on cpu."""
@@ -254,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         Variant("no checkpoint (dropout 0)", stepper(quiet), "no checkpoint (dropout 0)", quiet,
                 saved_of=lambda: loss_of(quiet, tokens), params=list(quiet.parameters())),
     ]
-    for method, model in (("rotor", plain), ("hybrid", rev)):
+    for method, model in (("rotor", plain), (REV_ROTOR, rev), ("hybrid", rev)):
         planned = revlib.Checkpointable(model, reversible=(method == "hybrid"))
         planned.measure(tokens)
         peak = base_peak if method == "rotor" else rev_peak
@@ -364,7 +367,9 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
         "* `saved`: bytes saved for backward (saved-tensor hooks, which see what AOTAutograd's compiled graph "
         "keeps), parameters excluded; no-checkpoint and compiled rows.",
         "* `hybrid` plans the reversible-block variant of the decoder (two streams of width 128) against that "
-        "model's own no-checkpoint step; `planned` is the plan's makespan over the no-recomputation makespan.",
+        f"model's own no-checkpoint step; `{REV_ROTOR}` plans the same model with rotor alone (reversible option "
+        "off), the comparison that isolates what rebuilding inputs buys; `planned` is the plan's makespan over the "
+        "no-recomputation makespan.",
         "* `torch.compile` rows: inductor with `torch._functorch.config.activation_memory_budget` = the budget "
         "column, one compile per budget, **dropout off** (below budget 1.0 torch 2.9 recomputes dropout masks "
         "with fresh random numbers and gets the gradients wrong, pytorch/pytorch#190758; check below). Their "
@@ -418,7 +423,7 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
         return
     rows = results["rows"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    styles = (("rotor", "o-", "C0"), ("hybrid", "s-", "C1"))
+    styles = (("rotor", "o-", "C0"), (REV_ROTOR, "o--", "C4"), ("hybrid", "s-", "C1"))
     for method, style, colour in styles:
         chosen = [r for r in rows if r["method"] == method]
         left.plot([r["peak_ratio"] for r in chosen], [r["time_ratio"] for r in chosen], style, color=colour,

@@ -181,9 +181,9 @@ class _Run:
                 del inp, out
                 self._free_input(i)
             elif op.kind == "Br":
-                later = self.x.pop(i + 1)
+                later = self._barrier(i + 1, self.grad.get(i + 1))
+                self.x.pop(i + 1, None)
                 self.held.discard(i + 1)
-                self._barrier(i + 1, self.grad.get(i + 1))
                 with torch.no_grad():
                     rebuilt = self._call(i, later, recompute=True, inverse=True)
                 del later
