@@ -333,7 +333,6 @@ class Checkpointable(nn.Module):
         self._signature: Optional[Tuple] = None
         self._sample: Any = None
         self._input_structure: Any = None
-        self._traced = False  # measured on lazily traced (XLA) tensors
         if input is not None:
             self.measure(input)
             self.compute_sequence()
@@ -400,7 +399,6 @@ class Checkpointable(nn.Module):
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
-        self._traced = lazy
         self._sample = optional_detach(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
         self._input_structure = _structure(sample_input)
         self.sequence = None
@@ -493,7 +491,7 @@ class Checkpointable(nn.Module):
         also returns the output keeps it for the whole program, outside this count."""
         if self.chain is None:
             raise RuntimeError("Checkpointable.held_during_backward: call measure(sample_input) first")
-        return 0.0 if self._traced else 2 * self.chain.cw[-1]
+        return 0.0 if self._sample is not None else 2 * self.chain.cw[-1]
 
     def min_memory(self) -> float:
         """The smallest mem_limit any schedule fits in (bytes)."""
@@ -523,18 +521,15 @@ class Checkpointable(nn.Module):
         (default: the sum of the output). The model must have been measured on an XLA input. Sets and returns
         :attr:`sequence`; :attr:`tpu_hbm_bytes` is the compiled peak of that schedule.
         """
-        from .memory import step_stablehlo, tpu_memory
+        from .memory import tpu_memory
 
-        if self._sample is None or self.chain is None:
-            raise RuntimeError("Checkpointable.fit_to_tpu: measure the model on an XLA input first "
-                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+        self._require_xla_sample("fit_to_tpu")
         generation = generation or self.tpu_generation or "v5e"
         loss = loss_fn or (lambda out: sum(t.sum() for t in backend.tensors_in(out)))
 
         def compiled_peak(budget: float) -> Tuple[Schedule, int]:
             schedule = self.compute_sequence(budget)
-            text = step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
-            return schedule, tpu_memory(text, generation).hbm_peak_bytes
+            return schedule, tpu_memory(self._step_stablehlo(loss), generation).hbm_peak_bytes
 
         low, high = self.min_memory() * 1.02, self.no_checkpoint_memory()
         schedule, peak = compiled_peak(high)
@@ -568,17 +563,26 @@ class Checkpointable(nn.Module):
         on the output as a real loss's does; ``sum()`` would let the compiler fold the seed gradient into a
         constant). The model must have been measured on an XLA input.
         """
-        from .memory import step_stablehlo, tpu_memory
+        from .memory import tpu_memory
 
-        if self._sample is None or self.chain is None:
-            raise RuntimeError("Checkpointable.tpu_activation_memory: measure the model on an XLA input first "
-                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+        self._require_xla_sample("tpu_activation_memory")
         self._need_sequence()
         loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in backend.tensors_in(out)
                                            if t.is_floating_point()))
-        text = step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
-        compiled = tpu_memory(text, generation or self.tpu_generation or "v5e", hbm_only=True, liveness=True)
+        compiled = tpu_memory(self._step_stablehlo(loss), generation or self.tpu_generation or "v5e", hbm_only=True,
+                              liveness=True)
         return compiled.live_peak_bytes + tensor_bytes(self._sample)
+
+    def _require_xla_sample(self, caller: str) -> None:
+        if self._sample is None or self.chain is None:
+            raise RuntimeError(f"Checkpointable.{caller}: measure the model on an XLA input first "
+                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+
+    def _step_stablehlo(self, loss: Any) -> str:
+        """The StableHLO of one training step of the current schedule on the measured XLA sample."""
+        from .memory import step_stablehlo
+
+        return step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
 
     def get_expected_memory(self) -> float:
         """Peak bytes the schedule needs (activations, their gradients, temporaries; the input, the output and its

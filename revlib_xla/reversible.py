@@ -208,10 +208,8 @@ class _Plan:
     offload: Optional["_LayerOffload"] = None
     fused: Optional[FusedOptimizer] = None
     fused_done: Optional[List[List[int]]] = None  # per layer: params whose fused step runs after its gradient
-    wrappers: List[ReversibleWrapper] = dataclasses.field(init=False)
-
-    lazy: bool = False  # the streams are XLA tensors: recomputations need optimization barriers
     # Derived once per call rather than once per layer and pass (see _layer_backward):
+    wrappers: List[ReversibleWrapper] = dataclasses.field(init=False)
     adds: List[bool] = dataclasses.field(init=False)          # per layer: coupling_forward is additive
     subtracts: List[bool] = dataclasses.field(init=False)     # per layer: coupling_inverse is its additive inverse
     additive: List[bool] = dataclasses.field(init=False)      # adds, and streams and blocks share one dtype
@@ -424,8 +422,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         tensors = off.mapping(i, copies)
         del copies
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
-    if plan.lazy:
-        backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
+    backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
     norms = plan.layer_norms[i]
     with frozen_running_stats(norms) if norms else _NOTHING:  # statistics are put back after the gradient is taken
@@ -485,6 +482,7 @@ _NOTHING = contextlib.nullcontext()
 
 def _nothing() -> contextlib.nullcontext:
     return _NOTHING
+
 
 _ENGINE_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
@@ -677,7 +675,7 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype, lazy=backend.is_tracing_lazily(x0))
+                     compute_dtype)
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
