@@ -40,6 +40,7 @@ backward still reads.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -119,6 +120,27 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._stepped: Dict[int, int] = {}  # group -> fused steps since the last step() call
         self._step_called = False
         self._float16_forward: Optional[torch.device] = None
+        self._index()
+
+    def rebind(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        """Move this optimizer, state and hyperparameters included, onto new parameter tensors matched by position
+        (the same groups and shapes): what ``model.to(device)`` leaves when it has to make new tensors (e.g. cpu to
+        xla). The state is cast to the new parameters' dtype and device at their next step, as torch's
+        ``load_state_dict`` does; schedulers attached to this object keep working."""
+        new = [p for g in groups for p in g]
+        sizes = [sum(len(g["params"]) for g in opt.param_groups) for opt in self.optimizers]
+        if [len(g) for g in groups] != sizes or any(a.shape != b.shape for a, b in zip(self.params, new)):
+            raise FusedOptimizerError(
+                f"the model's parameters were replaced by tensors of other shapes or number ({len(new)} instead of "
+                f"{len(self.params)}) after the fused optimizer took its first step; its state cannot follow them. "
+                f"Change the model before training it, or fuse it again")
+        replaced = {id(p): q for p, q in zip(self.params, new)}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [replaced[id(p)] for p in group["params"]]
+            state = opt.state
+            opt.state = defaultdict(dict, {replaced[id(p)]: s for p, s in state.items()})
+        self.params = new
         self._index()
 
     def _index(self) -> None:
@@ -273,9 +295,12 @@ class _HookedFusedOptimizer(FusedOptimizer):
 
     _TRANSIENT = FusedOptimizer._TRANSIENT + ("_param_hooks",)
 
-    def __init__(self, groups, factory, names, model: nn.Module):
-        super().__init__(groups, factory, names)
+    def __init__(self, paths: Sequence[str], factory: OptimizerFactory, model: nn.Module):
+        params = dict(model.named_parameters())
+        super().__init__([[params[n]] for n in paths], factory, [f"parameter {n!r}" for n in paths])
+        self._paths = list(paths)
         self._model = model
+        self._model_params = tuple(model.parameters())
         self._model_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         for module in model.modules():
             if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: steps its layers in its backward
@@ -286,8 +311,26 @@ class _HookedFusedOptimizer(FusedOptimizer):
         self._param_hooks = [p.register_post_accumulate_grad_hook(self.step_accumulated) for p in self.params]
 
     def _before_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._follow_model()
         first = next(iter(backend.tensors_in((args, kwargs))), None)
         self.record_forward(first.device if first is not None else self.params[0].device)
+
+    def _follow_model(self) -> None:
+        """Rebind to the model's parameters when they were replaced by new tensors since the last forward (as
+        ``model.to(device)`` does across tensor types, e.g. cpu to xla); their new tensors need the hooks too."""
+        now = tuple(self._model.parameters())
+        if len(now) == len(self._model_params) and all(a is b for a, b in zip(now, self._model_params)):
+            return
+        current = dict(self._model.named_parameters())
+        missing = [n for n in self._paths if n not in current]
+        if missing:
+            raise FusedOptimizerError(f"fused optimizer: the model no longer has parameter {missing[0]!r}; fuse the "
+                                      f"model again after changing it")
+        for h in self._param_hooks:
+            h.remove()
+        self.rebind([[current[n]] for n in self._paths])
+        self._hook_params()
+        self._model_params = now
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         super().__setstate__(state)
@@ -367,5 +410,4 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
             raise FusedOptimizerError(
                 f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
                 f"the other")
-    return _HookedFusedOptimizer([[p] for _, p in named], optimizer_factory, [f"parameter {n!r}" for n, _ in named],
-                                 model)
+    return _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)

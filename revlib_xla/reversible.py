@@ -751,13 +751,15 @@ class ReversibleSequential(nn.Sequential):
                 groups.append(own)
                 names.append(f"layer '{name}'")
         own = self._own_fused  # a copy of the model (deepcopy, pickle) holds a copy bound to its own parameters
-        if own is None or [id(p) for p in own.params] != [id(p) for g in groups for p in g]:
-            if own is not None and any(opt.state for opt in own.optimizers):
-                raise FusedOptimizerError(
-                    "ReversibleSequential: parameters were replaced by new tensors (e.g. by assigning a new "
-                    "nn.Parameter) after the fused optimizer took its first step, which would drop its state; "
-                    "replace them before training")
+        if own is None:
             self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)
+        elif [id(p) for p in own.params] != [id(p) for g in groups for p in g]:
+            try:  # new tensors, e.g. from .to(device) across tensor types: state and learning rates follow them
+                own.rebind(groups)
+            except FusedOptimizerError:
+                if any(opt.state for opt in own.optimizers):
+                    raise
+                self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)  # layers changed
         return self._own_fused
 
     def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> List[List[int]]:
