@@ -33,6 +33,11 @@ What the training loop around a fused step may and may not do, and how each is e
   since the previous ``step()``.
 * Global-norm clipping cannot be fused, and cannot be detected either: ``clip_grad_norm_`` only reads ``.grad``,
   which the fused step has already freed (it finds no gradient and returns 0).
+* Converting the model after steps: ``.double()`` leaves the state in the old dtype, and the next step casts it as
+  torch's ``load_state_dict`` does; ``.to(device)`` across tensor types (cpu to xla) makes new parameter tensors,
+  and the optimizer moves onto them at the next forward (:meth:`FusedOptimizer.rebind`).
+* Copies: the model refers to its fused optimizer, so ``copy.deepcopy(model)`` and pickling take a copy of it
+  along, bound to the copied parameters (:func:`fused_optimizer_of` finds it).
 
 Shared (tied) parameters are refused: their gradient arrives in parts (one per use under reversible or
 checkpointed backward), and a step on the first part would both be wrong and change a weight the rest of the

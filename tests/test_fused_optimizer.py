@@ -8,7 +8,12 @@
   width 512, the seed's example scaled to the CPU).
 * XLA: the fused steps are traced into the training step's single graph: one execution per step and no compile
   after warm-up.
-* Bad input: shared weights, a factory that does not return an optimizer, ``no_savings`` with a fused optimizer.
+* Bad input: shared weights, a factory that does not return an optimizer, ``no_savings`` with a fused optimizer,
+  fusing twice.
+* Issue 15: only a training backward steps (``autograd.grad``, ``backward(inputs=...)``); learning-rate schedulers
+  give the unfused weights bit for bit and resume mid-run; loss scaling is refused (before any weight moves under
+  float16 autocast, at ``GradScaler.step`` otherwise); gradient accumulation is refused; ``.double()`` and
+  ``.to(device)`` after steps, ``copy.deepcopy`` and ``torch.save`` of a fused model train as the unfused run does.
 """
 import copy
 import functools
@@ -391,7 +396,7 @@ def test_fused_optimizer_and_scheduler_resume_mid_run(sched):
     torch.save({"model": model.state_dict(), "optimizer": fused.state_dict(), "scheduler": scheduler.state_dict()},
                buf)
     buf.seek(0)
-    saved = torch.load(buf)
+    saved = torch.load(buf, weights_only=True)
     resumed = _plain(seed=5)
     resumed.load_state_dict(saved["model"])
     fused = revlib.fuse_optimizer(resumed, factory)
