@@ -576,7 +576,7 @@ class ReversibleSequential(nn.Sequential):
             raise FusedOptimizerError("ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
                                       "reversible backward walk steps each layer); no_savings runs plain autograd")
         self.fused_optimizer_factory = fused_optimizer
-        self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
+        self._own_fused: Optional[FusedOptimizer] = None
         self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
         self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
 
@@ -680,6 +680,7 @@ class ReversibleSequential(nn.Sequential):
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
         if fused is not None and self.memory_mode != MemoryModes.no_savings:
+            fused.record_forward(x0.device)
             plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
         return plan, arg_tensors
 
@@ -749,14 +750,17 @@ class ReversibleSequential(nn.Sequential):
             if own:
                 groups.append(own)
                 names.append(f"layer '{name}'")
-        key = tuple(id(p) for g in groups for p in g)
-        if self._own_fused is None or self._own_fused[0] != key:
-            if self._own_fused is not None and any(opt.state for opt in self._own_fused[1].optimizers):
-                raise FusedOptimizerError(
-                    "ReversibleSequential: the parameters were replaced (e.g. by .to(device)) after the fused "
-                    "optimizer took its first step, which would drop its state; move the model before training")
-            self._own_fused = (key, FusedOptimizer(groups, self.fused_optimizer_factory, names))
-        return self._own_fused[1]
+        own = self._own_fused  # a copy of the model (deepcopy, pickle) holds a copy bound to its own parameters
+        if own is None:
+            self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)
+        elif [id(p) for p in own.params] != [id(p) for g in groups for p in g]:
+            try:  # new tensors, e.g. from .to(device) across tensor types: state and learning rates follow them
+                own.rebind(groups)
+            except FusedOptimizerError:
+                if any(opt.state for opt in own.optimizers):
+                    raise
+                self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)  # layers changed
+        return self._own_fused
 
     def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> List[List[int]]:
         users: Dict[int, List[int]] = {}
