@@ -215,11 +215,13 @@ class ReversibleModule(nn.Module):
                 f"coupling_inverse={getattr(wrapper.coupling_inverse, '__name__', wrapper.coupling_inverse)}")
 
 
-def _dtype_mismatch(label: str, param_dtypes: set, blocks_see: torch.dtype, from_compute_dtype: bool) -> ReversibleError:
-    params = sorted(str(d) for d in param_dtypes)[0]
+def _dtype_mismatch(label: str, param_dtypes: set, blocks_see: torch.dtype,
+                    from_compute_dtype: bool) -> ReversibleError:
+    names = sorted(str(d) for d in param_dtypes)
+    params = names[0]
     source = "compute_dtype" if from_compute_dtype else "the input's dtype"
     return ReversibleError(
-        f"{label}: its parameters are {' and '.join(sorted(str(d) for d in param_dtypes))}, but it would compute on "
+        f"{label}: its parameters are {' and '.join(names)}, but it would compute on "
         f"{blocks_see} ({source}); without autocast that fails or silently computes in {blocks_see} (on XLA). Cast "
         f"the input (x.to({params})) or the model (model.to({blocks_see})), pass compute_dtype={params}, or run under "
         f"torch.autocast.")
@@ -763,9 +765,11 @@ class ReversibleSequential(nn.Sequential):
         layers = list(self._modules.values())
         names = list(self._modules.keys())
         if not (x0.dtype.is_floating_point or x0.dtype.is_complex):
+            dtypes = sorted({str(p.dtype) for p in layers[0].parameters() if p.is_floating_point()}) or ["float"]
             raise ReversibleError(
-                f"ReversibleSequential: the input is {x0.dtype}, but the reversible streams are floating point (the "
-                f"blocks add their output to them). Embed or cast the input first (nn.Embedding, or x.float()).")
+                f"ReversibleSequential: the input is {x0.dtype}, but the reversible streams are floating point: "
+                f"{_layer_label(0, names[0], layers[0])} computes in {' and '.join(dtypes)} and its output is added "
+                f"to them. Embed or cast the input first (nn.Embedding, or x.to({dtypes[0]})).")
         if layerwise_args_kwargs is not None:
             if len(layerwise_args_kwargs) != len(layers):
                 raise ReversibleError(
@@ -952,8 +956,8 @@ class ReversibleSequential(nn.Sequential):
         """Whether this forward runs :func:`check_invertible` first (see ``verify_inverse``): once per pair of
         stream and compute dtypes."""
         key = (streams.dtype, plan.compute_dtype)
-        if self.verify_inverse is False or key in self._verified:
-            return False
+        if self.verify_inverse is False or key in self._verified or not backend.holds_data(streams):
+            return False  # fake tensors (sizing a model under FakeTensorMode) have no values to check
         self._verified.add(key)
         return bool(self.verify_inverse) or not all(
             is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers)

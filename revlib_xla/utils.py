@@ -4,7 +4,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional
 
 import torch
 from torch import nn
@@ -93,15 +93,14 @@ def momentum_net(*modules: nn.Module, split_dim: Optional[int] = 1,
                  coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
                  memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
                  fused_optimizer: FUSED_OPTIMIZER = None, beta: float = 0.9, **kwargs) -> ReversibleSequential:
-    """A MomentumNet as a reversible sequence that loses no information at any depth or ``beta``.
+    """A MomentumNet as a reversible sequence.
 
     Module k becomes two layers, ``MomentumNetStem(module, beta**k)`` and ``MomentumNetSide((1-beta)/beta**(k+1))``,
-    with additive couplings (RevLib's construction): ``beta`` is folded into the blocks, so the couplings stay
-    exactly invertible. With streams ``(p, q)`` it computes ``p <- p + f_k(beta**k q)``,
-    ``q <- q + (1-beta)/beta**(k+1) p``, i.e. ``x_k = beta**k q_k`` is an exponential moving average of the
-    running residual sum ``p``.
+    with additive couplings (RevLib's construction): ``beta`` is folded into the blocks. With streams ``(p, q)`` it
+    computes ``p <- p + f_k(beta**k q)``, ``q <- q + (1-beta)/beta**(k+1) p``, i.e. ``x_k = beta**k q_k`` is an
+    exponential moving average of the running residual sum ``p``.
 
-    Exact in exact arithmetic only: ``q`` grows by ``1/beta`` per module, so rebuilding it loses about
+    Invertible in exact arithmetic only: ``q`` grows by ``1/beta`` per module, so rebuilding it loses about
     ``log10(1/beta)`` digits per module (``beta=0.1`` in float32: wrong gradients from 4 modules on). Unless
     ``verify_inverse=False`` is passed, the first training forward therefore measures how exactly the input is rebuilt
     (:func:`revlib_xla.check_invertible`) and raises where the gradients would be wrong.
@@ -175,6 +174,9 @@ def module_list_to_momentum_net(module: nn.ModuleList, split_dim: Optional[int] 
     working; the activation memory of the whole stack no longer grows with its depth.
 
     ``split_dim`` is accepted for RevLib compatibility and unused: the hidden state feeds both streams whole.
+
+    HuggingFace stacks train with ``use_cache=False``: a KV cache passed to a training forward is refused, since the
+    backward runs every layer again and would write its keys and values into the cache a second time.
     """
     _check_beta(beta)
     blocks = maybe_residual_to_plain(module, residual)

@@ -604,10 +604,13 @@ def test_bad_input_dtypes_and_outputs_name_the_layer_on_every_device(device):
     torch.manual_seed(0)
     model = ReversibleSequential(linear_block(4), linear_block(4), split_dim=-1).to(device)
     x = torch.randn(3, 8)
-    with pytest.raises(revlib.ReversibleError, match=r"the input is torch.int64.*floating point.*x.float\(\)"):
+    with pytest.raises(revlib.ReversibleError, match=r"the input is torch.int64, but the reversible streams are "
+                                                     r"floating point: layer 0 \('0-0': Sequential\) computes in "
+                                                     r"torch.float32.*x.to\(torch.float32\)"):
         model((x * 10).long().to(device))
-    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Sequential\): its parameters are torch.float32, "
-                                                     r"but it would compute on torch.float16 \(the input's dtype\)"):
+    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Sequential\): its parameters are "
+                                                     r"torch.float32, but it would compute on torch.float16 "
+                                                     r"\(the input's dtype\)"):
         model(x.half().to(device))
     none_model = ReversibleSequential(linear_block(4), ReturnsNothing(4), split_dim=-1).to(device)
     with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': ReturnsNothing\) returned None.*`return"):
@@ -739,6 +742,28 @@ def test_the_check_changes_nothing():
     for a, b in zip(stats_a, stats_b):
         assert max_rel_err(a, b) <= 1e-12
     assert torch.equal(rand_a, rand_b)
+
+
+def test_the_check_neither_runs_on_fake_tensors_nor_raises_the_peak():
+    """Sizing a momentum model under FakeTensorMode skips the check (fake tensors have no values to compare); on
+    real tensors the first step, check included, peaks where the fake step does."""
+    import dataclasses
+    from revlib_xla import memory
+
+    def make():
+        torch.manual_seed(0)
+        return build_pair([linear_block(16) for _ in range(4)], "momentum", -1)[0]
+
+    def step(model, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    fake = memory.eager_peak(step, make, lambda: torch.randn(32, 32), fake=True)
+    model = make()
+    real = memory.eager_peak(step, model, torch.randn(32, 32))
+    assert model._verified  # the real step was checked
+    assert dataclasses.replace(fake, fake=False) == real
 
 
 class AppendsToCache(nn.Module):
