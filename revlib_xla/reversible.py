@@ -1114,7 +1114,8 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 f"block again, would not rebuild the forward's activations. The block keeps state between calls: a "
                 f"cache it appends to (a transformers KV cache: pass use_cache=False when training), Python's random "
                 f"or a torch.Generator of its own, or a buffer it updates. Make its output depend only on its input, "
-                f"arguments, parameters and torch's random state, or use memory_mode=MemoryModes.no_savings.")
+                f"arguments, parameters and torch's random state, or use memory_mode=MemoryModes.no_savings."
+                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else ""))
         if not locals_[i] <= tol:
             raise ReversibleError(
                 f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
