@@ -1090,7 +1090,8 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
             args, kwargs = plan.args_for(i, arg_tensors)
             copies = _plain_copies(plan, i)
             reseed(plan.seed_of(i))
-            y1 = _forward_layer(plan, i, a0, a1, args, kwargs, copies)
+            with _buffers_kept([plan.layers[i]]):  # the replay starts from the forward's state, as the backward's
+                y1 = _forward_layer(plan, i, a0, a1, args, kwargs, copies)
             reseed(plan.seed_of(i))
             fn_out = _call_block(plan, i, _to_compute(a1, plan), args, kwargs, copies)
             wrapper = plan.wrappers[i]
@@ -1113,8 +1114,8 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 f"seed (relative difference {replays[i]:.3g}; tolerance {tol:.1g}), so the backward, which runs every "
                 f"block again, would not rebuild the forward's activations. The block keeps state between calls: a "
                 f"cache it appends to (a transformers KV cache: pass use_cache=False when training), Python's random "
-                f"or a torch.Generator of its own, or a buffer it updates. Make its output depend only on its input, "
-                f"arguments, parameters and torch's random state, or use memory_mode=MemoryModes.no_savings."
+                f"or a torch.Generator of its own. Make its output depend only on its input, arguments, parameters, "
+                f"buffers and torch's random state, or use memory_mode=MemoryModes.no_savings."
                 + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else ""))
         if not locals_[i] <= tol:
             raise ReversibleError(
