@@ -126,6 +126,7 @@ class _Run:
         self.device = device
         self.input_structure = input_structure
         self.out_structure: Optional[_Structure] = None
+        self.input_needs_grad: List[bool] = []
         self.x: Dict[int, Any] = {}
         self.xbar: Dict[int, Tuple[Any, Any]] = {}
         self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
@@ -204,7 +205,7 @@ class _Run:
             elif op.kind == "Fe":
                 x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
                 # The model's input needs a gradient only where the caller's tensor does.
-                inp = grad_leaves(x, as_given=i == 0)
+                inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
                 del x
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=recompute, option=op.option)
@@ -275,6 +276,7 @@ class _Run:
     def forward_phase(self, inputs: Sequence[torch.Tensor]) -> Any:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
+        self.input_needs_grad = [t.requires_grad for t in inputs]
         self.run(self.schedule.ops[:self.loss_at], backward=False)
         return self._input(len(self.stages))
 

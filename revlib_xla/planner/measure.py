@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -79,13 +79,14 @@ def tensor_leaves(x: Any) -> List[torch.Tensor]:
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def grad_leaves(x: Any, as_given: bool = False) -> Any:
+def grad_leaves(x: Any, needs: Optional[Sequence[bool]] = None) -> Any:
     """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd); with
-    ``as_given``, requiring grad where the tensor given does."""
+    ``needs`` (one flag per tensor, in :func:`tensor_leaves` order), requiring grad where it says."""
+    flags = iter(needs) if needs is not None else None
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
-        needs = t.requires_grad if as_given else t.is_floating_point() or t.is_complex()
-        return t.detach().requires_grad_(needs)
+        wanted = next(flags) if flags is not None else t.is_floating_point() or t.is_complex()
+        return t.detach().requires_grad_(wanted)
 
     return pytree.tree_map_only(torch.Tensor, leaf, x)
 
