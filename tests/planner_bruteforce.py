@@ -145,3 +145,71 @@ def best(all_schedules: Sequence[Tuple[OpT, ...]], chains: Dict[str, np.ndarray]
         lowest = np.where(runs, np.minimum(lowest, peak), lowest)
         fastest = np.where(runs & (peak <= budget), np.minimum(fastest, time), fastest)
     return fastest, lowest
+
+
+@functools.lru_cache(maxsize=None)
+def _count(i: int, l: int) -> int:  # noqa: E741
+    """How many persistent schedules (rotor's: chain and leaf steps) segment [i, l] has."""
+    if i == l:
+        return 1
+    return _count(i + 1, l) + sum(_count(j, l) * _count(i, j - 1) for j in range(i + 1, l + 1))
+
+
+def sample(i: int, l: int, n: int, rng) -> Tuple[OpT, ...]:  # noqa: E741
+    """A persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss), drawn uniformly among
+    all of them (rotor's chain and leaf steps, one option per stage)."""
+    if i == l:
+        return (("L", n, 0),) if i == n else (("Fe", i, 0), ("B", i, 0))
+    pick = rng.randrange(_count(i, l))
+    if pick < _count(i + 1, l):
+        return (("Fe", i, 0),) + sample(i + 1, l, n, rng) + (("B", i, 0),)
+    pick -= _count(i + 1, l)
+    for j in range(i + 1, l + 1):
+        pick -= _count(j, l) * _count(i, j - 1)
+        if pick < 0:
+            fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+            return fwd + sample(j, l, n, rng) + sample(i, j - 1, n, rng)
+    raise AssertionError("unreachable")
+
+
+def segments(ops: Sequence[OpT], n: int) -> List[Tuple[int, int, int, int]]:
+    """The segments of a persistent schedule of an n-stage chain: (i, l, start, end), ops[start:end] running
+    segment [i, l], the whole schedule first."""
+    out: List[Tuple[int, int, int, int]] = []
+    pos = 0
+
+    def seg(i: int, l: int) -> None:  # noqa: E741
+        nonlocal pos
+        start, k = pos, len(out)
+        out.append((i, l, start, -1))
+        kind = ops[pos][0]
+        pos += 1
+        if kind == "Fe":
+            if i < l:
+                seg(i + 1, l)
+            assert ops[pos][:2] == ("B", i), (ops, pos)
+            pos += 1
+        elif kind == "CF":
+            j = i + 1
+            while ops[pos][0] == "Fn":
+                j, pos = j + 1, pos + 1
+            seg(j, l)
+            seg(i, j - 1)
+        else:
+            assert kind == "L" and i == l == n, (ops, pos)
+        out[k] = (i, l, start, pos)
+
+    seg(0, n)
+    assert pos == len(ops)
+    return out
+
+
+def neighbours(ops: Sequence[OpT], n: int, count: int, rng) -> List[Tuple[OpT, ...]]:
+    """Schedules that differ from ``ops`` in one segment, run another way drawn uniformly: near an optimal schedule,
+    where a better one would be if the optimum were wrong."""
+    parts = segments(ops, n)
+    out = []
+    for _ in range(count):
+        i, l, start, end = parts[rng.randrange(len(parts))]
+        out.append(tuple(ops[:start]) + sample(i, l, n, rng) + tuple(ops[end:]))
+    return out

@@ -348,20 +348,24 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
         # Exact: rounding sizes up could make the plain schedule miss a budget it fits.
         return Schedule(tuple(plain), plain_time, plain_peak, chain)
     slots = mem_slots
-    tables, a, top = _table(chain, mem_limit, slots, dtype)
+    tables, a, top = _table(chain, mem_limit / slots, slots, dtype)
     if tables is None:
         minimum = min_memory(chain)
         if mem_limit < minimum:
             raise InfeasibleBudget(
                 f"no schedule of this {chain.length}-stage chain fits in {mem_limit:.6g}: the smallest budget any "
                 f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit", minimum)
-        # The budget holds a plan, but not once every size is rounded up to mem_limit/mem_slots: refine.
+        # The budget holds a plan, but not once every size is rounded up to mem_limit/mem_slots: sizes in whole
+        # multiples of one grid (bytes are) fit exactly on it, if the table is not too large; else refine.
         finest = max(mem_slots, _MAX_TABLE // (chain.length + 1) ** 2)
+        grid = _grid(chain)
+        if grid is not None and mem_limit // grid <= finest:
+            slots = int(mem_limit // grid)
+            tables, a, top = _table(chain, grid, slots, dtype)
         while tables is None and slots < finest:
             slots = min(2 * slots, finest)
-            unit = mem_limit / slots
-            if _least(_Arrays(chain, unit, _round_up)) <= slots:
-                tables, a, top = _table(chain, mem_limit, slots, dtype)
+            if _least(_Arrays(chain, mem_limit / slots, _round_up)) <= slots:
+                tables, a, top = _table(chain, mem_limit / slots, slots, dtype)
         if tables is None:
             unit = mem_limit / slots
             raise InfeasibleBudget(
@@ -374,14 +378,23 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
     return Schedule(tuple(ops), time, peak, chain)
 
 
+def _grid(chain: Chain) -> Optional[int]:
+    """The largest size every size of the chain is a whole multiple of, if they are all whole numbers."""
+    sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *chain.bwd_tmp]
+    sizes += [v for opts in chain.options for o in opts for v in (o.cbw, o.fwd_tmp, o.bwd_tmp)]
+    if not all(float(v).is_integer() for v in sizes):
+        return None
+    return math.gcd(*(int(v) for v in sizes)) or None
+
+
 def _round_up(value: float) -> float:
     return float(math.ceil(value - 1e-9))
 
 
-def _table(chain: Chain, mem_limit: float, slots: int, dtype: torch.dtype) -> Tuple[Optional[_Tables], _Arrays, int]:
-    """The DP tables at ``slots`` slots of ``mem_limit / slots`` each (sizes rounded up), or None when no schedule
-    fits at that resolution."""
-    a = _Arrays(chain, mem_limit / slots, _round_up)
+def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> Tuple[Optional[_Tables], _Arrays, int]:
+    """The DP tables for ``slots`` slots of ``unit`` each (sizes rounded up to whole slots), or None when no
+    schedule fits at that resolution."""
+    a = _Arrays(chain, unit, _round_up)
     top = slots - int(a.cw[0])
     if top < 0:
         return None, a, top
