@@ -18,32 +18,33 @@ OpT = Tuple[str, int, int]
 
 
 def schedules(length: int, options: int = 1, extended: bool = False) -> List[Tuple[OpT, ...]]:
-    n = length
+    return list(segment_schedules(0, length, length, options, extended))
 
-    @functools.lru_cache(maxsize=None)
-    def seg(i: int, l: int) -> Tuple[Tuple[OpT, ...], ...]:  # noqa: E741
-        out: List[Tuple[OpT, ...]] = []
-        if i == l:
-            if i == n:
-                return ((("L", n, 0),),)
-            return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
+
+@functools.lru_cache(maxsize=None)
+def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool = False  # noqa: E741
+                      ) -> Tuple[Tuple[OpT, ...], ...]:
+    """Every persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss)."""
+    out: List[Tuple[OpT, ...]] = []
+    if i == l:
+        if i == n:
+            return ((("L", n, 0),),)
+        return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
+    for c in range(options):
+        for rest in segment_schedules(i + 1, l, n, options, extended):
+            out.append((("Fe", i, c),) + rest + (("B", i, c),))
+    for j in range(i + 1, l + 1):
+        fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+        for later in segment_schedules(j, l, n, options, extended):
+            for earlier in segment_schedules(i, j - 1, n, options, extended):
+                out.append(fwd + later + earlier)
+                if extended:
+                    out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
+    if extended:
         for c in range(options):
-            for rest in seg(i + 1, l):
-                out.append((("Fe", i, c),) + rest + (("B", i, c),))
-        for j in range(i + 1, l + 1):
-            fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
-            for later in seg(j, l):
-                for earlier in seg(i, j - 1):
-                    out.append(fwd + later + earlier)
-                    if extended:
-                        out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
-        if extended:
-            for c in range(options):
-                for rest in seg(i + 1, l):
-                    out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
-        return tuple(out)
-
-    return list(seg(0, n))
+            for rest in segment_schedules(i + 1, l, n, options, extended):
+                out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
+    return tuple(out)
 
 
 def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
@@ -204,11 +205,13 @@ def segments(ops: Sequence[OpT], n: int) -> List[Tuple[int, int, int, int]]:
     return out
 
 
-def neighbours(ops: Sequence[OpT], n: int, count: int, rng) -> List[Tuple[OpT, ...]]:
-    """Schedules that differ from ``ops`` in one segment, run another way drawn uniformly: near an optimal schedule,
-    where a better one would be if the optimum were wrong."""
+def neighbours(ops: Sequence[OpT], n: int, count: int, rng, every_below: int = 5) -> List[Tuple[OpT, ...]]:
+    """Schedules that differ from ``ops`` in one segment run another way: every other way for segments of fewer
+    than ``every_below`` stages after the first, and ``count`` drawn uniformly over all segments. Near an optimal
+    schedule, where a better one would be if the optimum were a local mistake."""
     parts = segments(ops, n)
-    out = []
+    out = [tuple(ops[:start]) + other + tuple(ops[end:]) for i, l, start, end in parts if l - i < every_below
+           for other in segment_schedules(i, l, n)]
     for _ in range(count):
         i, l, start, end = parts[rng.randrange(len(parts))]
         out.append(tuple(ops[:start]) + sample(i, l, n, rng) + tuple(ops[end:]))
