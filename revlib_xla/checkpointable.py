@@ -13,9 +13,18 @@ the measured peak stays within the budget; on XLA, where lifetimes follow the co
 counts them only while the program needs them. ``mem_limit=None`` means the
 fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
 
+``mem_limit`` is a number of bytes or text with a unit (``"1GB"`` = 10**9 bytes, ``"512MiB"`` = 512 * 2**20:
+:func:`revlib_xla.memory.parse_bytes`).
+
 In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
-forward phase stores the planned checkpoints and the backward phase recomputes the rest. In eval mode, or under
-``torch.no_grad()``, it is the plain model.
+forward phase stores the planned checkpoints and the backward phase recomputes the rest. Stage inputs and outputs
+may be tensors or tuples, lists, dicts and named tuples of them (walked with ``torch.utils._pytree``). The backward
+gives what plain autograd gives for ``backward()`` (parameter gradients accumulated into ``.grad`` stage by stage),
+``backward(inputs=...)`` and ``torch.autograd.grad`` (of inputs or parameters; nothing else is computed or stored),
+a second ``backward()`` through a graph kept with ``retain_graph=True`` (the forward phase runs again, with the
+first run's random numbers), and ``create_graph=True`` (double backward: the whole model runs again with autograd,
+so that one backward holds what the plain model holds). In eval mode, or under ``torch.no_grad()``, it is the plain
+model.
 """
 from __future__ import annotations
 
@@ -325,7 +334,8 @@ class _Run:
         warnings.warn("Checkpointable: a backward with create_graph=True (double backward) runs the whole model "
                       "with autograd, holding what the plain model holds: the gradients are exact, the memory plan "
                       "does not apply to that backward", stacklevel=3)
-        self.x.clear(), self.xbar.clear(), self.host.clear()
+        for stored in (self.x, self.xbar, self.host):
+            stored.clear()
         self.used = True
         x = self.input_structure.rebuild(inputs)
         wanted = [p for p in params if grad_destination(p) is not GradDestination.UNUSED]

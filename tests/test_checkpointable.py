@@ -465,9 +465,9 @@ def _dropout_mlp():
 
 
 def test_double_backward_gives_the_plain_gradients_of_gradients():
-    """A gradient penalty (create_graph=True): the gradients of the input gradient, with respect to the input and
-    to the parameters, equal the plain model's, dropout included; a warning says the plan does not bound that
-    backward's memory."""
+    """Gradient penalties (create_graph=True) on the input gradient and on the parameter gradients: the gradients of
+    those gradients, with respect to the input and to the parameters, equal the plain model's, dropout included; a
+    warning says the plan does not bound that backward's memory."""
     model = _dropout_mlp()
     x = torch.randn(5, 6, dtype=torch.float64)
 
@@ -480,11 +480,18 @@ def test_double_backward_gives_the_plain_gradients_of_gradients():
         (out.sum() + grad_x.square().sum()).backward()
         return [inp.grad] + [p.grad for p in model.parameters()]
 
-    want = step(model)
+    def penalty_on_parameter_gradients(m):
+        torch.manual_seed(4)
+        model.zero_grad(set_to_none=True)
+        grads = torch.autograd.grad(m(x).square().sum(), list(model.parameters()), create_graph=True)
+        sum(g.square().sum() for g in grads).backward()
+        return [p.grad for p in model.parameters()]
+
+    want = step(model) + penalty_on_parameter_gradients(model)
     checkpointed = revlib.Checkpointable(model, input=x)
     _tight(checkpointed)
     with pytest.warns(UserWarning, match="create_graph=True.*memory plan does not apply"):
-        got = step(checkpointed)
+        got = step(checkpointed) + penalty_on_parameter_gradients(checkpointed)
     for g, w in zip(got, want):
         assert max_rel_err(g, w) <= 1e-12
 
