@@ -45,9 +45,9 @@ from .running_stats import frozen_running_stats, norms_with_running_stats
 from .planner import (Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate,
                       solve)
 from .planner.chain import StageOption
-from .memory import parse_bytes, tensor_bytes
+from .memory import parse_bytes
 from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, detached, grad_leaves, measure_stage,
-                              stage_programs, tensor_leaves)
+                              stage_programs, tensor_leaves, value_bytes)
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
@@ -495,11 +495,11 @@ class Checkpointable(nn.Module):
                                     f"{exc}") from exc
                 for name, module in self.stage_options.get(i, []):
                     alt, _ = measure_stage(module, x)
-                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, tensor_bytes(out)),
+                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, value_bytes(out)),
                                                   alt.fwd_tmp, alt.bwd_tmp))
             options.append(stage_opts)
             measured.append(m)
-            out_bytes.append(tensor_bytes(out))
+            out_bytes.append(value_bytes(out))
             if self.verbosity >= 2:
                 logger.info("stage %d %s: %s", i, type(stage).__name__, m)
             x = out
@@ -513,8 +513,8 @@ class Checkpointable(nn.Module):
         rev = [m.inverse_time is not None for m in measured]
         self.chain = Chain(
             fw=[m.fw for m in measured], bw=[m.bw for m in measured] + [0.0],
-            cw=[m.cw for m in measured] + [tensor_bytes(x)],
-            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else tensor_bytes(x)) for i, m in
+            cw=[m.cw for m in measured] + [value_bytes(x)],
+            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else value_bytes(x)) for i, m in
                        enumerate(measured)],
             fwd_tmp=[m.fwd_tmp for m in measured], bwd_tmp=[m.bwd_tmp for m in measured] +
             [self.loss_tmp_memory_usage],
@@ -704,7 +704,7 @@ class Checkpointable(nn.Module):
                                            if t.is_floating_point()))
         compiled = tpu_memory(self._step_stablehlo(loss), generation or self.tpu_generation or "v5e", hbm_only=True,
                               liveness=True)
-        return compiled.live_peak_bytes + tensor_bytes(self._sample)
+        return compiled.live_peak_bytes + value_bytes(self._sample)
 
     def _require_xla_sample(self, caller: str) -> None:
         if self._sample is None or self.chain is None:

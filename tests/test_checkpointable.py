@@ -458,6 +458,23 @@ def test_container_inputs_and_outputs_give_the_plain_gradients(kind):
         _tight(checkpointed)
 
 
+def test_containers_pytree_cannot_walk_are_refused():
+    """A stage output holding tensors in a container torch.utils._pytree does not walk (a list subclass) is
+    refused when measured, naming the stage and the class: its tensors would get no gradient."""
+
+    class Bag(list):
+        pass
+
+    class ToBag(nn.Module):
+        def forward(self, x):
+            return Bag([x, 2 * x])
+
+    model = nn.Sequential(nn.Linear(4, 4), ToBag(), nn.Identity())
+    with pytest.raises(TypeError, match=r"measuring stage 1 \(ToBag\).*inside a Bag, which torch.utils._pytree "
+                                        r"does not walk"):
+        revlib.Checkpointable(model, input=torch.randn(2, 4))
+
+
 def _dropout_mlp():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(),

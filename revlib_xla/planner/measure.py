@@ -27,7 +27,7 @@ from .. import backend
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
 __all__ = ["StageMeasurement", "StagePrograms", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves",
-           "differentiable", "tensor_leaves", "detached"]
+           "differentiable", "tensor_leaves", "detached", "value_bytes"]
 
 
 class InPlaceInput(ValueError):
@@ -89,6 +89,11 @@ def grad_leaves(x: Any, needs: Optional[Sequence[bool]] = None) -> Any:
         return t.detach().requires_grad_(wanted)
 
     return pytree.tree_map_only(torch.Tensor, leaf, x)
+
+
+def value_bytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (:func:`tensor_leaves`), each storage once."""
+    return tensor_bytes(tensor_leaves(x))
 
 
 def detached(x: Any) -> Any:
@@ -177,7 +182,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
                         f"tuple of tensors")
     device = tensors[0].device
     lazy = backend.is_tracing_lazily(tensors[0])
-    cw = tensor_bytes(x)
+    cw = value_bytes(x)
     versions = [t._version for t in tensors]
     with torch.no_grad():
         out = stage(x)
@@ -191,7 +196,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         with SavedTensorCounter(exclude=params + tensors + list(tensor_leaves(inp))) as counter:
             y = stage(inp)
         outs = differentiable(y)
-        cbw = counter.bytes + tensor_bytes(y)
+        cbw = counter.bytes + value_bytes(y)
         bw = _flops(lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])) if outs else 0.0
         for p in params:
             p.grad = None
@@ -199,7 +204,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         if reversible:
             with torch.no_grad():
                 inverse_time = _flops(lambda: stage.inverse(out))
-        return StageMeasurement(fw, bw, cw, max(cbw, tensor_bytes(out)), 0, 0, inverse_time), out
+        return StageMeasurement(fw, bw, cw, max(cbw, value_bytes(out)), 0, 0, inverse_time), out
 
     with torch.no_grad():
         fw = _median_time(lambda: stage(x), device, repeats)
@@ -211,7 +216,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
             start = _total(tracker.get_tracker_snapshot("current"), device)
             nograd_out = stage(x)
             nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start
-                             - tensor_bytes(nograd_out))
+                             - value_bytes(nograd_out))
         del nograd_out
     inverse_time = None
     if reversible:
@@ -235,7 +240,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
                 y = stage(inp)
                 end = _total(tracker.get_tracker_snapshot("current"), device)
                 peak = _total(tracker.get_tracker_snapshot("peak"), device)
-            cbw = max(end - start, tensor_bytes(y))
+            cbw = max(end - start, value_bytes(y))
             fwd_tmp = max(0, peak - end, nograd_tmp)
             outs = differentiable(y)
             grads = [torch.ones_like(o) for o in outs]
