@@ -59,6 +59,10 @@ def _reference(device, x):
     return to_host(grads[0]), to_host(grads[1:])
 
 
+def _offload_kwargs(device, offload):
+    return {"target_device": device} if offload else {}
+
+
 def _fused(kind, device):
     if kind == "fused_optimizer":
         return revlib.ReversibleSequential(*_blocks(), fused_optimizer=SGD).to(device, _dtype(device))
@@ -102,17 +106,21 @@ def test_fused_weights_unchanged_by_requests_that_are_not_training(device, kind,
     assert not any(torch.equal(to_host(p), b) for p, b in zip(params, before))
 
 
-def test_captured_parameter_gradients_equal_no_savings_unfused(device):
-    """``autograd.grad`` of some parameters only (one layer's, and a mix across layers) returns exactly those, and
-    leaves ``.grad`` untouched."""
+@pytest.mark.parametrize("offload", [False, True], ids=["on_device", "target_device"])
+def test_captured_parameter_gradients_equal_no_savings_unfused(device, offload):
+    """``autograd.grad`` of some parameters only returns exactly those and leaves ``.grad`` untouched: one layer's
+    (the walk stops after the last layer, 3), layer 0's (the walk goes through all), a mix across layers."""
     x = _input(device)
     _, ref = _reference(device, x)
-    model = revlib.ReversibleSequential(*_blocks()).to(device, _dtype(device))
+    model = revlib.ReversibleSequential(*_blocks(), **_offload_kwargs(device, offload))
+    model.to(dtype=_dtype(device)) if offload else model.to(device, _dtype(device))
     params = list(model.parameters())
-    for picked in ([1, 2], [0, 5, 14]):  # layer 0's second weight... and parameters of layers 0, 1 and 3
+    for picked in ([13], [1, 2], [0, 5, 14]):
         got = torch.autograd.grad(_loss(model, x), [params[k] for k in picked])
         assert max(max_rel_err(g, ref[k]) for g, k in zip(got, picked)) <= _tol(device)
     assert all(p.grad is None for p in params)
+    if offload:  # an unfinished walk leaves no layer on the device
+        assert not model.streamer.resident()
 
 
 class _CountMatmuls(TorchDispatchMode):
@@ -147,10 +155,6 @@ def test_input_gradient_only_computes_no_weight_gradient(request_):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. Each layer's gradients go through AccumulateGrad as the backward reaches it
-
-def _offload_kwargs(device, offload):
-    return {"target_device": device} if offload else {}
-
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on_device", "target_device"])
 def test_parameter_hooks_fire_once_per_backward_with_the_no_savings_gradient(device, offload):
