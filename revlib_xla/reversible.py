@@ -425,20 +425,20 @@ class _ReversibleLayerFn(torch.autograd.Function):
                     "sequence's output. Clone it before changing it, or change it only after backward().")
             if not _keeps_graph():
                 ctx.streams = None  # the last references: the streams are freed once the last layer is rebuilt
+            y0, y1 = streams
+            later = ()
         else:
-            streams = plan.walk
-        plan.walk = None
-        y0, y1 = streams
-        del streams
+            y0, y1, later = plan.walk
+        plan.walk = streams = None
         want = _wanted(ctx, plan, i)
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
         # autograd does. Off then and off now (the usual case), there is nothing to enter.
         ctx.layer_autocast = plan.autocast.replay if plan.autocast.differs_from_now() else _nothing
         with backend.rng_scope(y0.device, plan.seed is not None) as reseed:
-            x0, y0, dx0, dx1, grads = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed,
-                                                      saved[len(plan.layer_params[i]):], want)
+            x0, y0, dx0, dx1, grads, finished = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed,
+                                                                saved[len(plan.layer_params[i]):], want, later)
         if want.previous:
-            plan.walk = (x0, y0)
+            plan.walk = (x0, y0, finished)
         elif plan.offload is not None:
             plan.offload.streamer.release_all()
         return (None, None, None, dx0, dx1, *grads)
@@ -463,10 +463,14 @@ def _keeps_graph() -> bool:
 
 
 def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, reseed,
-                    own_arg_tensors: Sequence[Tensor], want: _Wanted):
+                    own_arg_tensors: Sequence[Tensor], want: _Wanted, later: Sequence[Tensor]):
     """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input, the
-    gradients flowing into its two input streams, and those of its parameters and tensor arguments (``None`` for
-    what ``want`` says is unused).
+    gradients flowing into its two input streams, those of its parameters and tensor arguments (``None`` for what
+    ``want`` says is unused), and what the previous layer's recomputation must wait for (XLA).
+
+    ``later``: what layer ``i + 1`` finished (its parameter and argument gradients, and its parameters after a fused
+    step), put behind this layer's barrier: otherwise XLA may schedule every layer's weight-gradient matmuls (and
+    fused steps) after the whole walk, keeping every layer's recomputed activations and output gradients alive.
 
     This runs once per layer in every backward, so per-layer bookkeeping is kept out of it (see ``_Plan``): on
     small layers the Python around the block costs as much as the block."""
@@ -487,7 +491,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     recompute_args = {k: a.detach().requires_grad_() if need else a
                       for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)}
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
-    backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params])
+    backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
     replaced = _NOTHING
     if off is None and used:
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
@@ -554,7 +558,19 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
                                    [param_grads[j] for j in done])
         for j in done:
             param_grads[j] = None
-    return x0, y0, dx0, dx1, param_grads + arg_grads
+    finished: Tuple[List[Tensor], List[nn.Parameter]] = ([], [])
+    if backend.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
+        finished = ([g for g in param_grads + arg_grads if g is not None], plan.own_params[i])
+    return x0, y0, dx0, dx1, param_grads + arg_grads, finished
+
+
+def _finished(later) -> List[Tensor]:
+    """The tensors a layer finished (see :func:`_layer_backward`), read once the engine has accumulated its
+    gradients: the gradients it returned, its parameters (changed by a fused step) and their ``.grad``."""
+    if not later:
+        return []
+    grads, params = later
+    return [*grads, *params, *(p.grad for p in params if p.grad is not None)]
 
 
 _NOTHING = contextlib.nullcontext()
