@@ -75,13 +75,14 @@ def _fused(kind, device):
 # 1. Requests that are not a training backward step nothing
 
 REQUESTS = {
+    "backward": lambda loss, x, params: loss.backward(),
     "grad_x": lambda loss, x, params: torch.autograd.grad(loss, x),
     "grad_params": lambda loss, x, params: torch.autograd.grad(loss, params),
     "backward_inputs_x": lambda loss, x, params: loss.backward(inputs=[x]),
 }
 
 
-@pytest.mark.parametrize("request_", list(REQUESTS))
+@pytest.mark.parametrize("request_", ["grad_x", "grad_params", "backward_inputs_x"])
 @pytest.mark.parametrize("kind", ["fused_optimizer", "fuse_optimizer"])
 def test_fused_weights_unchanged_by_requests_that_are_not_training(device, kind, request_):
     x = _input(device)
@@ -123,34 +124,72 @@ def test_captured_parameter_gradients_equal_no_savings_unfused(device, offload):
         assert not model.streamer.resident()
 
 
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self):
+class _CountOps(TorchDispatchMode):
+    def __init__(self, *ops):
         super().__init__()
-        self.count = 0
+        self.ops, self.count = ops, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+        if func.overloadpacket in self.ops:
             self.count += 1
         return func(*args, **(kwargs or {}))
 
 
-def _matmuls_in(request_, mode):
+def _ops_in(request_, mode, *ops):
     torch.manual_seed(0)
     model = revlib.ReversibleSequential(*_blocks(), memory_mode=mode).double()
     x = _input(torch.device("cpu"))
     loss = _loss(model, x)
-    with _CountMatmuls() as counter:
+    with _CountOps(*ops) as counter:
         REQUESTS[request_](loss, x, list(model.parameters()))
     return counter.count
 
 
-@pytest.mark.parametrize("request_", ["grad_x", "backward_inputs_x"])
-def test_input_gradient_only_computes_no_weight_gradient(request_):
-    """An input gradient costs the reversible backward what it costs plain autograd plus the recomputation (two
-    matmuls per layer): no weight gradient is computed (a full backward takes two more per layer)."""
+def _matmuls_in(request_, mode):
+    return _ops_in(request_, mode, torch.ops.aten.mm, torch.ops.aten.addmm)
+
+
+@pytest.mark.parametrize("request_", ["grad_x", "backward_inputs_x", "backward"])
+def test_backward_computes_only_what_is_used_plus_the_recomputation(request_):
+    """A backward costs the reversible mode what it costs plain autograd plus the recomputation of the block (both
+    matmuls of each layer, needed to rebuild its input): an input gradient computes no weight gradient, and the
+    input's two halves (split along dim 1, so not contiguous) are never copied."""
     plain = _matmuls_in(request_, MemoryModes.no_savings)
-    assert plain == 2 * DEPTH  # plain autograd: one input-gradient matmul per Linear
+    assert plain == (2 if request_ != "backward" else 4) * DEPTH  # the input gradient, then the weight gradient
     assert _matmuls_in(request_, MemoryModes.autograd_function) == plain + 2 * DEPTH
+    copies = (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy)
+    assert _ops_in(request_, MemoryModes.autograd_function, *copies) == 0
+
+
+def test_only_the_used_argument_gradient_is_computed():
+    """A tensor argument is a gradient destination like a parameter: ``autograd.grad`` of it alone returns the
+    ``no_savings`` gradient; ``autograd.grad`` of the input alone does not compute it."""
+
+    class Shifted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(WIDTH, WIDTH)
+
+        def forward(self, x, shift):
+            return torch.tanh(self.lin(x) + shift)
+
+    def build(mode):
+        torch.manual_seed(0)
+        return revlib.ReversibleSequential(*[Shifted() for _ in range(DEPTH)], memory_mode=mode).double()
+
+    x = _input(torch.device("cpu"))
+    shift = torch.randn(WIDTH, dtype=torch.float64, requires_grad=True)
+    plain, model = build(MemoryModes.no_savings), build(MemoryModes.autograd_function)
+    (ref,) = torch.autograd.grad(plain(x, shift).square().sum(), shift)
+    (got,) = torch.autograd.grad(model(x, shift).square().sum(), shift)
+    assert max_rel_err(got, ref) <= 1e-10
+    reductions = []  # the broadcast shift's gradient is a sum over the batch, which an input gradient never needs
+    for m in (plain, model):
+        loss = m(x, shift).square().sum()
+        with _CountOps(torch.ops.aten.sum) as counter:
+            torch.autograd.grad(loss, x)
+        reductions.append(counter.count)
+    assert reductions[1] == reductions[0], reductions
 
 
 # ---------------------------------------------------------------------------------------------------------------
