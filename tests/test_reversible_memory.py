@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import MemoryModes, backend, memory
+from revlib_xla import MemoryModes, backend, hlo_liveness, memory
 
 WIDTH = 128  # features per stream
 
@@ -136,7 +136,12 @@ def _v5e_results():
                 m = revlib.ReversibleSequential(*[tpu_block() for _ in range(depth)], memory_mode=mode)
                 texts.append(memory.step_stablehlo(train_step, m, torch.randn(batch, 2 * TPU_WIDTH)))
                 keys.append((mode, batch, depth))
-    return dict(zip(keys, memory.tpu_memory_many(texts, "v5e", cache=False, hbm_only=True, liveness=True)))
+    results = dict(zip(keys, memory.tpu_memory_many(texts, "v5e", cache=False, hbm_only=True, liveness=True)))
+    # the reversible step at the small batch again, compiled as a TPU compiles it by default (VMEM assignment on)
+    default = [texts[keys.index((MemoryModes.autograd_function, TPU_BATCHES[0], depth))] for depth in TPU_DEPTHS]
+    for depth, result in zip(TPU_DEPTHS, memory.tpu_memory_many(default, "v5e", cache=False, liveness=True)):
+        results[("default", TPU_BATCHES[0], depth)] = result
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +178,8 @@ def _split_growth(results, mode, measure):
 
 
 def test_tpu_v5e_hbm_peak_grows_only_by_parameters_and_gradients(v5e):
-    for result in v5e.values():
-        assert result.platform == "tpu" and result.host_bytes == 0 and result.hbm_only
+    for key, result in v5e.items():
+        assert result.platform == "tpu" and result.host_bytes == 0 and result.hbm_only == (key[0] != "default")
     for name, measure in (("HBM peak", _peak_beyond_arguments_and_outputs), ("live set", _live_set)):
         half_streams, param_copies = _split_growth(v5e, MemoryModes.autograd_function, measure)
         print(f"\nreversible, {name} per added layer beyond parameters and gradients: {half_streams:.3f} "
@@ -192,6 +197,21 @@ def test_tpu_v5e_hbm_peak_grows_only_by_parameters_and_gradients(v5e):
         for depth in TPU_DEPTHS:
             assert v5e[(MemoryModes.autograd_function, batch, depth)].hbm_peak_bytes < \
                 v5e[(MemoryModes.no_savings, batch, depth)].hbm_peak_bytes
+
+
+def test_tpu_v5e_default_peak_counts_weights_prefetched_into_vmem(v5e):
+    """Compiled with VMEM assignment on (a TPU's default), the reported peak beyond arguments and outputs is the
+    VMEM allocation's live peak, which grows by most of a parameter copy per layer: the compiler prefetches the
+    layers' weights into VMEM (~128 MiB on chip) while they fit. The HBM values it keeps do not grow with depth."""
+    lo, hi = (v5e[("default", TPU_BATCHES[0], depth)] for depth in TPU_DEPTHS)
+    for result in (lo, hi):
+        vmem = hlo_liveness.live_peak(result.buffer_assignment, memory_space=1).bytes
+        assert 0 <= _peak_beyond_arguments_and_outputs(result) - vmem <= 4096  # (constants)
+    per_layer = (_peak_beyond_arguments_and_outputs(hi) - _peak_beyond_arguments_and_outputs(lo)) / (
+        TPU_DEPTHS[1] - TPU_DEPTHS[0])
+    assert per_layer >= 0.5 * TPU_PARAM_BYTES_PER_LAYER, per_layer
+    hbm_values = (_live_set(hi) - _live_set(lo)) / (TPU_DEPTHS[1] - TPU_DEPTHS[0])
+    assert hbm_values <= 0.1 * TPU_PARAM_BYTES_PER_LAYER, hbm_values
 
 
 def test_tpu_v5e_keeps_the_recomputation(v5e):
