@@ -560,7 +560,10 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
             param_grads[j] = None
     finished: Tuple[List[Tensor], List[nn.Parameter]] = ([], [])
     if backend.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
-        finished = ([g for g in param_grads + arg_grads if g is not None], plan.own_params[i])
+        # An accumulated gradient is reached through its parameter's .grad: holding it here would make
+        # AccumulateGrad copy it rather than take it over.
+        kept = [g for g, dest in zip(param_grads, want.params) if g is not None and dest is not _ACCUMULATE]
+        finished = (kept + [g for g in arg_grads if g is not None], plan.own_params[i])
     return x0, y0, dx0, dx1, param_grads + arg_grads, finished
 
 
