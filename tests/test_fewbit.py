@@ -112,6 +112,62 @@ def test_piecewise_gradients_equal_torch_elementwise(device, name):
         assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref), (name, dtype)
 
 
+_SPECIAL_INPUTS = ((float("nan"), float("inf"), -float("inf")), (float("nan"), 0.5, -0.5),
+                   (float("inf"), 0.5, -0.5), (-float("inf"), 0.5, -0.5))
+
+
+def _non_finite_case(dtype, device, special, seed=5):
+    """Finite inputs plus ``special`` (three values); a gradient with a NaN and an inf where the input is finite
+    (at 0.3 and -0.7, -1 and 2: inside and outside every band)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.randn(200, generator=g), torch.tensor([*special, 0.3, -0.7, -1.0, 2.0])]).to(dtype)
+    grad = torch.randn(x.shape, generator=g)
+    grad[-4:] = torch.tensor([float("nan"), float("inf"), float("nan"), -float("inf")])
+    return x.to(device), grad.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_nan_and_inf_propagate_as_in_torch(device, name):
+    """Where PyTorch's gradient is NaN or inf (a NaN input; +-inf for gelu, mish, silu, softsign; a NaN or inf
+    incoming gradient), the few-bit gradient is not finite either, never a number in its place. Piecewise-linear
+    activations equal PyTorch's gradient elementwise, NaN included. Smooth ones give ``grad * level`` with NaN coded
+    where PyTorch's kernel sends it (the top interval where PyTorch's gradient at NaN is finite, else the lowest),
+    and NaN over the whole end interval in which an input with a NaN PyTorch gradient was coded (the codes cannot
+    tell it from the finite inputs there)."""
+    make, make_torch = CASES[name]
+    bits = 3 if name in SMOOTH_CASES else 1
+    for dtype in (torch.float32, torch.bfloat16) if device.type != "xla" else (torch.float32,):
+        for special in _SPECIAL_INPUTS:
+            x, grad = _non_finite_case(dtype, device, special)
+            _, gx = _run(make(bits), x, grad)
+            x, grad = to_host(x), to_host(grad)
+            _, torch_gx = _run(make_torch(), x, grad)
+            where = (name, dtype, special)
+            # never a number where PyTorch has none (an inf gradient through softsign's two terms is NaN in
+            # PyTorch, inf here: neither is finite)
+            assert (~torch.isfinite(gx))[~torch.isfinite(torch_gx)].all(), (where, gx[-7:], torch_gx[-7:])
+            if name in PIECEWISE_CASES:
+                torch.testing.assert_close(gx, torch_gx, rtol=0, atol=0, equal_nan=True, msg=str(where))
+                continue
+            module = make(bits)
+            table = fewbit.stepwise_table(module.name, bits, act._params(
+                module.name, act.SMOOTH[module.name].defaults, module.params))
+            top = len(table.levels) - 1
+            code = torch.bucketize(x.double(), torch.tensor(table.borders, dtype=torch.float64))
+            _, torch_at_nan = _run(make_torch(), torch.tensor([float("nan")]), torch.ones(1))
+            code[torch.isnan(x)] = top if torch.isfinite(torch_at_nan).all() else 0
+            expected = grad.float() * torch.tensor(table.levels, dtype=torch.float32)[code]
+            from_input = torch.isnan(torch_gx) & torch.isfinite(grad)
+            for end in (0, top):
+                if (from_input & (code == end)).any():
+                    expected[code == end] = float("nan")
+            torch.testing.assert_close(gx, expected.to(dtype), rtol=0, atol=0, equal_nan=True, msg=str(where))
+        # without non-finite inputs, the gradient is finite wherever the incoming one is
+        finite = torch.isfinite(x)
+        _, gx_finite = _run(make(bits), x[finite].to(device), grad[finite].to(device))
+        assert torch.isfinite(gx_finite)[torch.isfinite(grad[finite])].all(), name
+
+
 def test_functional_forms_match_modules():
     x = _inputs(torch.float32).requires_grad_(True)
     for name, cls in fewbit.MODULES.items():
@@ -136,7 +192,8 @@ def test_saved_bytes_are_bits_per_element(device):
         for bits in (1, 2, 3, 4):
             few = saved_bytes(lambda: fewbit.GELU(bits=bits)(x))
             assert few <= (bits * ratio_of_bits + 0.01) * plain, (dtype, bits, few / plain)
-            assert few == ref.packed_bytes(x.numel(), bits)
+            assert few == ref.packed_bytes(x.numel(), bits) + 2  # and two bools: NaN / inf seen at either end
+        assert saved_bytes(lambda: fewbit.ELU(bits=3)(x)) == ref.packed_bytes(x.numel(), 3)  # NaN grad never
         relu = saved_bytes(lambda: fewbit.ReLU()(x))
         assert relu == x.numel() // 8
 
@@ -276,8 +333,8 @@ def _saved_codes(module, x):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x.detach().clone().requires_grad_(True))
-    assert len(saved) == 1 and saved[0].dtype == torch.uint8
-    return to_host(saved[0])
+    assert saved[0].dtype == torch.uint8 and [t.dtype for t in saved[1:]] in ([], [torch.bool])
+    return torch.cat([to_host(t).view(torch.uint8) for t in saved])   # the codes, then any NaN flags
 
 
 def test_xla_codes_equal_cpu_codes_bit_for_bit():
