@@ -373,6 +373,14 @@ def test_bad_input_is_named():
         fewbit.Threshold(0.5)
     with pytest.raises(ValueError, match="approximate"):
         fewbit.functional.gelu(torch.randn(2), approximate="fast")
+    with pytest.raises(ValueError, match=r"few-bit elu: alpha=nan cannot be used.*finite number"):
+        fewbit.ELU(alpha=float("nan"))
+    with pytest.raises(ValueError, match=r"few-bit softplus: beta=inf cannot be used.*derivative table"):
+        fewbit.functional.softplus(torch.randn(3, requires_grad=True), beta=float("inf"))
+    with pytest.raises(ValueError, match=r"few-bit hardtanh: max_val=nan cannot be used.*comparison with NaN"):
+        fewbit.Hardtanh(-1.0, float("nan"))
+    with pytest.raises(TypeError, match="negative_slope must be a number, got str"):
+        fewbit.LeakyReLU("0.1")
 
 
 def test_activation_by_name_and_conversion_of_torch_modules():

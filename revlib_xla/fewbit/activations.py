@@ -168,6 +168,24 @@ def _params(name: str, defaults: Tuple[Tuple[str, Any], ...], given: Dict[str, A
     return params
 
 
+_NOT_NUMBERS = {("threshold", "value"), ("gelu", "approximate")}   # the backward never compares with these
+
+
+def check_params(name: str, params: Dict[str, Any]) -> None:
+    """Refuse a parameter the backward cannot use: a non-number, NaN (every comparison with a NaN band edge is
+    false), or, for a smooth activation, an infinity (its derivative table is computed from the parameters)."""
+    for key, value in params.items():
+        if (name, key) in _NOT_NUMBERS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"few-bit {name}: {key} must be a number, got {type(value).__name__} {value!r}")
+        if math.isnan(value) or (name in SMOOTH and math.isinf(value)):
+            why = ("its derivative table is computed from it" if name in SMOOTH
+                   else "its gradient compares the input with it, and every comparison with NaN is false")
+            raise ValueError(f"few-bit {name}: {key}={value} cannot be used ({why}); pass a finite number, or keep "
+                             f"torch's own activation here")
+
+
 def _table_key(name: str, params: Tuple[Tuple[str, Any], ...], bits: int) -> str:
     return json.dumps([name, [[k, v] for k, v in params], bits])
 
@@ -283,6 +301,7 @@ def few_bit(name: str, x: Tensor, bits: int, **params: Any) -> Tensor:
     bits = check_bits(name, bits)
     spec = SMOOTH.get(name) or PIECEWISE[name]
     params_t = _params(name, spec.defaults, params)
+    check_params(name, dict(params_t))
     kwargs = dict(params_t)
 
     def forward(t: Tensor) -> Tensor:
