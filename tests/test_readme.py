@@ -39,7 +39,26 @@ def python_blocks(text: str) -> Dict[str, List[Block]]:
     return sections
 
 
+def missing_hardware(block: Block):
+    """'CUDA' or 'a TPU' when the block's first line says it needs that and this machine has none, else None."""
+    first = block.code.strip().splitlines()[0].lower() if block.code.strip() else ""
+    need = re.match(r"#\s*needs\s+(cuda|a tpu)\b", first)
+    if need and not _NEEDS[need.group(1)]():
+        return {"cuda": "CUDA", "a tpu": "a TPU"}[need.group(1)]
+    return None
+
+
 SECTIONS = python_blocks(README.read_text(encoding="utf-8"))
+
+
+def test_blocks_are_found_by_section_and_hardware_marks_are_read():
+    text = "# t\n## One\n```python\nx = 1\n```\n```bash\nls\n```\n### Sub\n```python\n# needs a TPU\ny = x\n```\n" \
+           "## Two\n```python\n# Needs CUDA: a GPU\n```\n"
+    sections = python_blocks(text)
+    assert list(sections) == ["One", "Two"]
+    assert sections["One"] == [Block(4, "x = 1\n"), Block(11, "# needs a TPU\ny = x\n")]
+    assert missing_hardware(sections["One"][0]) is None and missing_hardware(sections["One"][1]) == "a TPU"
+    assert missing_hardware(sections["Two"][0]) == (None if torch.cuda.is_available() else "CUDA")
 
 
 def test_the_readme_has_python_blocks():
@@ -51,8 +70,8 @@ def test_readme_section_runs(section, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)   # whatever a block writes lands in a temporary directory
     namespace: Dict[str, object] = {"__name__": "__readme__"}
     for block in SECTIONS[section]:
-        first = block.code.lstrip().splitlines()[0].lower() if block.code.strip() else ""
-        need = re.match(r"#\s*needs\s+(cuda|a tpu)\b", first)
-        if need and not _NEEDS[need.group(1)]():
-            pytest.skip(f"README.md line {block.line} needs {need.group(1).upper().replace('A TPU', 'a TPU')}")
+        missing = missing_hardware(block)
+        if missing:
+            pytest.skip(f"README.md line {block.line} needs {missing}, which this machine lacks (and so does the "
+                        f"rest of its section)")
         exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)  # noqa: S102 - the README's own code
