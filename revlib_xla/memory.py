@@ -430,7 +430,8 @@ def eager_peak(
     if to_fake is not None:
         inputs = tuple(item if _is_factory(item) else _map_tensors(item, to_fake) for item in inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        module = model() if _is_factory(model) else model
+        module = _build_fake(model) if _is_factory(model) and fake_mode is not None else \
+            model() if _is_factory(model) else model
         args = [item() if _is_factory(item) else item for item in inputs]
         opt = optimizer(module) if _is_factory(optimizer) else optimizer
         if zero_grad:
@@ -456,6 +457,19 @@ def eager_peak(
     at_peak = _breakdown(peak, where, ref_type)
     return EagerPeak(**dataclasses.asdict(at_peak), device=str(where), end=_breakdown(end, where, ref_type),
                      fake=fake)
+
+
+def _build_fake(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Call a model factory inside the fake mode, turning torch's failure to move a fake module into advice."""
+    try:
+        return factory()
+    except RuntimeError as err:
+        if "Couldn't swap" not in str(err):
+            raise
+        raise RuntimeError(
+            f"eager_peak(fake=True): the model factory moved a module built under FakeTensorMode with .to(...), which "
+            f"this torch ({torch.__version__}) cannot do for fake parameters ({err}). Build the model on its device "
+            f"instead, e.g. `with torch.device('cuda'): model = make_model()`.") from None
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

@@ -153,6 +153,20 @@ def test_eager_peak_fake_matches_real():
         eager_peak(train_step, model, x, fake=True, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_eager_peak_fake_explains_a_factory_that_moves_a_fake_module():
+    """Newer torch (2.13) cannot move a module built under FakeTensorMode with ``.to`` ("Couldn't swap"); the error
+    says to build on the device instead. Where torch can, the factory simply works."""
+    def moved():
+        return eager_mlp().to("cpu")
+
+    try:
+        peak = eager_peak(train_step, moved, lambda: torch.randn(32, 128), fake=True)
+    except RuntimeError as err:
+        assert "with torch.device(" in str(err) and "Couldn't swap" in str(err)
+    else:
+        assert peak == eager_peak(train_step, eager_mlp, lambda: torch.randn(32, 128), fake=True)
+
+
 def test_eager_peak_fake_sizes_a_model_larger_than_memory_without_allocating():
     width, depth, batch = 8192, 8, 1024
 

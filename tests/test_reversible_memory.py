@@ -50,9 +50,15 @@ def eager_device(device):
     return device
 
 
+def _on(device, build):
+    """``build()`` with its tensors created on ``device`` (a fake module cannot be moved with ``.to`` on newer torch)."""
+    with torch.device(device):
+        return build()
+
+
 def _peak(depth, mode, device, batch=512, fake=False):
     if fake:
-        return memory.eager_peak(train_step, lambda: model(depth, mode).to(device),
+        return memory.eager_peak(train_step, lambda: _on(device, lambda: model(depth, mode)),
                                  lambda: torch.randn(batch, 2 * WIDTH, device=device), fake=True)
     return memory.eager_peak(train_step, model(depth, mode).to(device), torch.randn(batch, 2 * WIDTH).to(device))
 
