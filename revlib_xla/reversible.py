@@ -13,9 +13,11 @@ Design (what differs from RevLib and why):
   merge the recomputation with the forward (which would keep the forward's activations alive).
 * Parameters and tensor arguments are explicit inputs of the Function, so they get gradients whether or not the
   input requires grad, and gradients of the other stream come from the coupling's own vector-Jacobian product.
-* Each layer runs under a seed derived from one seed drawn per forward (for the CPU generator and that of the
-  device the streams live on: cpu, cuda or xla), and the recomputation reuses it; the autocast state is captured
-  at forward time and replayed. Only integers are kept, so nothing grows with depth.
+* Each layer runs under a seed derived from one seed drawn per forward, with generators of its own (cpu, cuda; xla
+  seeds the device), and the recomputation reuses it; the autocast state is captured at forward time and replayed;
+  buffers a layer changes in its forward are given their earlier values for the recomputation (see
+  :mod:`revlib_xla.recompute`). Only integers are kept per layer, plus those buffers, so nothing else grows with
+  depth.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from . import backend
-from .running_stats import frozen_running_stats, tracks_running_stats
+from .recompute import RecomputeState, SavedBuffers, owned_buffers, probe, rng_scope
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
 from .coupling import (COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, optional_detach,
@@ -201,10 +203,11 @@ class _Plan:
     layer_arg_slots: List[List[int]]
     params: List[nn.Parameter]
     layer_params: List[List[int]]
-    layer_norms: List[List[nn.Module]]
+    layer_buffers: List[List[Tuple[nn.Module, Tensor]]]  # per layer: its buffers, each once, with their modules
     seed: Optional[int]
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
+    state: Optional[RecomputeState] = None  # the model's: which buffers its layers change in their forward
     offload: Optional["_LayerOffload"] = None
     fused: Optional[FusedOptimizer] = None
     fused_done: Optional[List[List[int]]] = None  # per layer: params whose fused step runs after its gradient
@@ -215,6 +218,10 @@ class _Plan:
     additive: List[bool] = dataclasses.field(init=False)      # adds, and streams and blocks share one dtype
     seeds: List[Optional[int]] = dataclasses.field(init=False)
     own_params: List[List[nn.Parameter]] = dataclasses.field(init=False)
+    # What the forward leaves for the recomputations: the user's generators met in each layer, and the values
+    # each layer's changed buffers had before its forward.
+    generators: dict = dataclasses.field(init=False, default_factory=dict)
+    saved_buffers: List[Optional[SavedBuffers]] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.wrappers = [layer.wrapped_module for layer in self.layers]
@@ -224,6 +231,7 @@ class _Plan:
         self.additive = [one_dtype and add for add in self.adds]
         self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
+        self.saved_buffers = [None] * len(self.layers)
 
     def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
         args, kwargs = self.layer_args[i]
@@ -233,6 +241,19 @@ class _Plan:
 
     def seed_of(self, i: int) -> Optional[int]:
         return self.seeds[i]
+
+    def buffers_of(self, i: int, tensors: Optional[Dict[str, Tensor]]) -> List[Tensor]:
+        """The tensors standing for layer ``i``'s buffers: its own, or (``target_device``) their device copies in
+        ``tensors``, in the order of ``layer_buffers``."""
+        if tensors is None:
+            return [b for _, b in self.layer_buffers[i]]
+        return [tensors[self.offload.buffer_names[i][id(b)]] for _, b in self.layer_buffers[i]]
+
+    def watch_buffers(self, i: int, tensors: Optional[Dict[str, Tensor]] = None):
+        """Before layer ``i``'s forward (see :meth:`RecomputeState.watch`); ``None`` for a layer without buffers."""
+        if not self.layer_buffers[i]:
+            return None
+        return self.state.watch(self.layer_buffers[i], None if tensors is None else self.buffers_of(i, tensors))
 
     def describe(self, i: int) -> str:
         block = self.layers[i].block
@@ -248,6 +269,12 @@ class _LayerOffload:
     names: List[List[List[str]]]      # per layer, per streamed tensor: its names inside the block
     param_pos: List[Dict[int, int]]   # per layer: index in plan.params -> position among the streamed tensors
     buffer_pos: List[List[int]]       # per layer: positions of buffers (written back after the forward)
+
+    buffer_names: List[Dict[int, str]] = dataclasses.field(init=False)  # per layer: id(host buffer) -> a name
+
+    def __post_init__(self) -> None:
+        self.buffer_names = [{id(units[p]): names[p][0] for p in positions}
+                             for units, names, positions in zip(self.streamer.units, self.names, self.buffer_pos)]
 
     def mapping(self, i: int, tensors: Sequence[Tensor]) -> Dict[str, Tensor]:
         return {name: t for names, t in zip(self.names[i], tensors) for name in names}
@@ -330,15 +357,22 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         ctx.plan = plan
         ctx.autocast = backend.AutocastState.capture(device)
         off = plan.offload
-        with torch.no_grad(), ctx.autocast.replay(), backend.rng_scope(device, plan.seed is not None) as reseed:
+        with torch.no_grad(), ctx.autocast.replay(), \
+                rng_scope(device, plan.seed is not None, plan.generators) as reseed:
             for i in range(len(plan.layers)):
                 args, kwargs = plan.args_for(i, arg_tensors)
                 reseed(plan.seed_of(i))
                 if off is None:
+                    watch = plan.watch_buffers(i)
                     x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
+                    plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
                     continue
                 copies = off.streamer.fetch(i, prefetch=i + 1)
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, off.mapping(i, copies))
+                tensors = off.mapping(i, copies)
+                watch = plan.watch_buffers(i, tensors)
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
+                plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+                del tensors
                 backend.cut_graph(device)
                 off.write_back_buffers(i, copies)
                 del copies
@@ -384,7 +418,7 @@ class _ReversibleSequenceFn(torch.autograd.Function):
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
         # autograd does. Off then and off now (the usual case), there is nothing to enter for each layer.
         ctx.layer_autocast = ctx.autocast.replay if ctx.autocast.differs_from_now() else _nothing
-        with backend.rng_scope(y0.device, plan.seed is not None) as reseed:
+        with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
             for i in reversed(range(len(plan.layers))):
                 y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
                                                    needs_arg_grad, param_grads, arg_grads)
@@ -424,8 +458,8 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
     args, kwargs = plan.args_for(i, recompute_args)
-    norms = plan.layer_norms[i]
-    with frozen_running_stats(norms) if norms else _NOTHING:  # statistics are put back after the gradient is taken
+    saved = plan.saved_buffers[i]  # the forward's buffer values; the current ones are put back after the gradient
+    with saved.replayed(plan.buffers_of(i, tensors)) if saved is not None else _NOTHING:
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.layer_autocast():
             x1 = y0.detach().requires_grad_()
@@ -521,9 +555,11 @@ class ReversibleSequential(nn.Sequential):
             output is returned in the input's dtype.
         compute_dtype: the dtype the blocks see (default: the input's dtype); useful with a two-stream input
             already in ``stream_dtype``.
-        preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward, so the
-            recomputation draws the forward's random numbers (dropout) on cpu, cuda and xla. Both memory modes
-            seed the same way, so ``no_savings`` gives the same masks. Costs a few microseconds per layer.
+        preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward from
+            torch's global generator, with generators of its own, so the recomputation draws the forward's random
+            numbers (dropout) on cpu, cuda and xla, also while other threads draw from the global generators (see
+            :mod:`revlib_xla.recompute`). Both memory modes seed the same way, so ``no_savings`` gives the same
+            masks. Costs a few microseconds per layer.
         verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
             :func:`check_invertible`) and raise naming the first layer that does not.
         target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
@@ -579,6 +615,7 @@ class ReversibleSequential(nn.Sequential):
         self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
         self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
         self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
+        self._recompute = RecomputeState()
 
     # -- streams --------------------------------------------------------------------------------------------------
     def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
@@ -654,12 +691,10 @@ class ReversibleSequential(nn.Sequential):
 
         params: List[nn.Parameter] = []
         index: Dict[int, int] = {}
-        layer_params, layer_norms = [], []
+        layer_params, layer_buffers = [], []
         for layer in layers:
-            own, norms = [], []
+            own = []
             for module in layer.modules():
-                if tracks_running_stats(module):
-                    norms.append(module)
                 for p in module._parameters.values():
                     if p is None or not p.requires_grad:
                         continue
@@ -669,13 +704,13 @@ class ReversibleSequential(nn.Sequential):
                     if index[id(p)] not in own:
                         own.append(index[id(p)])
             layer_params.append(own)
-            layer_norms.append(norms)
+            layer_buffers.append(owned_buffers(layer))
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype)
+                     layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
+                     compute_dtype, self._recompute_state())
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
@@ -772,6 +807,12 @@ class ReversibleSequential(nn.Sequential):
                     f"optimizer")
         return [[k for k in own if fused.covers(plan.params[k])] for own in plan.layer_params]
 
+    def _recompute_state(self) -> RecomputeState:
+        """What the model learned about its layers' state (models pickled before it existed get a new one)."""
+        if "_recompute" not in self.__dict__:
+            self._recompute = RecomputeState()
+        return self._recompute
+
     # -- forward / inverse ----------------------------------------------------------------------------------------
     def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,
                 layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
@@ -784,7 +825,7 @@ class ReversibleSequential(nn.Sequential):
         x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
-            with backend.rng_scope(x0.device, plan.seed is not None) as reseed:
+            with rng_scope(x0.device, plan.seed is not None) as reseed:
                 for i in range(len(plan.layers)):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
@@ -794,7 +835,8 @@ class ReversibleSequential(nn.Sequential):
                     if copies is not None:
                         plan.offload.write_back_buffers(i, copies)
         else:
-            x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
+            with plan.state.python_random_check("ReversibleSequential"):
+                x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
 
@@ -868,8 +910,8 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
                      **kwargs) -> InvertibilityReport:
     """Check on ``sample`` that every layer's coupling pair inverts, layer by layer.
 
-    Runs each layer forward and then its inverse on the same random state, and compares the reconstructed input
-    stream with the real one. Raises :class:`ReversibleError` naming the first layer whose relative error exceeds
+    Runs each layer forward and then its inverse on the same random numbers and buffers (leaving both as they
+    were), and compares the reconstructed input stream with the real one. Raises :class:`ReversibleError` naming the first layer whose relative error exceeds
     ``tolerance`` (by default 1e-4 in float32, 1e-9 in float64, 3e-2 in bfloat16); returns the per-layer errors.
     """
     if not isinstance(model, ReversibleSequential):
@@ -879,21 +921,21 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
     x0, x1 = _to_streams(plan, x0, x1)
     tol = tolerance if tolerance is not None else _DEFAULT_TOL.get(x0.dtype, 1e-4)
     errors = []
-    with backend.rng_scope(x0.device, plan.seed is not None) as reseed:
-        for i in range(len(plan.layers)):
-            a, k = plan.args_for(i, arg_tensors)
-            reseed(plan.seed_of(i))
-            copies = _plain_copies(plan, i)
+    for i in range(len(plan.layers)):
+        a, k = plan.args_for(i, arg_tensors)
+        copies = _plain_copies(plan, i)
+        seed = backend.derive_seed(0 if plan.seed is None else plan.seed, i)
+        with probe(x0.device, plan.buffers_of(i, copies), seed):
             y1 = _forward_layer(plan, i, x0, x1, a, k, copies)
-            reseed(plan.seed_of(i))
+        with probe(x0.device, plan.buffers_of(i, copies), seed):
             rebuilt = _inverse_layer(plan, i, x1, y1, a, k, copies)
-            scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
-            err = float((rebuilt - x0).abs().max().cpu()) / scale
-            errors.append(err)
-            if not err <= tol:
-                raise ReversibleError(
-                    f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
-                    f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
-                    f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
-            x0, x1 = x1, y1
+        scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
+        err = float((rebuilt - x0).abs().max().cpu()) / scale
+        errors.append(err)
+        if not err <= tol:
+            raise ReversibleError(
+                f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
+                f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
+                f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
+        x0, x1 = x1, y1
     return InvertibilityReport(errors, tol)
