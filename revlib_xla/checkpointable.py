@@ -14,8 +14,9 @@ counts them only while the program needs them. ``mem_limit=None`` means the
 fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
 
 In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
-forward phase stores the planned checkpoints and the backward phase recomputes the rest. In eval mode, or under
-``torch.no_grad()``, it is the plain model.
+forward phase stores the planned checkpoints and the backward phase recomputes the rest, each stage with the
+random numbers, autocast state and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or
+under ``torch.no_grad()``, it is the plain model.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from . import backend
 from .coupling import optional_detach
-from .running_stats import frozen_running_stats, norms_with_running_stats
+from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, probe
 from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
 from .planner.chain import StageOption
 from .memory import tensor_bytes
@@ -107,23 +108,39 @@ class _Run:
         self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
         self.host: Dict[int, Any] = {}
         self.held: set = set()
-        self.rng: Dict[int, backend.RngState] = {}
-        self.autocast = backend.AutocastState.capture(device)
-        self.preserve_rng = owner.preserve_rng_state
+        self.replay = CallReplay(device, owner.preserve_rng_state)
+        self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
+        self.saved: Dict[int, Optional[SavedBuffers]] = {}  # per stage: the buffers its first run changed
+        self.to_put_back: Dict[int, List[torch.Tensor]] = {}  # per stage: their values to restore after its backward
 
-    # -- running one stage, with the random numbers of its first run -------------------------------------------
+    # -- running one stage, as its first run did ---------------------------------------------------------------
     def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False, option: int = 0) -> Any:
         stage = self.stages[i] if option == 0 else self.owner.stage_options[i][option - 1][1]
         fn = self.stages[i].inverse if inverse else stage
+        state = RecomputeState.of(self.owner)
         if not recompute:
-            if self.preserve_rng and i not in self.rng:
-                self.rng[i] = backend.RngState.capture(self.device)
-            return fn(x)
-        with backend.rng_scope(self.device, active=self.preserve_rng and i in self.rng), self.autocast.replay(), \
-                frozen_running_stats(self.owner._norms[i]):
-            if self.preserve_rng and i in self.rng:
-                self.rng[i].restore()
-            return fn(x)
+            watch = state.watch(self.buffers[i])
+            with self.replay.first_run(i):
+                out = fn(x)
+            self.saved[i] = state.changed(watch, f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
+            return out
+        saved = self.saved.get(i)
+        tensors = [b for _, b in self.buffers[i]]
+        current = saved.swap_in(tensors) if saved is not None else None
+        with self.replay.rerun(i):
+            out = fn(x)
+        if current is not None:
+            if torch.is_grad_enabled():  # the stage's backward may read them: put back after it
+                self.to_put_back.setdefault(i, current)
+            else:
+                saved.put_back(tensors, current)
+        return out
+
+    def _put_back(self, i: int) -> None:
+        """After stage ``i``'s backward: its buffers get the values its first run left again."""
+        current = self.to_put_back.pop(i, None)
+        if current is not None:
+            self.saved[i].put_back([b for _, b in self.buffers[i]], current)
 
     def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
@@ -177,6 +194,7 @@ class _Run:
             elif op.kind == "B":
                 inp, out = self.xbar.pop(i + 1)
                 self._backward(out, self.grad.pop(i + 1))
+                self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del inp, out
                 self._free_input(i)
@@ -191,6 +209,7 @@ class _Run:
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=True, option=op.option)
                 self._backward(out, self.grad.pop(i + 1))
+                self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del out
                 if i in self.held:
@@ -240,7 +259,11 @@ class _Schedule(torch.autograd.Function):
         ctx.run = None
         n = len(run.stages)
         run.grad[n] = tuple(grads)
-        run.run(run.schedule.ops[run.loss_at + 1:], backward=True)
+        try:
+            run.run(run.schedule.ops[run.loss_at + 1:], backward=True)
+        finally:
+            for i in list(run.to_put_back):
+                run._put_back(i)
         input_grads = run.grad.pop(0)
         run.x.clear()
         return (None, None) + tuple(input_grads)
@@ -288,8 +311,12 @@ class Checkpointable(nn.Module):
         mem_limit: the budget in bytes (rotor's meaning; see the module docstring).
         mem_slots: resolution of the budget in the dynamic program (sizes are rounded up to mem_limit/mem_slots).
         verbosity: 1 logs the plan, 2 also the measurements.
-        preserve_rng_state: recomputations draw the random numbers of the first run (dropout gives the plain
-            model's gradients).
+        preserve_rng_state: each stage draws its random numbers (dropout) from generators of its own, seeded from
+            one seed drawn per forward from torch's global generator, and its recomputations draw the same ones,
+            also while other threads draw from the global generators (see :mod:`revlib_xla.recompute`). The
+            masks differ from those the plain model draws from the global generator; each is a valid draw, and the
+            gradients are the plain model's for the masks drawn. ``False``: stages draw from the global generators
+            and recomputations draw other numbers.
         reversible: let stages with an ``inverse`` method drop their input and rebuild it (``Fr``/``Br``).
         offload_bandwidth: bytes/second between device and host memory; given, checkpoints may be offloaded.
         loss_tmp_memory_usage: transient memory of the loss computed on the output (rotor's parameter).
@@ -325,7 +352,6 @@ class Checkpointable(nn.Module):
             if not 0 <= index < len(self.stages):
                 raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "
                                  f"0..{len(self.stages) - 1}")
-        self._norms = [norms_with_running_stats(stage) for stage in self.stages]
         self._option_modules = nn.ModuleList([m for opts in self.stage_options.values() for _, m in opts])
         self.chain: Optional[Chain] = None
         self.sequence: Optional[Schedule] = None
@@ -355,8 +381,9 @@ class Checkpointable(nn.Module):
                                  [stage] + [module for _, module in self.stage_options.get(i, [])]])
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             stage_opts = []
-            # Measuring runs the stage (and its options) several times: it must not move running statistics.
-            with frozen_running_stats(self._norms[i]):
+            # Measuring runs the stage (and its options) several times: it must leave no trace (buffers, the
+            # stage's own generators, torch's global generators).
+            with probe(next(iter(backend.tensors_in(x))).device, list(stage.buffers()), i):
                 try:
                     m, out = measure_stage(stage, x, reversible=rev)
                 except InPlaceInput:
@@ -618,7 +645,8 @@ class Checkpointable(nn.Module):
         device = tensors[0].device
         run = _Run(self, self.sequence, device)
         dummy = torch.empty(0, device=device, requires_grad=True)
-        flat = _Schedule.apply(run, dummy, *tensors)
+        with RecomputeState.of(self).python_random_check("Checkpointable"):
+            flat = _Schedule.apply(run, dummy, *tensors)
         return _rebuild(run.out_structure, list(flat))
 
 

@@ -32,7 +32,7 @@ import contextlib
 import random
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -379,10 +379,10 @@ class _Watch:
         self.versions = [t._version for t in tensors]
 
 
-def owned_buffers(module: torch.nn.Module) -> List[Tuple[torch.nn.Module, Tensor]]:
-    """Each buffer of ``module`` (and of its submodules) once, with the module that owns it."""
+def owned_buffers(modules: Iterable[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Tensor]]:
+    """Each buffer of ``modules`` (e.g. ``unit.modules()``) once, with the module that owns it."""
     seen: Dict[int, Tuple[torch.nn.Module, Tensor]] = {}
-    for owner in module.modules():
+    for owner in modules:
         for b in owner._buffers.values():
             if b is not None and id(b) not in seen:
                 seen[id(b)] = (owner, b)
@@ -404,6 +404,15 @@ class RecomputeState:
         self._changing: set = set()
         self._seen: set = set()
         self._random_checked = False
+
+    @classmethod
+    def of(cls, engine: torch.nn.Module) -> "RecomputeState":
+        """The state of ``engine`` (an engine module), made at its first use (so also for models pickled before
+        it existed)."""
+        state = engine.__dict__.get("_recompute")
+        if state is None:
+            state = engine.__dict__["_recompute"] = cls()
+        return state
 
     def watch(self, buffers: Sequence[Tuple[torch.nn.Module, Tensor]],
               tensors: Optional[Sequence[Tensor]] = None) -> Optional[_Watch]:

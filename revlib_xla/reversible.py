@@ -365,13 +365,15 @@ class _ReversibleSequenceFn(torch.autograd.Function):
                 if off is None:
                     watch = plan.watch_buffers(i)
                     x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
-                    plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+                    if watch is not None:
+                        plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
                     continue
                 copies = off.streamer.fetch(i, prefetch=i + 1)
                 tensors = off.mapping(i, copies)
                 watch = plan.watch_buffers(i, tensors)
                 x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
-                plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+                if watch is not None:
+                    plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
                 del tensors
                 backend.cut_graph(device)
                 off.write_back_buffers(i, copies)
@@ -615,7 +617,6 @@ class ReversibleSequential(nn.Sequential):
         self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
         self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
         self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
-        self._recompute = RecomputeState()
 
     # -- streams --------------------------------------------------------------------------------------------------
     def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
@@ -693,8 +694,8 @@ class ReversibleSequential(nn.Sequential):
         index: Dict[int, int] = {}
         layer_params, layer_buffers = [], []
         for layer in layers:
-            own = []
-            for module in layer.modules():
+            own, modules = [], list(layer.modules())
+            for module in modules:
                 for p in module._parameters.values():
                     if p is None or not p.requires_grad:
                         continue
@@ -704,13 +705,13 @@ class ReversibleSequential(nn.Sequential):
                     if index[id(p)] not in own:
                         own.append(index[id(p)])
             layer_params.append(own)
-            layer_buffers.append(owned_buffers(layer))
+            layer_buffers.append(owned_buffers(modules))
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype, self._recompute_state())
+                     compute_dtype, RecomputeState.of(self))
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
@@ -806,12 +807,6 @@ class ReversibleSequential(nn.Sequential):
                     f"and the first layers' recomputation still reads it. Untie the weights or use an unfused "
                     f"optimizer")
         return [[k for k in own if fused.covers(plan.params[k])] for own in plan.layer_params]
-
-    def _recompute_state(self) -> RecomputeState:
-        """What the model learned about its layers' state (models pickled before it existed get a new one)."""
-        if "_recompute" not in self.__dict__:
-            self._recompute = RecomputeState()
-        return self._recompute
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
     def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,

@@ -13,7 +13,7 @@ from revlib_xla.memory import eager_peak
 from revlib_xla.models import TransformerConfig, gpt, resnet18
 from revlib_xla.planner import InfeasibleBudget, min_memory, no_checkpoint_memory, solve
 
-from conftest import max_rel_err
+from conftest import SeededUnits, max_rel_err
 
 BUDGET_FRACTIONS = (0.02, 0.3, 0.6, 1.0)  # of the way from the smallest budget to the no-checkpoint peak
 
@@ -53,8 +53,8 @@ def test_schedules_match_plain_gradients_within_budget(build):
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     checkpointed.measure(x)
     low, high = checkpointed.min_memory(), checkpointed.no_checkpoint_memory()
     recomputed = []
@@ -62,7 +62,7 @@ def test_schedules_match_plain_gradients_within_budget(build):
         budget = low + fraction * (high - low)
         schedule = checkpointed.compute_sequence(budget)
         assert checkpointed.get_expected_memory() <= budget
-        got = gradients(model, step, x)
+        got = gradients(checkpointed, step, x)
         for g, r in zip(got, reference):
             assert max_rel_err(g, r) <= 1e-10
         step(checkpointed, x)  # gradients exist, as in training: the measured peak counts no new gradient
@@ -80,8 +80,8 @@ def test_hybrid_plan_is_faster_and_exact():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)
     chain = checkpointed.measure(x)
     assert sum(chain.reversible) == 8
     rotor_chain = chain.replace(reversible=[False] * chain.length)
@@ -91,7 +91,7 @@ def test_hybrid_plan_is_faster_and_exact():
     checkpointed.sequence = hybrid
     assert hybrid.makespan < rotor_only.makespan
     assert hybrid.counts().get("Br", 0) > 0
-    for g, r in zip(gradients(model, step, x), reference):
+    for g, r in zip(gradients(checkpointed, step, x), reference):
         assert max_rel_err(g, r) <= 1e-10
 
 
@@ -105,8 +105,8 @@ def test_rebuilt_inputs_run_at_every_budget():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, reversible=True)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)
     checkpointed.measure(x)
     high = checkpointed.no_checkpoint_memory()
     rebuilt = 0
@@ -164,9 +164,9 @@ def test_parameters_get_gradients_without_input_grad_and_eval_is_plain():
 def test_running_statistics_are_updated_once():
     model, x = small_resnet()
     reference = [b.clone() for b in model.buffers()]
-    plain = nn.Sequential(*[m for m in model])
     plain_state = {k: v.clone() for k, v in model.state_dict().items()}
     checkpointed = revlib.Checkpointable(model, input=x)
+    plain = SeededUnits(checkpointed.stages)  # the plain model, with the masks Checkpointable draws
     for b, r in zip(model.buffers(), reference):
         assert torch.equal(b, r)  # measuring did not move them
     checkpointed.compute_sequence(checkpointed.min_memory() * 1.05)
