@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 

@@ -710,8 +710,8 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype, RecomputeState.of(self))
+                     layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None,
+                     stream_dtype, compute_dtype, RecomputeState.of(self))
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
@@ -906,8 +906,9 @@ def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Te
     """Check on ``sample`` that every layer's coupling pair inverts, layer by layer.
 
     Runs each layer forward and then its inverse on the same random numbers and buffers (leaving both as they
-    were), and compares the reconstructed input stream with the real one. Raises :class:`ReversibleError` naming the first layer whose relative error exceeds
-    ``tolerance`` (by default 1e-4 in float32, 1e-9 in float64, 3e-2 in bfloat16); returns the per-layer errors.
+    were), and compares the reconstructed input stream with the real one. Raises :class:`ReversibleError` naming
+    the first layer whose relative error exceeds ``tolerance`` (by default 1e-4 in float32, 1e-9 in float64, 3e-2
+    in bfloat16); returns the per-layer errors.
     """
     if not isinstance(model, ReversibleSequential):
         raise ReversibleError(f"check_invertible expects a ReversibleSequential, got {type(model).__name__}")

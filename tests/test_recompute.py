@@ -10,7 +10,6 @@ import copy
 import random
 import sys
 import threading
-import warnings
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch import nn
 import revlib_xla as revlib
 from revlib_xla import backend
 
-from conftest import max_rel_err, to_host
+from conftest import max_rel_err
 
 WIDTH = 8
 STEPS = 60
@@ -285,3 +284,17 @@ def test_python_random_in_a_block_is_reported(engine):
     x = torch.randn(4, ENGINES[engine][1], dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match=r"Python's random"):
         model(x).sum().backward()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_step_takes_one_seed_from_the_global_generator(engine):
+    """A training step draws one seed from torch's global generator and otherwise leaves it alone: its dropout masks
+    come from generators of its own, and nothing is reseeded or restored."""
+    model = _build(engine, 0)
+    x = torch.randn(4, ENGINES[engine][1], dtype=torch.float64)
+    torch.manual_seed(11)
+    backend.draw_seed()
+    expected = torch.get_rng_state()
+    torch.manual_seed(11)
+    model(x).square().sum().backward()
+    assert torch.equal(torch.get_rng_state(), expected)
