@@ -298,3 +298,22 @@ def test_a_step_takes_one_seed_from_the_global_generator(engine):
     torch.manual_seed(11)
     model(x).square().sum().backward()
     assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_without_the_dispatch_rule_replay_falls_back_to_reseeding(monkeypatch):
+    """On a torch whose dispatcher internals are missing, scopes reseed the global generators (single-threaded
+    replay still exact, as torch's own checkpointing does) and put them back at exit."""
+    from revlib_xla import recompute
+
+    monkeypatch.setattr(recompute, "_installed", [None, ()])
+    failures = []
+    _train(_build("reversible", 4), "reversible", 4, 3, failures)
+    assert not failures, failures
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    with recompute.rng_scope("cpu") as reseed:
+        reseed(1)
+        first = torch.rand(4)
+        reseed(1)
+        assert torch.equal(torch.rand(4), first)
+    assert torch.equal(torch.get_rng_state(), state)
