@@ -10,7 +10,7 @@ from .checkpointable import Checkpointable, atomic, flatten_sequential
 from .reversible import (DUAL_OR_QUAD_TENSOR, FUSED_OPTIMIZER, InvertibilityReport, MemoryModes, ReversibleError,
                          ReversibleModule, ReversibleModuleCache, ReversibleSequential, check_invertible,
                          offload_tensor)
-from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer
+from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
 from .offload import ParameterStreamer
 from .offload_model import OffloadModel, OffloadModelError
 
@@ -23,6 +23,6 @@ __all__ = [
     "additive_coupling_forward", "additive_coupling_inverse", "momentum_coupling", "affine_coupling",
     "CouplingPair", "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER", "Checkpointable", "atomic", "flatten_sequential", "planner",
-    "fuse_optimizer", "FusedOptimizer", "FusedOptimizerError", "ParameterStreamer", "OffloadModel",
-    "OffloadModelError",
+    "fuse_optimizer", "fused_optimizer_of", "FusedOptimizer", "FusedOptimizerError", "ParameterStreamer",
+    "OffloadModel", "OffloadModelError",
 ]

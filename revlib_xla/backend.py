@@ -21,10 +21,10 @@ import torch
 DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
-    "DeviceLike", "device_kind", "xla_available", "cuda_available", "available_kinds", "default_device",
-    "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "takes_generators", "owned_generator",
-    "default_generator", "DeviceSeed", "AutocastState",
-    "optimization_barrier_", "sync", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
+    "DeviceLike", "device_kind", "xla_available", "cuda_available", "device_available", "available_kinds",
+    "default_device", "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "takes_generators",
+    "owned_generator", "default_generator", "DeviceSeed", "AutocastState",
+    "optimization_barrier_", "sync", "holds_data", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
     "cut_graph", "host_placement_executes", "place_on_host", "place_on_device", "kernel_platform",
     "xla_runtime_type", "HostCopy", "to_host", "prefetch_to_device", "to_device", "host_annotations",
 ]
@@ -57,6 +57,20 @@ def xla_available() -> bool:
 
 def cuda_available() -> bool:
     return torch.cuda.is_available()
+
+
+def device_available(device: DeviceLike) -> bool:
+    """Whether this machine has ``device``: the CPU always; cuda when a GPU (with that index) is present; xla when
+    torch_xla imports; other kinds when their ``torch.<kind>.is_available()`` says so."""
+    dev = _as_device(device)
+    if dev.type in ("cpu", "meta"):
+        return True
+    if dev.type == "cuda":
+        return cuda_available() and (dev.index is None or dev.index < torch.cuda.device_count())
+    if dev.type == "xla":
+        return xla_available()
+    is_available = getattr(getattr(torch, dev.type, None), "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
 
 
 def _xla():
@@ -116,6 +130,18 @@ def _loaded_modules():
     import sys
 
     return sys.modules
+
+
+def holds_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s values exist to be read: not for a fake tensor (``FakeTensorMode``, tracing) or a
+    meta tensor."""
+    if tensor.device.type == "meta":
+        return False
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - very old torch
+        return True
+    return not is_fake(tensor)
 
 
 def is_tracing_lazily(tensor: torch.Tensor) -> bool:

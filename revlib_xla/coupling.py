@@ -9,7 +9,8 @@ coupled, as in RevLib; the core keeps only element 0 of the result as the stream
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, NamedTuple, Sequence, Union
+import dataclasses
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -19,7 +20,9 @@ COUPLING = Callable[[Tensor, TENSOR_OR_LIST], TENSOR_OR_LIST]
 
 __all__ = [
     "COUPLING", "TENSOR_OR_LIST", "CouplingPair", "additive_coupling_forward", "additive_coupling_inverse",
-    "momentum_coupling", "affine_coupling", "first_tensor", "optional_detach",
+    "momentum_coupling", "affine_coupling", "first_tensor", "optional_detach", "detached_additive_coupling_forward",
+    "detached_additive_coupling_inverse", "is_additive_forward", "is_additive_inverse", "MomentumForward",
+    "MomentumInverse", "AffineForward", "AffineInverse",
 ]
 
 
@@ -65,22 +68,104 @@ def additive_coupling_inverse(output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_
     return _combine(fn_out, lambda f: output - f)
 
 
+def detached_additive_coupling_forward(other_stream: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+    """``other_stream + f`` with the extras of a list output detached (RevLib's helper)."""
+    if isinstance(fn_out, (list, tuple)):
+        return [other_stream + fn_out[0]] + [optional_detach(x) for x in fn_out[1:]]
+    return other_stream + fn_out
+
+
+def detached_additive_coupling_inverse(output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+    """Inverse of :func:`detached_additive_coupling_forward`: ``output - f``, extras detached."""
+    if isinstance(fn_out, (list, tuple)):
+        return [output - fn_out[0]] + [optional_detach(x) for x in fn_out[1:]]
+    return output - fn_out
+
+
+# The couplings whose stream is ``other + f`` (and whose inverse is ``output - f``); ``None`` means additive.
+_ADDITIVE_FORWARDS = (None, additive_coupling_forward, detached_additive_coupling_forward)
+_ADDITIVE_INVERSES = (None, additive_coupling_inverse, detached_additive_coupling_inverse)
+
+
+def is_additive_forward(coupling: Optional[COUPLING]) -> bool:
+    """Whether ``coupling`` is one of the library's additive couplings (or ``None``, which means additive)."""
+    return any(coupling is c for c in _ADDITIVE_FORWARDS)
+
+
+def is_additive_inverse(coupling: Optional[COUPLING]) -> bool:
+    """Whether ``coupling`` is one of the library's additive inverses (or ``None``)."""
+    return any(coupling is c for c in _ADDITIVE_INVERSES)
+
+
+# Couplings made by the factories below are small frozen dataclasses rather than closures: a model holding them
+# can be pickled (``torch.save(model)``), deep-copied, and compared.
+
+@dataclasses.dataclass(frozen=True)
+class MomentumForward:
+    """MomentumNet's coupling ``beta * other + (1 - beta) * f`` (made by :func:`momentum_coupling`)."""
+
+    beta: float
+
+    def __call__(self, other_stream: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+        return _combine(fn_out, lambda f: other_stream * self.beta + f * (1 - self.beta))
+
+
+@dataclasses.dataclass(frozen=True)
+class MomentumInverse:
+    """Inverse of :class:`MomentumForward`: ``(output - (1 - beta) * f) / beta``."""
+
+    beta: float
+
+    def __call__(self, output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+        return _combine(fn_out, lambda f: (output - f * (1 - self.beta)) / self.beta)
+
+
 def momentum_coupling(beta: float) -> CouplingPair:
     """MomentumNet's coupling ``beta * other + (1 - beta) * f`` and its inverse.
 
-    Information is scaled by ``beta`` at every layer, so deep stacks with small ``beta`` lose precision when
-    inverted; :func:`revlib_xla.utils.momentum_net` folds ``beta`` into the blocks instead and loses nothing.
+    The inverse divides by ``beta``, so a rounding error in a rebuilt stream grows by about ``1 / beta`` every two
+    layers: deep stacks with a small ``beta`` cannot be inverted in float32 (``beta=0.1``: the input rebuilt through
+    8 layers is off by about 2e-4, through 12 by 3e-2). The first training forward measures this on the real input
+    and refuses what would give wrong gradients (``verify_inverse`` of :class:`~revlib_xla.ReversibleSequential`).
     """
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"momentum_coupling: beta must be in (0, 1], got {beta!r}; beta = 0 is not invertible")
+    return CouplingPair(MomentumForward(beta), MomentumInverse(beta))
 
-    def forward(other_stream: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
-        return _combine(fn_out, lambda f: other_stream * beta + f * (1 - beta))
 
-    def inverse(output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
-        return _combine(fn_out, lambda f: (output - f * (1 - beta)) / beta)
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+    dim: int
+    scale_offset: float
+    eps: float
 
-    return CouplingPair(forward, inverse)
+    def scale_and_shift(self, fn_out: Tensor) -> Tuple[Tensor, Tensor]:
+        if fn_out.shape[self.dim] % 2:
+            raise ValueError(
+                f"affine_coupling: the block must return an even number of features along dim {self.dim} "
+                f"(scale and shift halves), got shape {tuple(fn_out.shape)}")
+        log_scale, shift = fn_out.chunk(2, self.dim)
+        return torch.sigmoid(log_scale + self.scale_offset) + self.eps, shift
+
+
+class AffineForward(_Affine):
+    """Glow/RealNVP-style coupling ``other * scale + shift`` (made by :func:`affine_coupling`)."""
+
+    def __call__(self, other_stream: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+        def merge(f: Tensor) -> Tensor:
+            scale, shift = self.scale_and_shift(f)
+            return other_stream * scale + shift
+        return _combine(fn_out, merge)
+
+
+class AffineInverse(_Affine):
+    """Inverse of :class:`AffineForward`: ``(output - shift) / scale``."""
+
+    def __call__(self, output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
+        def merge(f: Tensor) -> Tensor:
+            scale, shift = self.scale_and_shift(f)
+            return (output - shift) / scale
+        return _combine(fn_out, merge)
 
 
 def affine_coupling(dim: int = 1, scale_offset: float = 2.0, eps: float = 1e-3) -> CouplingPair:
@@ -90,28 +175,7 @@ def affine_coupling(dim: int = 1, scale_offset: float = 2.0, eps: float = 1e-3) 
     as ``sigmoid(s + scale_offset) + eps`` (positive, bounded away from 0, close to 1 at initialization), the second
     half is the shift.
     """
-
-    def split(fn_out: Tensor):
-        if fn_out.shape[dim] % 2:
-            raise ValueError(
-                f"affine_coupling: the block must return an even number of features along dim {dim} "
-                f"(scale and shift halves), got shape {tuple(fn_out.shape)}")
-        log_scale, shift = fn_out.chunk(2, dim)
-        return torch.sigmoid(log_scale + scale_offset) + eps, shift
-
-    def forward(other_stream: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
-        def merge(f):
-            scale, shift = split(f)
-            return other_stream * scale + shift
-        return _combine(fn_out, merge)
-
-    def inverse(output: Tensor, fn_out: TENSOR_OR_LIST) -> TENSOR_OR_LIST:
-        def merge(f):
-            scale, shift = split(f)
-            return (output - shift) / scale
-        return _combine(fn_out, merge)
-
-    return CouplingPair(forward, inverse)
+    return CouplingPair(AffineForward(dim, scale_offset, eps), AffineInverse(dim, scale_offset, eps))
 
 
 def pick(couplings: Union[None, COUPLING, Sequence], index: int) -> COUPLING:

@@ -18,43 +18,93 @@ grouping, and the steps run synchronously on the compute stream (cuda) or are tr
 (xla), so nothing races with the next forward. Optimizers that couple parameters (gradient clipping by the global
 norm, LAMB's trust ratio over groups, ZeRO) cannot be fused this way.
 
+A post-accumulate-grad hook runs only when autograd accumulates into ``param.grad``: ``torch.autograd.grad(...)``
+(which returns gradients instead) and ``backward(inputs=[...])`` step nothing but the parameters named there.
+
+What the training loop around a fused step may and may not do, and how each is enforced:
+
+* Learning-rate schedulers: the object is a ``torch.optim.Optimizer`` whose ``param_groups`` are the inner
+  optimizers' own dicts, so every scheduler (and a manual ``lr`` change) reaches every fused step.
+* Loss scaling (``GradScaler``) cannot be fused: the scaler skips the whole step when any gradient is inf/NaN, and a
+  layer stepped early in the backward cannot be un-stepped when a later gradient overflows. A backward from a
+  forward under float16 autocast is refused before any weight moves; ``scaler.step(fused)`` is refused.
+* Gradient accumulation cannot be fused (each backward steps): once ``step()`` has been called, a parameter stepped
+  again before the next ``step()`` is refused, and ``step()`` refuses when a parameter was stepped more than once
+  since the previous ``step()``.
+* Global-norm clipping cannot be fused, and cannot be detected either: ``clip_grad_norm_`` only reads ``.grad``,
+  which the fused step has already freed (it finds no gradient and returns 0).
+* Converting the model after steps: ``.double()`` leaves the state in the old dtype, and the next step casts it as
+  torch's ``load_state_dict`` does; ``.to(device)`` across tensor types (cpu to xla) makes new parameter tensors,
+  and the optimizer moves onto them at the next forward (:meth:`FusedOptimizer.rebind`).
+* Copies: the model refers to its fused optimizer, so ``copy.deepcopy(model)`` and pickling take a copy of it
+  along, bound to the copied parameters (:func:`fused_optimizer_of` finds it).
+
 Shared (tied) parameters are refused: their gradient arrives in parts (one per use under reversible or
 checkpointed backward), and a step on the first part would both be wrong and change a weight the rest of the
 backward still reads.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["OptimizerFactory", "FusedOptimizer", "FusedOptimizerError", "fuse_optimizer"]
+from . import backend
+
+__all__ = ["OptimizerFactory", "FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+_NO_LOSS_SCALING = (
+    "loss scaling cannot be fused: a GradScaler skips the whole step when any gradient is inf/NaN, but a fused step "
+    "updates each layer during the backward, before the gradients of the layers below it exist, and cannot undo "
+    "that when one of them overflows. Train in bfloat16 autocast (torch.autocast(device, dtype=torch.bfloat16) "
+    "needs no GradScaler) or float32, or use an unfused optimizer")
 
 
 class FusedOptimizerError(ValueError):
     """A fused optimizer was asked for something it cannot do; the message names the parameter and the problem."""
 
 
-class FusedOptimizer:
+def _state_follows_params(opt: torch.optim.Optimizer) -> bool:
+    """Whether every floating-point state tensor of ``opt`` has its parameter's dtype and device (not so after
+    ``model.double()`` or ``model.to(device)`` once the optimizer has state). ``step`` is torch's own business."""
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and \
+                    (value.dtype != p.dtype or value.device != p.device):
+                return False
+    return True
+
+
+class FusedOptimizer(torch.optim.Optimizer):
     """Per-group optimizers that are stepped during the backward pass (see the module docstring).
 
     ``groups`` are lists of parameters; ``factory(group)`` must return a ``torch.optim.Optimizer`` for each. The
-    object looks enough like one optimizer for the training loop around it: ``param_groups`` (all groups' dicts, so
-    learning-rate schedulers and manual ``lr`` changes reach every step), ``state_dict``/``load_state_dict``, and
-    ``step()``/``zero_grad()``, which are no-ops because the work already happened in the backward.
+    object is a ``torch.optim.Optimizer`` for the training loop around it: ``param_groups`` (the inner optimizers'
+    own dicts, so learning-rate schedulers and manual ``lr`` changes reach every step), ``defaults``, ``state``,
+    ``state_dict``/``load_state_dict``, and ``step()``/``zero_grad()``, which update nothing because the work
+    already happened in the backward; ``step()`` checks that the loop is one a fused step can run (no GradScaler,
+    no gradient accumulation). Copies (``copy.deepcopy``, pickling) made together with the parameters are bound to
+    the copied parameters, state included.
     """
+
+    # GradScaler.step(optimizer) hands the step to an optimizer that says it handles loss scaling itself, instead
+    # of failing on its own assertion; step() then refuses with the reason.
+    _step_supports_amp_scaling = True
+    # Attributes a copy does not take: the parameter index (rebuilt), what a scheduler or a GradScaler patched on.
+    _TRANSIENT: Tuple[str, ...] = ("_of", "step", "_opt_called", "grad_scale", "found_inf")
 
     def __init__(self, groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory,
                  names: Optional[Sequence[str]] = None):
+        # torch.optim.Optimizer.__init__ is not called: the parameter groups are the inner optimizers' own.
         if not callable(factory):
             raise FusedOptimizerError(f"the fused optimizer factory must be callable (params -> torch.optim."
                                       f"Optimizer), got {type(factory).__name__}")
         self.names = list(names) if names is not None else [f"group {i}" for i in range(len(groups))]
         self.optimizers: List[torch.optim.Optimizer] = []
-        self._of: Dict[int, int] = {}
         for gi, group in enumerate(groups):
             group = list(group)
             opt = factory(group)
@@ -70,13 +120,47 @@ class FusedOptimizer:
                     f"the optimizer the factory built for {self.names[gi]} does not hold exactly the parameters it was "
                     f"given ({len(got)} instead of {len(given)}); build it on the factory's argument")
             self.optimizers.append(opt)
-            for p in group:
-                self._of[id(p)] = gi
         self.params = [p for group in groups for p in group]
         self.steps_taken = 0  # optimizer steps run in backward passes (one per group and step)
+        self._stepped: Dict[int, int] = {}  # group -> fused steps since the last step() call
+        self._step_called = False
+        self._float16_forward: Optional[torch.device] = None
+        self._index()
+
+    def rebind(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
+        """Move this optimizer, state and hyperparameters included, onto new parameter tensors matched by position
+        (the same groups and shapes): what ``model.to(device)`` leaves when it has to make new tensors (e.g. cpu to
+        xla). The state is cast to the new parameters' dtype and device at their next step, as torch's
+        ``load_state_dict`` does; schedulers attached to this object keep working."""
+        new = [p for g in groups for p in g]
+        sizes = [sum(len(g["params"]) for g in opt.param_groups) for opt in self.optimizers]
+        if [len(g) for g in groups] != sizes or any(a.shape != b.shape for a, b in zip(self.params, new)):
+            raise FusedOptimizerError(
+                f"the model's parameters were replaced by tensors of other shapes or number ({len(new)} instead of "
+                f"{len(self.params)}) after the fused optimizer took its first step; its state cannot follow them. "
+                f"Change the model before training it, or fuse it again")
+        replaced = {id(p): q for p, q in zip(self.params, new)}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [replaced[id(p)] for p in group["params"]]
+            state = opt.state
+            opt.state = defaultdict(dict, {replaced[id(p)]: s for p, s in state.items()})
+        self.params = new
+        self._index()
+
+    def _index(self) -> None:
+        self._of: Dict[int, int] = {id(p): gi for gi, opt in enumerate(self.optimizers)
+                                    for g in opt.param_groups for p in g["params"]}
 
     def covers(self, param: torch.Tensor) -> bool:
         return id(param) in self._of
+
+    def record_forward(self, device: torch.device) -> None:
+        """Called by the forward of the model this optimizer is fused into: remember whether it ran under float16
+        autocast while autograd records, so that its backward is refused before any weight moves."""
+        if torch.is_grad_enabled():
+            state = backend.AutocastState.capture(device)
+            self._float16_forward = device if state.enabled and state.dtype == torch.float16 else None
 
     def step_params(self, params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Give ``params`` their complete gradients ``grads``, step the optimizers that own them, and free the
@@ -101,25 +185,72 @@ class FusedOptimizer:
 
     def _step_groups(self, owners: Sequence[int]) -> None:
         for gi in owners:
+            self._check_can_step(gi)
+        for gi in owners:
             opt = self.optimizers[gi]
+            if not _state_follows_params(opt):
+                # The model was converted (.double(), .to(device)) after this optimizer's first step: torch's own
+                # load_state_dict casts the state to each parameter's dtype and device.
+                opt.load_state_dict(opt.state_dict())
             opt.step()
             self.steps_taken += 1
+            self._stepped[gi] = self._stepped.get(gi, 0) + 1
             for group in opt.param_groups:
                 for p in group["params"]:
                     p.grad = None
 
+    def _check_can_step(self, gi: int) -> None:
+        if self._float16_forward is not None:
+            raise FusedOptimizerError(
+                f"fused optimizer, {self.names[gi]}: this backward comes from a forward under float16 autocast on "
+                f"{self._float16_forward}, which trains with a GradScaler, and {_NO_LOSS_SCALING}. No weight was "
+                f"changed by this backward")
+        if self._step_called and gi in self._stepped:
+            raise FusedOptimizerError(self._accumulation_message(gi, self._stepped[gi] + 1) +
+                                      f"; this backward stops before stepping {self.names[gi]} again")
+
+    def _accumulation_message(self, gi: int, times: int) -> str:
+        return (f"fused optimizer: {self.names[gi]} is stepped {times} times between two step() calls: several "
+                f"backward passes per step (gradient accumulation, or a second loss) cannot be fused, because every "
+                f"backward already steps each parameter on its own gradient. Call step() after every backward, or "
+                f"accumulate with an unfused optimizer")
+
     # -- looks like an optimizer ------------------------------------------------------------------------------------
     @property
-    def param_groups(self) -> List[Dict[str, Any]]:
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
         return [g for opt in self.optimizers for g in opt.param_groups]
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:
-        """No-op (the steps ran during backward); kept so an unchanged training loop still runs."""
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizers[0].defaults if self.optimizers else {}
+
+    @property
+    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+        return {p: s for opt in self.optimizers for p, s in opt.state.items()}
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
+        """Updates nothing (the steps ran during backward); kept so an unchanged training loop still runs, and to
+        refuse what a fused step cannot do: a GradScaler's step, and several backward passes since the last call."""
         if closure is not None:
             raise FusedOptimizerError("a fused optimizer steps during backward and cannot take a closure")
+        scaled = "found_inf" in self.__dict__ or "grad_scale" in self.__dict__  # set by GradScaler.step
+        self.__dict__.pop("found_inf", None)
+        self.__dict__.pop("grad_scale", None)
+        stepped, self._stepped, self._step_called = self._stepped, {}, True
+        if scaled:
+            moved = (f" The backward already stepped {len(stepped)} of {len(self.optimizers)} parameter groups on "
+                     f"the scaled gradients: restore the weights from a checkpoint." if stepped else "")
+            raise FusedOptimizerError(f"GradScaler.step() on a fused optimizer: {_NO_LOSS_SCALING}.{moved}")
+        repeated = [(gi, n) for gi, n in stepped.items() if n > 1]
+        if repeated:
+            raise FusedOptimizerError(self._accumulation_message(*repeated[0]))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: fused steps free each gradient right after using it."""
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise FusedOptimizerError("a fused optimizer's parameters are fixed when it is built; to train more "
+                                  "parameters, fuse the model again (fused.remove(); fuse_optimizer(model, factory))")
 
     def state_dict(self) -> Dict[str, Any]:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
@@ -132,24 +263,90 @@ class FusedOptimizer:
         for opt, s in zip(self.optimizers, states):
             opt.load_state_dict(s)
 
+    # -- copies and pickles -----------------------------------------------------------------------------------------
+    def __getstate__(self) -> Dict[str, Any]:
+        """What a learning-rate scheduler or GradScaler patched onto this object stays behind, as it does with
+        torch's optimizers; the inner optimizers (with their state) and the parameters go along."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._index()
+
     def __repr__(self) -> str:
         kind = type(self.optimizers[0]).__name__ if self.optimizers else "none"
         return f"FusedOptimizer({len(self.optimizers)} x {kind}, {len(self.params)} parameters)"
 
 
-class _HookedFusedOptimizer(FusedOptimizer):
-    """A :class:`FusedOptimizer` driven by post-accumulate-grad hooks; :meth:`remove` undoes :func:`fuse_optimizer`."""
+def _refused(name: str) -> Callable[..., Any]:
+    def method(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
+        raise FusedOptimizerError(f"FusedOptimizer.{name}: a fused optimizer runs one optimizer per group inside the "
+                                  f"backward; call {name} on each of fused.optimizers instead")
+    method.__name__ = name
+    return method
 
-    def __init__(self, groups, factory, names, model: nn.Module):
-        super().__init__(groups, factory, names)
+
+# torch.optim.Optimizer's hook registrations need the state its __init__ builds; the inner optimizers have it.
+for _name in [n for n in dir(torch.optim.Optimizer) if n.startswith("register_")]:
+    setattr(FusedOptimizer, _name, _refused(_name))
+
+
+class _HookedFusedOptimizer(FusedOptimizer):
+    """A :class:`FusedOptimizer` driven by post-accumulate-grad hooks; :meth:`remove` undoes :func:`fuse_optimizer`.
+
+    The model refers to it (a forward pre-hook, and reversible sequences inside it), so ``copy.deepcopy(model)``
+    and ``torch.save(model)`` take it along: the copy is fused to its own optimizer, state included, and
+    :func:`fused_optimizer_of` finds it. The parameters' hooks are not copied with them; they are set again."""
+
+    _TRANSIENT = FusedOptimizer._TRANSIENT + ("_param_hooks",)
+
+    def __init__(self, paths: Sequence[str], factory: OptimizerFactory, model: nn.Module):
+        params = dict(model.named_parameters())
+        super().__init__([[params[n]] for n in paths], factory, [f"parameter {n!r}" for n in paths])
+        self._paths = list(paths)
         self._model = model
-        self._handles: List[Any] = []
+        self._model_params = tuple(model.parameters())
+        self._model_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        for module in model.modules():
+            if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: steps its layers in its backward
+                module._attached_fused_optimizer = self
+        self._hook_params()
+
+    def _hook_params(self) -> None:
+        self._param_hooks = [p.register_post_accumulate_grad_hook(self.step_accumulated) for p in self.params]
+
+    def _before_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._follow_model()
+        first = next(iter(backend.tensors_in((args, kwargs))), None)
+        self.record_forward(first.device if first is not None else self.params[0].device)
+
+    def _follow_model(self) -> None:
+        """Rebind to the model's parameters when they were replaced by new tensors since the last forward (as
+        ``model.to(device)`` does across tensor types, e.g. cpu to xla); their new tensors need the hooks too."""
+        now = tuple(self._model.parameters())
+        if len(now) == len(self._model_params) and all(a is b for a, b in zip(now, self._model_params)):
+            return
+        current = dict(self._model.named_parameters())
+        missing = [n for n in self._paths if n not in current]
+        if missing:
+            raise FusedOptimizerError(f"fused optimizer: the model no longer has parameter {missing[0]!r}; fuse the "
+                                      f"model again after changing it")
+        for h in self._param_hooks:
+            h.remove()
+        self.rebind([[current[n]] for n in self._paths])
+        self._hook_params()
+        self._model_params = now
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._hook_params()
 
     def remove(self) -> None:
         """Remove the hooks and detach reversible sequences from this optimizer (the model trains unfused again)."""
-        for h in self._handles:
+        for h in self._param_hooks:
             h.remove()
-        self._handles = []
+        self._param_hooks = []
+        self._model_hook.remove()
         for module in self._model.modules():
             if getattr(module, "_attached_fused_optimizer", None) is self:
                 module._attached_fused_optimizer = None
@@ -162,19 +359,39 @@ def _shared_parameters(model: nn.Module) -> Dict[int, List[str]]:
     return {k: v for k, v in paths.items() if len(v) > 1}
 
 
+def _fused_by(param: torch.Tensor) -> Optional[FusedOptimizer]:
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
+    return next((h.__self__ for h in hooks.values() if isinstance(getattr(h, "__self__", None), FusedOptimizer)),
+                None)
+
+
+def fused_optimizer_of(module: nn.Module) -> Optional[FusedOptimizer]:
+    """The fused optimizer of ``module``: the one :func:`fuse_optimizer` fused into it, or a ``ReversibleSequential``'s
+    own (``fused_optimizer=``); ``None`` if it has none. A copy of a fused model (``copy.deepcopy``, ``torch.load``)
+    is fused to a copy of the optimizer; this finds it."""
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, _HookedFusedOptimizer):
+            return owner
+    own = getattr(module, "fused_optimizer", None)
+    return own if isinstance(own, FusedOptimizer) else None
+
+
 def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> FusedOptimizer:
     """Fuse ``optimizer_factory``'s optimizer into ``model``'s backward pass and return it.
 
     Each trainable parameter gets its own optimizer ``optimizer_factory([param])`` and a post-accumulate-grad hook
     that steps it and frees ``param.grad`` the moment the gradient is complete; parameters inside a
     ``ReversibleSequential`` are stepped by its backward walk, layer by layer. After ``loss.backward()`` the model
-    is updated and holds no gradients; ``optimizer.step()``/``zero_grad()`` on the returned object are no-ops, and
+    is updated and holds no gradients; ``optimizer.step()``/``zero_grad()`` on the returned object update nothing
+    (``step()`` checks the loop, see the module docstring), schedulers take it as their optimizer, and
     ``.remove()`` undoes the fusion.
 
     Works on any module (plain ones, checkpointed ones, reversible sequences). Raises
     :class:`FusedOptimizerError` for tied parameters (naming their paths), for a factory that does not return an
-    optimizer, and for a model with no trainable parameter. Gradient accumulation over several backward passes
-    and global-norm clipping are not possible with a fused step.
+    optimizer, for a model with no trainable parameter, and for parameters that are already fused. Gradient
+    accumulation over several backward passes, loss scaling and global-norm clipping are not possible with a fused
+    step.
     """
     if not isinstance(model, nn.Module):
         raise FusedOptimizerError(f"fuse_optimizer expects an nn.Module, got {type(model).__name__}")
@@ -187,16 +404,15 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
     named: List[Tuple[str, nn.Parameter]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise FusedOptimizerError("fuse_optimizer: the model has no parameter that requires grad")
-    fused = _HookedFusedOptimizer([[p] for _, p in named], optimizer_factory, [f"parameter {n!r}" for n, _ in named],
-                                  model)
+    for name, p in named:
+        if _fused_by(p) is not None:
+            raise FusedOptimizerError(
+                f"fuse_optimizer: parameter {name!r} is already fused (an earlier fuse_optimizer on this model or on "
+                f"a module inside it), and would be stepped twice per backward; call .remove() on that optimizer "
+                f"first (revlib_xla.fused_optimizer_of(module) finds it)")
     for module in model.modules():
-        if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: steps its layers in its backward
-            if getattr(module, "fused_optimizer_factory", None) is not None:
-                fused.remove()
-                raise FusedOptimizerError(
-                    f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
-                    f"the other")
-            module._attached_fused_optimizer = fused
-    for _, p in named:
-        fused._handles.append(p.register_post_accumulate_grad_hook(fused.step_accumulated))
-    return fused
+        if hasattr(module, "_attached_fused_optimizer") and getattr(module, "fused_optimizer_factory", None):
+            raise FusedOptimizerError(
+                f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
+                f"the other")
+    return _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)

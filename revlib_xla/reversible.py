@@ -25,18 +25,20 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import backend
-from .recompute import RecomputeState, SavedBuffers, owned_buffers, probe, rng_scope
+from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
-from .coupling import (COUPLING, additive_coupling_forward, additive_coupling_inverse, first_tensor, optional_detach,
-                       pick)
+from .coupling import (COUPLING, CouplingPair, additive_coupling_forward, additive_coupling_inverse, first_tensor,
+                       is_additive_forward, is_additive_inverse, optional_detach, pick)
 
 Tensor = torch.Tensor
 DUAL_OR_QUAD_TENSOR = Union[Tuple[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor]]
@@ -63,6 +65,71 @@ class ReversibleError(ValueError):
     """A reversible model was given input it cannot handle; the message names the layer and the problem."""
 
 
+def _describe_coupling(coupling: COUPLING) -> str:
+    return getattr(coupling, "__qualname__", None) or repr(coupling)
+
+
+def _check_pair(forward: Optional[COUPLING], inverse: Optional[COUPLING], where: str, forward_name: str,
+                inverse_name: str) -> None:
+    """Refuse a coupling without its inverse, or an inverse without its coupling (``None`` means additive): RevLib
+    pairs a lone ``coupling_forward`` with the additive inverse, which rebuilds the wrong input and gives wrong
+    gradients.
+
+    A pair given explicitly on both sides cannot be judged here; :func:`check_invertible`, which runs at the first
+    training forward for every pair that is not additive (``verify_inverse``), measures it."""
+    if inverse is None and not is_additive_forward(forward):
+        problem = (f"{forward_name} is {_describe_coupling(forward)}, but {inverse_name} is None: the additive "
+                   f"inverse does not undo it")
+        fix = f"pass its inverse as {inverse_name}"
+    elif forward is None and not is_additive_inverse(inverse):
+        problem = (f"{inverse_name} is {_describe_coupling(inverse)}, but {forward_name} is None (additive): it is "
+                   f"not the inverse of the additive coupling")
+        fix = f"pass the coupling it inverts as {forward_name}"
+    else:
+        return
+    raise ReversibleError(
+        f"{where}: {problem}. The backward rebuilds each layer's input with the inverse, so a mismatched pair gives "
+        f"wrong gradients; {fix} (e.g. pair = revlib_xla.momentum_coupling(0.9); coupling_forward=[pair.forward], "
+        f"coupling_inverse=[pair.inverse]).")
+
+
+def _coupling_list(value: Any, name: str) -> List[Optional[COUPLING]]:
+    """``coupling_forward``/``coupling_inverse`` as a list (a single callable is a list of one)."""
+    if value is None:
+        return []
+    if isinstance(value, CouplingPair):
+        raise ReversibleError(
+            f"ReversibleSequential: {name} is a CouplingPair; pass coupling_forward=[pair.forward] and "
+            f"coupling_inverse=[pair.inverse]")
+    if callable(value):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise ReversibleError(f"ReversibleSequential: {name} must be a list of couplings (callables; None means "
+                              f"additive), got {type(value).__name__}")
+    for j, coupling in enumerate(value):
+        if coupling is not None and not callable(coupling):
+            hint = (": pass pair.forward in coupling_forward and pair.inverse in coupling_inverse"
+                    if isinstance(coupling, CouplingPair) else "")
+            raise ReversibleError(f"ReversibleSequential: {name}[{j}] is a {type(coupling).__name__}, expected a "
+                                  f"callable (or None for additive){hint}")
+    return list(value)
+
+
+def _check_couplings(coupling_forward: Any, coupling_inverse: Any) -> None:
+    """Both lists are cycled over the layers, so entry ``j`` of one must invert entry ``j`` of the other."""
+    forwards = _coupling_list(coupling_forward, "coupling_forward")
+    inverses = _coupling_list(coupling_inverse, "coupling_inverse")
+    if forwards and inverses and len(forwards) != len(inverses):
+        raise ReversibleError(
+            f"ReversibleSequential: coupling_forward has {len(forwards)} entries but coupling_inverse has "
+            f"{len(inverses)}. Both lists are cycled over the layers, so entry j of coupling_inverse must undo entry "
+            f"j of coupling_forward: give them the same length (None for an additive layer).")
+    for j in range(max(len(forwards), len(inverses))):
+        _check_pair(forwards[j] if forwards else None, inverses[j] if inverses else None, "ReversibleSequential",
+                    f"coupling_forward[{j}]" if forwards else "coupling_forward",
+                    f"coupling_inverse[{j}]" if inverses else "coupling_inverse")
+
+
 def _not_yet(feature: str, issue: str) -> NotImplementedError:
     return NotImplementedError(
         f"{feature} is not implemented yet in revlib_xla (it is delivered by the issue '{issue}'); "
@@ -86,6 +153,7 @@ class ReversibleWrapper(nn.Module):
     def __init__(self, wrapped_module: nn.Module, coupling_forward: Optional[COUPLING] = None,
                  coupling_inverse: Optional[COUPLING] = None):
         super().__init__()
+        _check_pair(coupling_forward, coupling_inverse, "ReversibleModule", "coupling_forward", "coupling_inverse")
         self.wrapped_module = wrapped_module
         self.coupling_forward = coupling_forward or additive_coupling_forward
         self.coupling_inverse = coupling_inverse or additive_coupling_inverse
@@ -147,6 +215,54 @@ class ReversibleModule(nn.Module):
         wrapper = self.wrapped_module
         return (f"coupling_forward={getattr(wrapper.coupling_forward, '__name__', wrapper.coupling_forward)}, "
                 f"coupling_inverse={getattr(wrapper.coupling_inverse, '__name__', wrapper.coupling_inverse)}")
+
+
+def _dtype_mismatch(label: str, param_dtypes: set, blocks_see: torch.dtype,
+                    from_compute_dtype: bool) -> ReversibleError:
+    names = sorted(str(d) for d in param_dtypes)
+    params = names[0]
+    source = "compute_dtype" if from_compute_dtype else "the input's dtype"
+    return ReversibleError(
+        f"{label}: its parameters are {' and '.join(names)}, but it would compute on "
+        f"{blocks_see} ({source}); without autocast that fails or silently computes in {blocks_see} (on XLA). Cast "
+        f"the input (x.to({params})) or the model (model.to({blocks_see})), pass compute_dtype={params}, or run under "
+        f"torch.autocast.")
+
+
+def _refuse_kv_caches(args: Sequence[Any], kwargs: Dict[str, Any], layerwise: LAYERWISE_ARGS_KWARGS) -> None:
+    """Refuse a transformers KV cache among the arguments of a forward whose backward rebuilds: every block
+    appends its keys and values to it in the forward, and the recomputation would append (and attend to) them a
+    second time. Found without importing transformers: only a loaded ``transformers.cache_utils`` can have made one."""
+    cache_type = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache_type is None:
+        return
+    named = [(f"positional argument {j + 1} after the input", a) for j, a in enumerate(args)]
+    named += [(f"keyword argument '{k}'", v) for k, v in kwargs.items()]
+    named += [(f"layerwise_args_kwargs[{i}]", entry) for i, entry in enumerate(layerwise or ())]
+    for where, value in named:
+        cache = next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, cache_type)), None)
+        if cache is not None:
+            raise ReversibleError(
+                f"ReversibleSequential: {where} is a transformers {type(cache).__name__} (use_cache=True, the default "
+                f"of most decoder configs). Every block writes its keys and values into it in the forward, and the "
+                f"reversible backward, which runs each block again, would write and attend to them a second time: "
+                f"wrong gradients. Train with use_cache=False (model(..., use_cache=False), or "
+                f"model.config.use_cache = False); generation under torch.no_grad() may keep the cache.")
+
+
+def _available_device(target_device: Union[str, torch.device]) -> torch.device:
+    """``target_device`` as a device this machine has, or a :class:`ReversibleError` saying which it has."""
+    try:
+        device = torch.device(target_device)
+    except (RuntimeError, TypeError) as err:
+        raise ReversibleError(f"ReversibleSequential: target_device={target_device!r} is not a device ({err})") \
+            from None
+    if not backend.device_available(device):
+        raise ReversibleError(
+            f"ReversibleSequential: target_device={target_device!r}, but this machine has no such device (it has "
+            f"{', '.join(backend.available_kinds())}). Pass one of those, or leave target_device empty to run each "
+            f"layer where its parameters are.")
+    return device
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -256,8 +372,11 @@ class _Plan:
         return self.state.watch(self.layer_buffers[i], None if tensors is None else self.buffers_of(i, tensors))
 
     def describe(self, i: int) -> str:
-        block = self.layers[i].block
-        return f"layer {i} ('{self.names[i]}': {type(block).__name__})"
+        return _layer_label(i, self.names[i], self.layers[i])
+
+
+def _layer_label(i: int, name: str, layer: ReversibleModule) -> str:
+    return f"layer {i} ('{name}': {type(layer.block).__name__})"
 
 
 @dataclasses.dataclass
@@ -315,6 +434,12 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
         raise ReversibleError(
             f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
             f"first operation); a reversible block must not change its input stream. Use the out-of-place form.")
+    if not isinstance(fn_out, torch.Tensor) and not (isinstance(fn_out, (list, tuple)) and fn_out
+                                                     and isinstance(fn_out[0], torch.Tensor)):
+        raise ReversibleError(
+            f"{plan.describe(i)} returned {_type_of(fn_out)}: a reversible block must return a tensor (its branch "
+            f"f(x), which the coupling merges into the other stream), or a list/tuple whose first element is one. "
+            f"Does its forward end with `return ...`?")
     try:
         y1 = x0 + fn_out if plan.adds[i] and isinstance(fn_out, torch.Tensor) else wrapper.couple(x0, fn_out)
     except RuntimeError as err:
@@ -336,6 +461,12 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
             f"{plan.describe(i)} changed its stream's dtype from {x0.dtype} to {y1.dtype}. Return the input's dtype, "
             f"or pass stream_dtype=... to keep both streams in one dtype while blocks compute in another.")
     return y1
+
+
+def _type_of(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {[type(v).__name__ for v in value]}"
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _shape_of(value) -> str:
@@ -562,8 +693,12 @@ class ReversibleSequential(nn.Sequential):
             numbers (dropout) on cpu, cuda and xla, also while other threads draw from the global generators (see
             :mod:`revlib_xla.recompute`). Both memory modes seed the same way, so ``no_savings`` gives the same
             masks. Costs a few microseconds per layer.
-        verify_inverse: at the first forward, check on the real input that every coupling pair inverts (see
-            :func:`check_invertible`) and raise naming the first layer that does not.
+        verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), run
+            :func:`check_invertible` on the real input: every block replays, every coupling pair inverts, and the
+            input rebuilt through all layers matches it; raise naming the layer (or the depth) otherwise. ``None``
+            (the default) checks when some layer's coupling is not additive (momentum, affine, user pairs), whose
+            inverses can amplify rounding errors with depth; ``True`` always, ``False`` never. Once per stream and
+            compute dtype; it costs three block evaluations per layer without autograd.
         target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
             the host, and run each layer on copies streamed to this device one layer ahead (forward and
             recomputation); gradients accumulate on the host parameters. At most two layers' tensors are on the
@@ -579,9 +714,15 @@ class ReversibleSequential(nn.Sequential):
                  memory_mode: MemoryModes = MemoryModes.autograd_function,
                  target_device: Union[str, torch.device] = "", fused_optimizer: FUSED_OPTIMIZER = None,
                  stream_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
-                 preserve_rng_state: bool = True, verify_inverse: bool = False):
+                 preserve_rng_state: bool = True, verify_inverse: Optional[bool] = None):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
+        _check_couplings(coupling_forward, coupling_inverse)
+        for name, dtype in (("stream_dtype", stream_dtype), ("compute_dtype", compute_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise ReversibleError(
+                    f"ReversibleSequential: {name}={dtype!r}, but the streams and the blocks compute in floating "
+                    f"point: pass a floating dtype (torch.float32, torch.bfloat16, ...) or None (the input's dtype)")
         memory_mode = MemoryModes(memory_mode)
         if memory_mode in (MemoryModes.checkpoint, MemoryModes.autograd_graph):
             warnings.warn(
@@ -605,8 +746,8 @@ class ReversibleSequential(nn.Sequential):
         self.compute_dtype = compute_dtype
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
-        self._verified = False
-        self.target_device: Optional[torch.device] = torch.device(target_device) if target_device else None
+        self._verified: set = set()  # (stream dtype, compute dtype) pairs checked by verify_inverse
+        self.target_device: Optional[torch.device] = _available_device(target_device) if target_device else None
         if fused_optimizer is not None and not callable(fused_optimizer):
             raise FusedOptimizerError(f"ReversibleSequential: fused_optimizer must be a callable params -> "
                                       f"torch.optim.Optimizer, got {type(fused_optimizer).__name__}")
@@ -614,7 +755,7 @@ class ReversibleSequential(nn.Sequential):
             raise FusedOptimizerError("ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
                                       "reversible backward walk steps each layer); no_savings runs plain autograd")
         self.fused_optimizer_factory = fused_optimizer
-        self._own_fused: Optional[Tuple[Tuple[int, ...], FusedOptimizer]] = None
+        self._own_fused: Optional[FusedOptimizer] = None
         self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
         self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
 
@@ -661,6 +802,12 @@ class ReversibleSequential(nn.Sequential):
         """Deduplicated parameters and tensor arguments of every layer, and the stream and compute dtypes."""
         layers = list(self._modules.values())
         names = list(self._modules.keys())
+        if not (x0.dtype.is_floating_point or x0.dtype.is_complex):
+            dtypes = sorted({str(p.dtype) for p in layers[0].parameters() if p.is_floating_point()}) or ["float"]
+            raise ReversibleError(
+                f"ReversibleSequential: the input is {x0.dtype}, but the reversible streams are floating point: "
+                f"{_layer_label(0, names[0], layers[0])} computes in {' and '.join(dtypes)} and its output is added "
+                f"to them. Embed or cast the input first (nn.Embedding, or x.to({dtypes[0]})).")
         if layerwise_args_kwargs is not None:
             if len(layerwise_args_kwargs) != len(layers):
                 raise ReversibleError(
@@ -693,10 +840,14 @@ class ReversibleSequential(nn.Sequential):
         params: List[nn.Parameter] = []
         index: Dict[int, int] = {}
         layer_params, layer_buffers = [], []
-        for layer in layers:
-            own, modules = [], list(layer.modules())
+        blocks_see = self.compute_dtype or x0.dtype
+        check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
+        for i, layer in enumerate(layers):
+            own, float_dtypes, modules = [], set(), list(layer.modules())
             for module in modules:
                 for p in module._parameters.values():
+                    if p is not None and p.is_floating_point():
+                        float_dtypes.add(p.dtype)
                     if p is None or not p.requires_grad:
                         continue
                     if id(p) not in index:
@@ -706,6 +857,9 @@ class ReversibleSequential(nn.Sequential):
                         own.append(index[id(p)])
             layer_params.append(own)
             layer_buffers.append(owned_buffers(modules))
+            if check_dtypes and float_dtypes and blocks_see not in float_dtypes:
+                raise _dtype_mismatch(_layer_label(i, names[i], layer), float_dtypes, blocks_see,
+                                      self.compute_dtype is not None)
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
@@ -716,6 +870,7 @@ class ReversibleSequential(nn.Sequential):
             plan.offload = self._layer_offload(plan)
         fused = self.fused_optimizer
         if fused is not None and self.memory_mode != MemoryModes.no_savings:
+            fused.record_forward(x0.device)
             plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
         return plan, arg_tensors
 
@@ -785,14 +940,17 @@ class ReversibleSequential(nn.Sequential):
             if own:
                 groups.append(own)
                 names.append(f"layer '{name}'")
-        key = tuple(id(p) for g in groups for p in g)
-        if self._own_fused is None or self._own_fused[0] != key:
-            if self._own_fused is not None and any(opt.state for opt in self._own_fused[1].optimizers):
-                raise FusedOptimizerError(
-                    "ReversibleSequential: the parameters were replaced (e.g. by .to(device)) after the fused "
-                    "optimizer took its first step, which would drop its state; move the model before training")
-            self._own_fused = (key, FusedOptimizer(groups, self.fused_optimizer_factory, names))
-        return self._own_fused[1]
+        own = self._own_fused  # a copy of the model (deepcopy, pickle) holds a copy bound to its own parameters
+        if own is None:
+            self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)
+        elif [id(p) for p in own.params] != [id(p) for g in groups for p in g]:
+            try:  # new tensors, e.g. from .to(device) across tensor types: state and learning rates follow them
+                own.rebind(groups)
+            except FusedOptimizerError:
+                if any(opt.state for opt in own.optimizers):
+                    raise
+                self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)  # layers changed
+        return self._own_fused
 
     def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> List[List[int]]:
         users: Dict[int, List[int]] = {}
@@ -814,9 +972,6 @@ class ReversibleSequential(nn.Sequential):
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
-        if self.verify_inverse and not self._verified:
-            check_invertible(self, inp, *args, layerwise_args_kwargs=layerwise_args_kwargs, **kwargs)
-            self._verified = True
         x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
@@ -829,11 +984,24 @@ class ReversibleSequential(nn.Sequential):
                                                 plan.offload.mapping(i, copies))
                     if copies is not None:
                         plan.offload.write_back_buffers(i, copies)
-        else:
+        else:  # the backward will rebuild every layer's input from the output
+            _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
+            if self._verifies(plan, x0):
+                _check_plan(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):
                 x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
+
+    def _verifies(self, plan: _Plan, streams: Tensor) -> bool:
+        """Whether this forward runs :func:`check_invertible` first (see ``verify_inverse``): once per pair of
+        stream and compute dtypes."""
+        key = (streams.dtype, plan.compute_dtype)
+        if self.verify_inverse is False or key in self._verified or not backend.holds_data(streams):
+            return False  # fake tensors (sizing a model under FakeTensorMode) have no values to check
+        self._verified.add(key)
+        return bool(self.verify_inverse) or not all(
+            is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers)
 
     def _plain_offload(self, plan: _Plan, i: int) -> Optional[List[Tensor]]:
         """``target_device`` under plain autograd (``no_savings``, or no gradients): each tensor is copied
@@ -886,52 +1054,122 @@ def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs,
 # ----------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class InvertibilityReport:
-    """Per-layer reconstruction error of :func:`check_invertible` (max |x - inverse(forward(x))| / max |x|)."""
+    """What :func:`check_invertible` measured, as relative errors (max abs error / max abs value).
+
+    ``errors``: per layer, the layer's input rebuilt from its output by that layer alone. ``end_to_end``: the
+    sequence's input rebuilt from its output through every layer, as the reversible backward rebuilds it; rounding
+    errors that the inverses amplify (a momentum coupling divides by ``beta``) show here and not in ``errors``."""
 
     errors: List[float]
     tolerance: float
+    end_to_end: float = 0.0
 
     @property
     def worst(self) -> float:
-        return max(self.errors) if self.errors else 0.0
+        return max(self.errors + [self.end_to_end])
 
 
 _DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-@torch.no_grad()
 def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Tensor, Tensor]], *args,
                      tolerance: Optional[float] = None, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None,
                      **kwargs) -> InvertibilityReport:
-    """Check on ``sample`` that every layer's coupling pair inverts, layer by layer.
+    """Check on ``sample`` that the backward will rebuild each layer's input, and raise otherwise.
 
-    Runs each layer forward and then its inverse on the same random numbers and buffers (leaving both as they
-    were), and compares the reconstructed input stream with the real one. Raises :class:`ReversibleError` naming
-    the first layer whose relative error exceeds ``tolerance`` (by default 1e-4 in float32, 1e-9 in float64, 3e-2
-    in bfloat16); returns the per-layer errors.
+    Three measurements, with each layer run under the random seed the backward uses, and nothing of the model's
+    state (buffers, random state) changed:
+
+    * each block gives the same output when run again (else it keeps state between calls, e.g. a KV cache);
+    * each layer's ``coupling_inverse`` undoes its ``coupling_forward``;
+    * the input rebuilt from the output through all layers matches the input (errors amplified over depth).
+
+    Raises :class:`ReversibleError` naming the first layer (or the depth) whose relative error exceeds
+    ``tolerance``: by default 1e-4 in float32, 1e-9 in float64, 3e-2 in bfloat16, 1e-2 in float16 (of the streams,
+    or of the blocks if they compute in a coarser dtype). Costs three block evaluations per layer, without autograd.
     """
     if not isinstance(model, ReversibleSequential):
         raise ReversibleError(f"check_invertible expects a ReversibleSequential, got {type(model).__name__}")
     x0, x1, _ = model._split(sample)
     plan, arg_tensors = model._plan(x0, args, kwargs, layerwise_args_kwargs)
     x0, x1 = _to_streams(plan, x0, x1)
-    tol = tolerance if tolerance is not None else _DEFAULT_TOL.get(x0.dtype, 1e-4)
-    errors = []
-    for i in range(len(plan.layers)):
-        a, k = plan.args_for(i, arg_tensors)
-        copies = _plain_copies(plan, i)
-        seed = backend.derive_seed(0 if plan.seed is None else plan.seed, i)
-        with probe(x0.device, plan.buffers_of(i, copies), seed):
-            y1 = _forward_layer(plan, i, x0, x1, a, k, copies)
-        with probe(x0.device, plan.buffers_of(i, copies), seed):
-            rebuilt = _inverse_layer(plan, i, x1, y1, a, k, copies)
-        scale = float(x0.abs().max().clamp_min(torch.finfo(x0.dtype).tiny).cpu())
-        err = float((rebuilt - x0).abs().max().cpu()) / scale
-        errors.append(err)
-        if not err <= tol:
+    return _check_plan(plan, x0, x1, arg_tensors, tolerance)
+
+
+def _relative_error(value: Tensor, reference: Tensor, scale: Tensor) -> Tensor:
+    return ((value - reference).abs().max() / scale).float()
+
+
+def _magnitude(*tensors: Tensor) -> Tensor:
+    largest = torch.stack([t.abs().max() for t in tensors]).max()
+    return largest.clamp_min(torch.finfo(largest.dtype).tiny)
+
+
+@torch.no_grad()
+def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor],
+                tolerance: Optional[float] = None) -> InvertibilityReport:
+    """:func:`check_invertible` on prepared streams; every error is read back at once (one device sync)."""
+    n = len(plan.layers)
+    tol = tolerance if tolerance is not None else max(
+        _DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
+    replays, locals_ = [], []
+    active, device, generators = plan.seed is not None, x0.device, {}
+
+    @contextlib.contextmanager
+    def as_in_the_forward(i: int, copies: Optional[Dict[str, Tensor]], replay: bool = True) -> Iterator[None]:
+        """Layer ``i``'s random numbers, own generators and buffers as its forward met them (the buffers left as
+        they were after), as the backward's recomputation has them."""
+        with preserved(plan.buffers_of(i, copies)), rng_scope(device, active, generators, replay) as reseed:
+            reseed(plan.seed_of(i))
+            yield
+
+    try:
+        a0, a1 = x0, x1
+        for i in range(n):
+            args, kwargs = plan.args_for(i, arg_tensors)
+            copies = _plain_copies(plan, i)
+            with as_in_the_forward(i, copies, replay=False):
+                y1 = _forward_layer(plan, i, a0, a1, args, kwargs, copies)
+            with as_in_the_forward(i, copies):  # the replay starts from the forward's state, as the backward's
+                fn_out = _call_block(plan, i, _to_compute(a1, plan), args, kwargs, copies)
+            wrapper = plan.wrappers[i]
+            scale = _magnitude(a0, y1)
+            replays.append(_relative_error(wrapper.couple(a0, fn_out).to(y1.dtype), y1, scale))
+            locals_.append(_relative_error(wrapper.uncouple(y1, fn_out).to(a0.dtype), a0, scale))
+            a0, a1 = a1, y1
+        for i in reversed(range(n)):  # as the backward does: from the output alone, through every layer
+            args, kwargs = plan.args_for(i, arg_tensors)
+            copies = _plain_copies(plan, i)
+            with as_in_the_forward(i, copies):
+                a0, a1 = _inverse_layer(plan, i, a0, a1, args, kwargs, copies), a0
+        scale = _magnitude(x0, x1)
+        end = torch.maximum(_relative_error(a0, x0, scale), _relative_error(a1, x1, scale))
+    finally:
+        rewind(generators)  # the blocks' own generators as they were
+    values = torch.stack([*replays, *locals_, end]).cpu().tolist()
+    replays, locals_, end = values[:n], values[n:2 * n], values[-1]
+    for i in range(n):
+        if not replays[i] <= tol:
+            raise ReversibleError(
+                f"{plan.describe(i)} gave a different output when run again on the same input, arguments and random "
+                f"seed (relative difference {replays[i]:.3g}; tolerance {tol:.1g}), so the backward, which runs every "
+                f"block again, would not rebuild the forward's activations. The block keeps state between calls: a "
+                f"cache it appends to (a transformers KV cache: pass use_cache=False when training) or Python's "
+                f"random. Make its output depend only on its input, arguments, parameters, buffers and torch's random "
+                f"numbers (a torch.Generator of its own included), or use memory_mode=MemoryModes.no_savings."
+                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else ""))
+        if not locals_[i] <= tol:
             raise ReversibleError(
                 f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
-                f"differs from the real one by {err:.3g} (relative; tolerance {tol:.1g}). Check that "
+                f"differs from the real one by {locals_[i]:.3g} (relative; tolerance {tol:.1g}). Check that "
                 f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
-        x0, x1 = x1, y1
-    return InvertibilityReport(errors, tol)
+    if not end <= tol:
+        raise ReversibleError(
+            f"ReversibleSequential: the input rebuilt from the output through all {n} layers, as the backward "
+            f"rebuilds it, differs from the real input by {end:.3g} (relative; tolerance {tol:.1g}), although each "
+            f"layer alone inverts within {max(locals_):.1g}: the layers' inverses amplify rounding errors (a momentum "
+            f"coupling, or a MomentumNet, divides by beta at every layer). The gradients would be about as far off. "
+            f"Use a larger beta, fewer layers per reversible sequence, or float64 streams (stream_dtype=torch.float64"
+            f"; revlib_xla.check_invertible(model, x) measures the result), or memory_mode=MemoryModes.no_savings. "
+            f"For inference only, run under torch.no_grad(): nothing is rebuilt then.")
+    return InvertibilityReport(locals_, tol, end)

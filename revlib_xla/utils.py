@@ -4,12 +4,13 @@
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Union
+from typing import Any, Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from .coupling import COUPLING, optional_detach
+from .coupling import (COUPLING, detached_additive_coupling_forward, detached_additive_coupling_inverse,
+                       optional_detach)
 from .intermediates import memory_efficient_intermediates
 from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential
 
@@ -28,19 +29,6 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def is_float(inp: Any) -> bool:
     """True for floating-point tensors of the four usual dtypes."""
     return isinstance(inp, torch.Tensor) and inp.dtype in _FLOATS
-
-
-def detached_additive_coupling_forward(other_stream: Tensor, fn_out: Union[Tensor, List[Tensor]]):
-    """``other_stream + fn_out`` with the extras of a list output detached (RevLib's helper)."""
-    if isinstance(fn_out, (list, tuple)):
-        return [other_stream + fn_out[0]] + [optional_detach(x) for x in fn_out[1:]]
-    return other_stream + fn_out
-
-
-def detached_additive_coupling_inverse(output: Tensor, fn_out: Union[Tensor, List[Tensor]]):
-    if isinstance(fn_out, (list, tuple)):
-        return [output - fn_out[0]] + [optional_detach(x) for x in fn_out[1:]]
-    return output - fn_out
 
 
 class MomentumNetSide(nn.Module):
@@ -105,15 +93,20 @@ def momentum_net(*modules: nn.Module, split_dim: Optional[int] = 1,
                  coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
                  memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
                  fused_optimizer: FUSED_OPTIMIZER = None, beta: float = 0.9, **kwargs) -> ReversibleSequential:
-    """A MomentumNet as a reversible sequence that loses no information at any depth or ``beta``.
+    """A MomentumNet as a reversible sequence.
 
     Module k becomes two layers, ``MomentumNetStem(module, beta**k)`` and ``MomentumNetSide((1-beta)/beta**(k+1))``,
-    with additive couplings (RevLib's construction): ``beta`` is folded into the blocks, so the couplings stay
-    exactly invertible. With streams ``(p, q)`` it computes ``p <- p + f_k(beta**k q)``,
-    ``q <- q + (1-beta)/beta**(k+1) p``, i.e. ``x_k = beta**k q_k`` is an exponential moving average of the
-    running residual sum ``p``.
+    with additive couplings (RevLib's construction): ``beta`` is folded into the blocks. With streams ``(p, q)`` it
+    computes ``p <- p + f_k(beta**k q)``, ``q <- q + (1-beta)/beta**(k+1) p``, i.e. ``x_k = beta**k q_k`` is an
+    exponential moving average of the running residual sum ``p``.
+
+    Invertible in exact arithmetic only: ``q`` grows by ``1/beta`` per module, so rebuilding it loses about
+    ``log10(1/beta)`` digits per module (``beta=0.1`` in float32: wrong gradients from 4 modules on). Unless
+    ``verify_inverse=False`` is passed, the first training forward therefore measures how exactly the input is rebuilt
+    (:func:`revlib_xla.check_invertible`) and raises where the gradients would be wrong.
     """
     _check_beta(beta)
+    kwargs.setdefault("verify_inverse", True)
     layers: List[nn.Module] = []
     for idx, module in enumerate(modules):
         layers.append(MomentumNetStem(module, beta ** idx))
@@ -181,6 +174,9 @@ def module_list_to_momentum_net(module: nn.ModuleList, split_dim: Optional[int] 
     working; the activation memory of the whole stack no longer grows with its depth.
 
     ``split_dim`` is accepted for RevLib compatibility and unused: the hidden state feeds both streams whole.
+
+    HuggingFace stacks train with ``use_cache=False``: a KV cache passed to a training forward is refused, since the
+    backward runs every layer again and would write its keys and values into the cache a second time.
     """
     _check_beta(beta)
     blocks = maybe_residual_to_plain(module, residual)

@@ -557,7 +557,8 @@ def test_check_invertible_names_the_bad_layer():
 
 def test_verify_inverse_at_first_forward():
     model = ReversibleSequential(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1,
-                                 coupling_forward=[None], coupling_inverse=[bad_inverse], verify_inverse=True)
+                                 coupling_forward=[revlib.additive_coupling_forward], coupling_inverse=[bad_inverse],
+                                 verify_inverse=True)
     with pytest.raises(revlib.ReversibleError, match=r"layer 0 .*does not undo"):
         model(torch.randn(3, 8))
 
@@ -586,3 +587,279 @@ def test_layerwise_length_mismatch():
     model = ReversibleSequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with pytest.raises(revlib.ReversibleError, match="has 1 entries but the model has 2 layers"):
         model(torch.randn(1, 4), layerwise_args_kwargs=[([], {})])
+
+
+class ReturnsNothing(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        self.lin(x)  # no return
+
+
+def test_bad_input_dtypes_and_outputs_name_the_layer_on_every_device(device):
+    """Issue 15 §2.9 / §3: on XLA an int64 (or float16) input to a float32 model ran and returned a truncated
+    int64 (float16) output; on the CPU the same inputs, and a block returning None, raised torch's internal errors."""
+    torch.manual_seed(0)
+    model = ReversibleSequential(linear_block(4), linear_block(4), split_dim=-1).to(device)
+    x = torch.randn(3, 8)
+    with pytest.raises(revlib.ReversibleError, match=r"the input is torch.int64, but the reversible streams are "
+                                                     r"floating point: layer 0 \('0-0': Sequential\) computes in "
+                                                     r"torch.float32.*x.to\(torch.float32\)"):
+        model((x * 10).long().to(device))
+    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Sequential\): its parameters are "
+                                                     r"torch.float32, but it would compute on torch.float16 "
+                                                     r"\(the input's dtype\)"):
+        model(x.half().to(device))
+    none_model = ReversibleSequential(linear_block(4), ReturnsNothing(4), split_dim=-1).to(device)
+    with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': ReturnsNothing\) returned None.*`return"):
+        none_model(x.to(device).requires_grad_())
+    with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': ReturnsNothing\) returned None"):
+        with torch.no_grad():
+            none_model(x.to(device))
+    # what these errors must not refuse: compute_dtype makes the blocks see their own dtype, autocast casts for them
+    model_f64 = ReversibleSequential(linear_block(4), split_dim=-1, compute_dtype=torch.float32).to(device)
+    assert model_f64(x.double().to(device)).dtype == torch.float64
+    if device.type == "cpu":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert model(x.bfloat16()).shape == x.shape
+
+
+def test_bad_constructor_arguments_name_the_argument():
+    with pytest.raises(revlib.ReversibleError, match=r"stream_dtype=torch.int32.*floating"):
+        ReversibleSequential(nn.Linear(2, 2), stream_dtype=torch.int32)
+    with pytest.raises(revlib.ReversibleError, match=r"compute_dtype='float32'.*floating"):
+        ReversibleSequential(nn.Linear(2, 2), compute_dtype="float32")
+    with pytest.raises(revlib.ReversibleError, match=r"target_device='gpu' is not a device"):
+        ReversibleSequential(nn.Linear(2, 2), target_device="gpu")
+
+
+@pytest.mark.skipif(backend.cuda_available(), reason="this machine has CUDA: target_device='cuda' is valid here")
+def test_target_device_missing_on_this_machine():
+    """Issue 15 §3: target_device='cuda' without CUDA failed at the first forward with torch's AssertionError."""
+    with pytest.raises(revlib.ReversibleError, match=r"target_device='cuda', but this machine has no such device "
+                                                     r"\(it has cpu"):
+        ReversibleSequential(nn.Linear(2, 2), target_device="cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 11. coupling pairs: refused when mismatched, measured when given, picklable
+
+def test_mismatched_coupling_pairs_are_refused():
+    """Issue 15 §2.5: a coupling_forward without its coupling_inverse, or lists of different lengths, got the
+    additive inverse (gradients 26-51 % off) with no error."""
+    pair = revlib.momentum_coupling(0.5)
+    blocks = [nn.Linear(2, 2) for _ in range(3)]
+    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward\[0\] is MomentumForward\(beta=0.5\), but "
+                                                     r"coupling_inverse is None"):
+        ReversibleSequential(*blocks, coupling_forward=[pair.forward])
+    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward has 2 entries but coupling_inverse has 1"):
+        ReversibleSequential(*blocks, coupling_forward=[pair.forward, None], coupling_inverse=[pair.inverse])
+    with pytest.raises(revlib.ReversibleError, match=r"coupling_inverse\[0\] is MomentumInverse\(beta=0.5\), but "
+                                                     r"coupling_forward\[0\] is None"):
+        ReversibleSequential(*blocks, coupling_forward=[None, pair.forward], coupling_inverse=[pair.inverse, None])
+    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward\[0\] is scaled_sin_forward, but "
+                                                     r"coupling_inverse\[0\] is None"):
+        ReversibleSequential(*blocks, coupling_forward=[scaled_sin_forward], coupling_inverse=[None])
+    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward is a CouplingPair"):
+        ReversibleSequential(*blocks, coupling_forward=pair)
+    with pytest.raises(revlib.ReversibleError, match=r"ReversibleModule: coupling_forward is MomentumForward"):
+        revlib.ReversibleModule(nn.Linear(2, 2), coupling_forward=pair.forward)
+    # what stays accepted: additive on both sides in any spelling, and full pairs
+    from revlib_xla import utils
+    ReversibleSequential(*blocks, coupling_forward=[utils.detached_additive_coupling_forward])
+    ReversibleSequential(*blocks, coupling_forward=[pair.forward, None], coupling_inverse=[pair.inverse, None])
+
+
+def wrong_sin_inverse(out, f):
+    return (out - torch.sin(f)) / 3  # scaled_sin_forward multiplies by 2
+
+
+def count_calls(blocks):
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+    for b in blocks:
+        b.register_forward_hook(hook)
+    return calls
+
+
+def test_given_pairs_are_measured_at_the_first_training_forward_only():
+    """A pair given on both sides is checked on the real input at the first training forward (verify_inverse's
+    default for couplings that are not additive); additive models pay nothing; later steps pay nothing."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, requires_grad=True)
+    bad = ReversibleSequential(*[nn.Linear(4, 4) for _ in range(3)], split_dim=-1,
+                               coupling_forward=[scaled_sin_forward], coupling_inverse=[wrong_sin_inverse])
+    with torch.no_grad():
+        bad(x)  # inference rebuilds nothing: nothing to check
+    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Linear\): coupling_inverse does not undo"):
+        bad(x)
+    for coupling, checked in (("additive", False), ("user", True)):
+        blocks = [nn.Linear(4, 4) for _ in range(3)]
+        calls = count_calls(blocks)
+        model, _ = build_pair(blocks, coupling, -1)
+        for step in range(2):
+            calls[0] = 0
+            model(x).sum().backward()
+            # forward + recomputation, plus three evaluations per layer for the check at the first step
+            assert calls[0] == 2 * 3 + (3 * 3 if checked and step == 0 else 0), (coupling, step)
+
+
+class NoisyBatchNorm(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.drop(self.lin(self.norm(x)))
+
+
+def test_the_check_changes_nothing():
+    """verify_inverse runs every block three more times: running statistics, the random stream and so the
+    gradients stay those of no_savings (before: BatchNorm statistics were updated by the check too)."""
+    torch.manual_seed(0)
+    blocks = [NoisyBatchNorm(4) for _ in range(3)]
+    rev, ref = build_pair(blocks, "momentum", -1)
+    rev.verify_inverse = True  # the check runs for rev only (no_savings rebuilds nothing)
+    rev.double()
+    x = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+    results = []
+    for model in (rev, ref):
+        torch.manual_seed(1)
+        for b in blocks:
+            b.norm.reset_running_stats()
+        got = grads_of(model, x, weighted_loss)
+        stats = [torch.cat([b.norm.running_mean, b.norm.running_var, b.norm.num_batches_tracked[None].double()])
+                 for b in blocks]
+        results.append((got, stats, torch.rand(3)))
+    (got, stats_a, rand_a), (want, stats_b, rand_b) = results
+    assert_same_grads(got, want, TOL[torch.float64])
+    for a, b in zip(stats_a, stats_b):
+        assert max_rel_err(a, b) <= 1e-12
+    assert torch.equal(rand_a, rand_b)
+
+
+def test_the_check_neither_runs_on_fake_tensors_nor_raises_the_peak():
+    """Sizing a momentum model under FakeTensorMode skips the check (fake tensors have no values to compare); on
+    real tensors the first step, check included, peaks where the fake step does."""
+    import dataclasses
+    from revlib_xla import memory
+
+    def make():
+        torch.manual_seed(0)
+        return build_pair([linear_block(16) for _ in range(4)], "momentum", -1)[0]
+
+    def step(model, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    fake = memory.eager_peak(step, make, lambda: torch.randn(32, 32), fake=True)
+    model = make()
+    real = memory.eager_peak(step, model, torch.randn(32, 32))
+    assert model._verified  # the real step was checked
+    assert dataclasses.replace(fake, fake=False) == real
+
+
+class AppendsToCache(nn.Module):
+    """Attends to everything it has seen since its cache was cleared: a KV cache kept outside the block's tensors."""
+
+    def __init__(self, width, cache):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.cache = cache
+
+    def forward(self, x):
+        self.cache.append(x)
+        return torch.tanh(self.lin(torch.stack(self.cache).sum(0)))
+
+
+def test_block_with_a_cache_of_its_own_is_refused():
+    """A block that appends to a cache in forward sees a longer cache in the recomputation: its gradients are wrong.
+    The check at the first training forward finds it (on by default for non-additive couplings and momentum
+    nets; verify_inverse=True for additive ones)."""
+    from revlib_xla import utils
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, requires_grad=True)
+    for make in (lambda blocks: ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True),
+                 lambda blocks: utils.momentum_net(*blocks, split_dim=-1)):
+        cache = []
+        model = make([AppendsToCache(4, cache) for _ in range(2)])
+        with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': \w+\) gave a different output when run "
+                                                         r"again.*keeps state between calls"):
+            model(x)
+
+
+@pytest.mark.parametrize("construction", ["momentum_coupling", "momentum_net"])
+def test_small_beta_never_trains_on_wrong_gradients(construction):
+    """Issue 15 §2.14: beta=0.1 in float32 lost the gradients with depth (the inverse divides by beta at every
+    layer), silently. Now the first training forward measures the input rebuilt through all layers and refuses where
+    it is off by more than 1e-4; what it accepts has no_savings' gradients (within 1e-3). The error without the check
+    (verify_inverse=False) is measured too, so the test knows which depths must be refused."""
+    from revlib_xla import utils
+    width, beta = 8, 0.1
+    x = torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+    def build(depth, **kw):
+        torch.manual_seed(0)
+        blocks = [linear_block(width) for _ in range(depth)]
+        if construction == "momentum_net":
+            return (utils.momentum_net(*blocks, beta=beta, split_dim=-1, **kw),
+                    utils.momentum_net(*blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings, **kw))
+        return _momentum_pair(blocks, beta, **kw)
+
+    def refused_depths(depths, **kw):
+        refused = {}
+        for depth in depths:
+            unchecked, ref = build(depth, verify_inverse=False, **kw)
+            want = grads_of(ref, x, weighted_loss)
+            silent = max(max_rel_err(g, want[2][n]) for n, g in grads_of(unchecked, x, weighted_loss)[2].items())
+            rev, _ = build(depth, **kw)
+            try:
+                got = grads_of(rev, x, weighted_loss)
+            except revlib.ReversibleError as err:
+                assert f"through all {len(rev)} layers" in str(err) and "stream_dtype=torch.float64" in str(err)
+                refused[depth] = silent
+                continue
+            # accepted: the reconstruction is within 1e-4, and the gradient error follows it (measured: 0.5 to 3
+            # times the reconstruction error)
+            assert silent <= 1e-3, (depth, silent)
+            assert_same_grads(got, want, 1e-3)
+        return refused
+
+    # unchecked at 12 and 24 layers: 4e-3 and 1.5e5 (coupling), 7e4 and inf (net)
+    assert refused_depths((4, 8, 12, 24)).keys() >= {12, 24}
+    if construction == "momentum_coupling":  # float64 streams go deeper: 12 layers accepted, 32 refused
+        refused = refused_depths((12, 24, 32), stream_dtype=torch.float64)
+        assert 12 not in refused and 32 in refused
+
+
+def _momentum_pair(blocks, beta, **kw):
+    pair = revlib.momentum_coupling(beta)
+    return tuple(ReversibleSequential(*blocks, split_dim=-1, coupling_forward=[pair.forward],
+                                      coupling_inverse=[pair.inverse], memory_mode=mode, **kw)
+                 for mode in (MemoryModes.autograd_function, MemoryModes.no_savings))
+
+
+@pytest.mark.parametrize("coupling", ["momentum", "affine"])
+def test_models_with_couplings_pickle_and_copy(tmp_path, coupling):
+    """Issue 15 §3: a model using momentum_coupling could not be pickled (the coupling was a closure)."""
+    import copy
+    blocks = [linear_block(4, 4 * COUPLINGS[coupling][2]) for _ in range(3)]
+    model, _ = build_pair(blocks, coupling, -1)
+    additive, _ = build_pair(blocks, "additive", -1)
+    x = torch.randn(2, 8)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for other in (loaded, copied):
+            assert torch.equal(other(x), model(x))
+            assert list(other.state_dict()) == list(model.state_dict()) == list(additive.state_dict())
+    assert loaded[0].wrapped_module.coupling_forward == model[0].wrapped_module.coupling_forward
+    assert copied[1].wrapped_module.coupling_inverse == model[1].wrapped_module.coupling_inverse

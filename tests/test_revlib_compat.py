@@ -46,8 +46,9 @@ def test_signatures_and_defaults_match_revlib():
 
 
 def test_state_dict_layout_and_coupling_cycling():
-    cf = [revlib.momentum_coupling(0.5).forward, None]
-    model = revlib.ReversibleSequential(*[nn.Linear(2, 2) for _ in range(5)], coupling_forward=cf)
+    pair = revlib.momentum_coupling(0.5)
+    cf, ci = [pair.forward, None], [pair.inverse, None]
+    model = revlib.ReversibleSequential(*[nn.Linear(2, 2) for _ in range(5)], coupling_forward=cf, coupling_inverse=ci)
     keys = list(model.state_dict())
     assert keys[:4] == ["0-0.wrapped_module.wrapped_module.weight", "0-0.wrapped_module.wrapped_module.bias",
                         "0-1.wrapped_module.wrapped_module.weight", "0-1.wrapped_module.wrapped_module.bias"]
@@ -56,7 +57,7 @@ def test_state_dict_layout_and_coupling_cycling():
     assert couplings[0] is cf[0] and couplings[2] is cf[0] and couplings[4] is cf[0]
     assert couplings[1] is revlib.additive_coupling_forward and couplings[3] is revlib.additive_coupling_forward
     # a state dict saved from one model loads into a fresh one
-    fresh = revlib.ReversibleSequential(*[nn.Linear(2, 2) for _ in range(5)], coupling_forward=cf)
+    fresh = revlib.ReversibleSequential(*[nn.Linear(2, 2) for _ in range(5)], coupling_forward=cf, coupling_inverse=ci)
     fresh.load_state_dict(model.state_dict())
     x = torch.randn(3, 4)
     assert torch.equal(fresh(x), model(x))
@@ -198,16 +199,27 @@ def test_module_list_to_momentum_net_preserves_function_for_small_beta():
     for beta in (0.1, 0.01, 0.001):
         converted = utils.module_list_to_momentum_net(layers, residual=True, beta=beta)
         h = x
-        for layer in converted:  # the caller's loop is unchanged
-            h = layer(h)
+        with torch.no_grad():  # inference: nothing is rebuilt, any beta works
+            for layer in converted:  # the caller's loop is unchanged
+                h = layer(h)
         errors.append(max_rel_err(h, want))
     assert errors[0] < 0.1 and errors[2] < 2e-3 and errors[0] > errors[1] > errors[2]
-    # and it trains with the reversible backward
-    h = x.clone().requires_grad_()
-    for layer in converted:
-        h = layer(h)
-    h.square().sum().backward()
-    assert all(p.grad is not None for p in layers.parameters())
+    # it trains with the reversible backward, with the gradients of plain autograd
+    grads = []
+    for mode in (revlib.MemoryModes.autograd_function, revlib.MemoryModes.no_savings):
+        layers.zero_grad(set_to_none=True)
+        converted = utils.module_list_to_momentum_net(layers, residual=True, beta=0.5, memory_mode=mode)
+        h = x.clone().requires_grad_()
+        for layer in converted:
+            h = layer(h)
+        h.square().sum().backward()
+        grads.append([p.grad.clone() for p in layers.parameters()])
+    for got, want in zip(*grads):
+        assert max_rel_err(got, want) <= 1e-10
+    # but not at beta=0.001, where rebuilding the input from the output loses every digit over 6 layers
+    converted = utils.module_list_to_momentum_net(layers, residual=True, beta=0.001)
+    with pytest.raises(revlib.ReversibleError, match="rebuilt from the output through all 12 layers"):
+        converted[0](x.clone().requires_grad_())
 
 
 def test_standalone_reversible_module():
