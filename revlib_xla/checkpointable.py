@@ -13,29 +13,42 @@ the measured peak stays within the budget; on XLA, where lifetimes follow the co
 counts them only while the program needs them. ``mem_limit=None`` means the
 fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
 
+``mem_limit`` is a number of bytes or text with a unit (``"1GB"`` = 10**9 bytes, ``"512MiB"`` = 512 * 2**20:
+:func:`revlib_xla.memory.parse_bytes`).
+
 In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
-forward phase stores the planned checkpoints and the backward phase recomputes the rest, each stage with the
-random numbers, autocast state and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or
-under ``torch.no_grad()``, it is the plain model.
+forward phase stores the planned checkpoints and the backward phase recomputes the rest. Stage inputs and outputs
+may be tensors or tuples, lists, dicts and named tuples of them (walked with ``torch.utils._pytree``). The backward
+gives what plain autograd gives for ``backward()`` (parameter gradients accumulated into ``.grad`` stage by stage),
+``backward(inputs=...)`` and ``torch.autograd.grad`` (of inputs or parameters; nothing else is computed or stored),
+a second ``backward()`` through a graph kept with ``retain_graph=True`` (the forward phase runs again, with the
+first run's random numbers), and ``create_graph=True`` (double backward: the whole model runs again with autograd,
+so that one backward holds what the plain model holds). Each stage runs with the random numbers, autocast state
+and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or under ``torch.no_grad()``, it is the plain
+model.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
 import logging
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from . import backend
-from .coupling import optional_detach
+from .grad_destination import GradDestination, grad_destination
 from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, probe
-from .planner import Chain, InfeasibleBudget, Schedule, min_memory, no_checkpoint_memory, solve
+from .planner import (Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate,
+                      solve)
 from .planner.chain import StageOption
-from .memory import tensor_bytes
-from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, grad_leaves, measure_stage,
-                              stage_programs)
+from .memory import parse_bytes
+from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, detached, grad_leaves, measure_stage,
+                              stage_programs, tensor_leaves, value_bytes)
 from .planner.schedule import Op
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
@@ -80,29 +93,50 @@ def flatten_sequential(model: nn.Module) -> List[nn.Module]:
 
 
 def _signature(x: Any) -> Tuple:
-    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in backend.tensors_in(x))
+    return tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensor_leaves(x))
 
 
 def _input_grads(x: Any) -> Tuple[Optional[torch.Tensor], ...]:
     """The gradients of a stage's input leaves, taken off the leaves: autograd's graph may keep a leaf alive (its
     AccumulateGrad node) after the leaf is dropped, and the gradient must not live as long."""
     grads = []
-    for t in backend.tensors_in(x):
+    for t in tensor_leaves(x):
         grads.append(t.grad if t.requires_grad else None)
         if t.requires_grad:
             t.grad = None
     return tuple(grads)
 
 
+class _Structure:
+    """Where the tensors of a nested value sit (``torch.utils._pytree``'s flattening; other leaves are kept), to
+    build the same value around other tensors."""
+
+    def __init__(self, value: Any) -> None:
+        tensor_leaves(value)  # refuses containers whose tensors pytree would miss
+        leaves, self.spec = pytree.tree_flatten(value)
+        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
+        leaves = list(self.leaves)
+        for k, t in zip(self.slots, tensors):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
 class _Run:
     """One execution of a schedule: the live tensors between its forward phase and its backward phase."""
 
-    def __init__(self, owner: "Checkpointable", schedule: Schedule, device: torch.device) -> None:
+    def __init__(self, owner: "Checkpointable", schedule: Schedule, device: torch.device,
+                 input_structure: _Structure) -> None:
         self.owner = owner
         self.stages = owner.stages
         self.schedule = schedule
         self.loss_at = next(k for k, op in enumerate(schedule.ops) if op.kind == "L")
         self.device = device
+        self.input_structure = input_structure
+        self.out_structure: Optional[_Structure] = None
+        self.input_needs_grad: List[bool] = []
         self.x: Dict[int, Any] = {}
         self.xbar: Dict[int, Tuple[Any, Any]] = {}
         self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
@@ -112,6 +146,12 @@ class _Run:
         self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
         self.saved: Dict[int, Optional[SavedBuffers]] = {}  # per stage: the buffers its first run changed
         self.to_put_back: Dict[int, List[torch.Tensor]] = {}  # per stage: their values to restore after its backward
+        self.replaying = False  # the forward phase run again, for a second backward: every stage is a recomputation
+        self.used = False  # its backward phase has run
+        # Where the running backward sends parameter gradients (see route()).
+        self.accumulate: Optional[List[torch.Tensor]] = None
+        self.capture: List[torch.Tensor] = []
+        self.captured: List[Optional[torch.Tensor]] = []
 
     # -- running one stage, as its first run did ---------------------------------------------------------------
     def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False, option: int = 0) -> Any:
@@ -142,6 +182,10 @@ class _Run:
         if current is not None:
             self.saved[i].put_back([b for _, b in self.buffers[i]], current)
 
+    def _put_back_all(self) -> None:
+        for i in list(self.to_put_back):
+            self._put_back(i)
+
     def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
         starting it before the gradient it waits for exists. Returns x_i behind the barrier, the input to recompute
@@ -151,15 +195,13 @@ class _Run:
         (``self.xbar``, e.g. kept since the forward phase): that one is an output of a graph autograd still needs,
         so a detached alias of it goes behind the barrier. Without it the recomputation reads the very tensor the
         forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
-        x = self.x.get(i)
-        if x is None and i in self.xbar:
-            x = optional_detach(self.xbar[i][1])
-        tensors = [t for obj in (x, *extra) for t in backend.tensors_in(obj)]
+        x = self.x[i] if i in self.x else detached(self._input(i))
+        tensors = [t for obj in (x, *extra) for t in tensor_leaves(obj)]
         backend.optimization_barrier_(tensors)
-        if i == 0 and x is not None:
+        if i == 0:
             # x_0 is the model's input, normally an argument of the step: see backend.after.
-            x = backend.after(x, next(iter(backend.tensors_in(extra)), None))
-        return x if x is not None else self._input(i)
+            x = backend.after(x, next(iter(tensor_leaves(extra)), None))
+        return x
 
     def _free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
@@ -168,15 +210,21 @@ class _Run:
     def _input(self, i: int) -> Any:
         if i in self.x:
             return self.x[i]
-        return self.xbar[i][1]
+        if i in self.xbar:
+            return self.xbar[i][1]
+        raise RuntimeError(f"Checkpointable: the schedule runs stage {i} but its input x_{i} is neither stored nor "
+                           f"kept at that point, so this schedule cannot run this model; check it with "
+                           f"revlib_xla.planner.simulate(checkpointable.chain, schedule.ops), or set "
+                           f"checkpointable.sequence = None to plan again")
 
     def run(self, ops: Sequence[Op], backward: bool) -> None:
+        recompute = backward or self.replaying
         for op in ops:
             i = op.index
             if op.kind in ("Fn", "CF", "Fr"):
                 x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
                 with torch.no_grad():
-                    out = self._call(i, x, recompute=backward)
+                    out = self._call(i, x, recompute=recompute)
                 del x
                 self.x[i + 1] = out
                 if op.kind == "Fr":
@@ -186,14 +234,15 @@ class _Run:
                     self._free_input(i)
             elif op.kind == "Fe":
                 x = self._barrier(i, self.grad.get(self._pending_grad())) if backward else self._input(i)
-                inp = grad_leaves(x)
+                # The model's input needs a gradient only where the caller's tensor does.
+                inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
                 del x
                 with torch.enable_grad():
-                    out = self._call(i, inp, recompute=backward, option=op.option)
+                    out = self._call(i, inp, recompute=recompute, option=op.option)
                 self.xbar[i + 1] = (inp, out)
             elif op.kind == "B":
                 inp, out = self.xbar.pop(i + 1)
-                self._backward(out, self.grad.pop(i + 1))
+                self._backward(out, self.grad.pop(i + 1), inp)
                 self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del inp, out
@@ -208,82 +257,160 @@ class _Run:
                 inp = grad_leaves(rebuilt)
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=True, option=op.option)
-                self._backward(out, self.grad.pop(i + 1))
+                self._backward(out, self.grad.pop(i + 1), inp)
                 self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del out
                 if i in self.held:
-                    self.x[i] = optional_detach(rebuilt)
+                    self.x[i] = detached(rebuilt)
                 del inp, rebuilt
             elif op.kind == "WM":
                 x = self.x.pop(i)
-                self.host[i] = (_structure(x), [backend.to_host(t) for t in backend.tensors_in(x)])
+                self.host[i] = (_Structure(x), [backend.to_host(t) for t in tensor_leaves(x)])
                 del x
             elif op.kind == "RM":
                 structure, copies = self.host.pop(i)
-                self.x[i] = _rebuild(structure, [backend.to_device(c) for c in copies])
+                self.x[i] = structure.rebuild([backend.to_device(c) for c in copies])
             elif op.kind == "L":
                 pass
 
     def _pending_grad(self) -> int:
         return min(self.grad) if self.grad else -1
 
-    @staticmethod
-    def _backward(out: Any, grads: Tuple[Optional[torch.Tensor], ...]) -> None:
-        pairs = [(o, g) for o, g in zip(backend.tensors_in(out), grads) if o.requires_grad and g is not None]
-        if pairs:
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    def _backward(self, out: Any, grads: Tuple[Optional[torch.Tensor], ...], inp: Any) -> None:
+        """The backward of one stage: the gradients of its input leaves (left on them for _input_grads) and of the
+        parameters, sent where the running backward wants them (see :meth:`route`)."""
+        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads) if o.requires_grad and g is not None]
+        if not pairs:
+            return
+        # The backward starts from an alias, not from the stage's output itself: autograd never completes a
+        # multi-tensor gradient hook (torch.autograd.graph.register_multi_grad_hook, as trackers and sharding
+        # wrappers put on module outputs) whose tensor is a root of the backward, and such a hook holds the
+        # gradient it was given until Python's cyclic garbage collector runs. Through the alias, the output's hooks
+        # see its gradient as in the plain model.
+        with torch.enable_grad():
+            roots = [o.view_as(o) for o, _ in pairs]
+        seeds = [g for _, g in pairs]
+        leaves = [t for t in tensor_leaves(inp) if t.requires_grad]
+        if self.capture:
+            got = torch.autograd.grad(roots, leaves + self.capture, seeds, allow_unused=True)
+            for leaf, g in zip(leaves, got):
+                leaf.grad = g
+            for k, g in enumerate(got[len(leaves):]):
+                if g is not None:
+                    self.captured[k] = g if self.captured[k] is None else self.captured[k] + g
+        elif self.accumulate is None:
+            torch.autograd.backward(roots, seeds)
+        elif leaves or self.accumulate:
+            torch.autograd.backward(roots, seeds, inputs=leaves + self.accumulate)
+
+    # -- the phases ----------------------------------------------------------------------------------------------
+    def forward_phase(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
+        self.x[0] = self.input_structure.rebuild(inputs)
+        self.input_needs_grad = [t.requires_grad for t in inputs]
+        self.run(self.schedule.ops[:self.loss_at], backward=False)
+        return self._input(len(self.stages))
+
+    def route(self, params: Sequence[torch.Tensor]) -> None:
+        """Where the running backward sends each parameter's gradient (:func:`~revlib_xla.grad_destination`). A
+        ``backward()`` accumulates every one into ``.grad``: the stages' backwards accumulate into every leaf they
+        reach, as autograd does. ``backward(inputs=...)`` accumulates some and leaves the rest alone.
+        ``torch.autograd.grad`` captures the ones it asks for: they are summed over the stages and returned."""
+        where = [grad_destination(p) for p in params]
+        self.capture = [p for p, d in zip(params, where) if d is GradDestination.CAPTURE]
+        self.captured = [None] * len(self.capture)
+        everything = all(d is GradDestination.ACCUMULATE for d in where)
+        self.accumulate = None if everything else [p for p, d in zip(params, where) if d is GradDestination.ACCUMULATE]
+
+    def backward_phase(self, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
+                       ) -> Tuple[Tuple[Optional[torch.Tensor], ...], List[Optional[torch.Tensor]]]:
+        """Run the schedule after the loss; returns the gradients of the model's input tensors and those of
+        ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
+        self.route(params)
+        self.grad[len(self.stages)] = tuple(grads)
+        try:
+            self.run(self.schedule.ops[self.loss_at + 1:], backward=True)
+        finally:
+            self._put_back_all()
+        self.used = True
+        input_grads = self.grad.pop(0)
+        self.x.clear()
+        captured = dict(zip(map(id, self.capture), self.captured))
+        return input_grads, [captured.get(id(p)) for p in params]
+
+    def again(self, inputs: Sequence[torch.Tensor]) -> "_Run":
+        """A run for another backward through the same forward (``retain_graph=True``): the forward phase runs
+        again from the model's input, every stage as a recomputation (the first run's random numbers, running
+        statistics untouched)."""
+        fresh = copy.copy(self)
+        fresh.x, fresh.xbar, fresh.grad, fresh.host, fresh.held = {}, {}, {}, {}, set()
+        fresh.to_put_back = {}
+        fresh.replaying, fresh.used = True, False
+        fresh.forward_phase(inputs)
+        return fresh
+
+    def differentiable_backward(self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                                grads: Sequence[Optional[torch.Tensor]]
+                                ) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+        """The backward with ``create_graph=True`` (double backward, gradient penalties): the gradients must be
+        functions of the inputs and parameters that autograd can differentiate again, so the whole model runs
+        again with autograd from its input (the first run's random numbers, running statistics untouched), as the
+        plain model would, and its backward builds the graph. Exact, but this one backward holds what the plain
+        model holds: the memory plan does not apply to it."""
+        warnings.warn("Checkpointable: a backward with create_graph=True (double backward) runs the whole model "
+                      "with autograd, holding what the plain model holds: the gradients are exact, the memory plan "
+                      "does not apply to that backward", stacklevel=3)
+        for stored in (self.x, self.xbar, self.host):
+            stored.clear()
+        self.used = True
+        x = self.input_structure.rebuild(inputs)
+        wanted = [p for p in params if grad_destination(p) is not GradDestination.UNUSED]
+        try:
+            with torch.enable_grad():
+                for i in range(len(self.stages)):
+                    x = self._call(i, x, recompute=True)
+                pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
+                wrt = [t for t in inputs if t.requires_grad] + wanted
+                got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
+                                               allow_unused=True)) if pairs and wrt else [None] * len(wrt)
+        finally:
+            self._put_back_all()
+        by_input = iter(got)
+        input_grads = [next(by_input) if t.requires_grad else None for t in inputs]
+        by_param = dict(zip(map(id, wanted), by_input))
+        return input_grads, [by_param.get(id(p)) for p in params]
 
 
 class _Schedule(torch.autograd.Function):
-    """Forward phase of the schedule in ``forward``, backward phase in ``backward``; parameters receive their
-    gradients from the stage graphs built inside (``dummy`` makes the output require grad even when the input does
-    not)."""
+    """Forward phase of the schedule in ``forward``, backward phase in ``backward``. The trainable parameters are
+    inputs, so that autograd knows the output depends on them (``torch.autograd.grad(loss, params)``); a training
+    backward accumulates their gradients into ``.grad`` from inside the stage graphs, stage by stage, as autograd
+    would, and only captured ones are returned. ``dummy`` makes the output require grad even when nothing else
+    does."""
 
     @staticmethod
-    def forward(ctx, run: _Run, dummy: torch.Tensor, *inputs: torch.Tensor):
-        structure = run.owner._input_structure
-        x0 = _rebuild(structure, list(inputs))
-        run.x[0] = x0
-        run.run(run.schedule.ops[:run.loss_at], backward=False)
-        out = run._input(len(run.stages))
-        ctx.run = run
-        run.out_structure = _structure(out)
-        flat = [t.detach() for t in backend.tensors_in(out)]
+    def forward(ctx, run: _Run, dummy: torch.Tensor, count: int, *args: torch.Tensor):
+        inputs, params = args[:count], args[count:]
+        ctx.save_for_backward(*inputs)
+        ctx.run, ctx.params = run, params
+        out = run.forward_phase(inputs)
+        run.out_structure = _Structure(out)
+        flat = [t.detach() for t in tensor_leaves(out)]
         ctx.mark_non_differentiable(*[t for t in flat if not (t.is_floating_point() or t.is_complex())])
         return tuple(flat)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        inputs = ctx.saved_tensors  # torch's own error for a second backward through a graph already freed
         run: _Run = ctx.run
-        ctx.run = None
-        n = len(run.stages)
-        run.grad[n] = tuple(grads)
-        try:
-            run.run(run.schedule.ops[run.loss_at + 1:], backward=True)
-        finally:
-            for i in list(run.to_put_back):
-                run._put_back(i)
-        input_grads = run.grad.pop(0)
-        run.x.clear()
-        return (None, None) + tuple(input_grads)
-
-
-def _rebuild(structure: Any, flat: List[torch.Tensor]) -> Any:
-    if structure is torch.Tensor:
-        return flat.pop(0)
-    if isinstance(structure, tuple) and structure and structure[0] == "seq":
-        kind, items = structure[1], structure[2]
-        return kind(_rebuild(item, flat) for item in items)
-    return structure
-
-
-def _structure(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return torch.Tensor
-    if isinstance(x, (tuple, list)):
-        return ("seq", type(x), tuple(_structure(item) for item in x))
-    return x
+        if torch.is_grad_enabled():
+            input_grads, param_grads = run.differentiable_backward(inputs, ctx.params, grads)
+        else:
+            if run.used:
+                run = run.again(inputs)
+            input_grads, param_grads = run.backward_phase(ctx.params, grads)
+        return (None, None, None) + tuple(input_grads) + tuple(param_grads)
 
 
 class SavedAs(nn.Module):
@@ -308,7 +435,9 @@ class Checkpointable(nn.Module):
     Args:
         model: the network, an ``nn.Sequential`` (nested ones are flattened; see :func:`atomic`).
         input: a sample input; if given, the model is measured now, else at the first training forward.
-        mem_limit: the budget in bytes (rotor's meaning; see the module docstring).
+        mem_limit: the budget (rotor's meaning; see the module docstring): a number of bytes, or a string with a
+            unit, ``"1GB"`` (10**9 bytes) or ``"512MiB"`` (512 * 2**20 bytes); see
+            :func:`revlib_xla.memory.parse_bytes`.
         mem_slots: resolution of the budget in the dynamic program (sizes are rounded up to mem_limit/mem_slots).
         verbosity: 1 logs the plan, 2 also the measurements.
         preserve_rng_state: each stage draws its random numbers (dropout) from generators of its own, seeded from
@@ -325,7 +454,7 @@ class Checkpointable(nn.Module):
             activations. The planner measures them and picks per stage.
     """
 
-    def __init__(self, model: nn.Module, input: Any = None, mem_limit: Optional[float] = None,
+    def __init__(self, model: nn.Module, input: Any = None, mem_limit: Union[float, str, None] = None,
                  mem_slots: int = 500, verbosity: int = 0, preserve_rng_state: bool = True,
                  reversible: bool = True, offload_bandwidth: Optional[float] = None,
                  loss_tmp_memory_usage: int = 0,
@@ -335,7 +464,9 @@ class Checkpointable(nn.Module):
         super().__init__()
         self.model = model
         self.stages = flatten_sequential(model)
-        self.mem_limit = mem_limit
+        for index, stage in enumerate(self.stages):
+            _check_one_input(index, stage)
+        self.mem_limit = None if mem_limit is None else parse_bytes(mem_limit, "Checkpointable: mem_limit")
         self.mem_slots = mem_slots
         self.verbosity = verbosity
         self.preserve_rng_state = preserve_rng_state
@@ -358,7 +489,7 @@ class Checkpointable(nn.Module):
         self.measurements: List[StageMeasurement] = []
         self._signature: Optional[Tuple] = None
         self._sample: Any = None
-        self._input_structure: Any = None
+        self._runnable: Optional[Schedule] = None  # the last schedule checked against the chain
         if input is not None:
             self.measure(input)
             self.compute_sequence()
@@ -367,16 +498,16 @@ class Checkpointable(nn.Module):
     def measure(self, sample_input: Any) -> Chain:
         """Measure every stage on ``sample_input`` (times on the device, sizes in bytes) and build the chain.
         Invalidates the current schedule."""
-        x = optional_detach(sample_input)
+        x = detached(sample_input)
         measured: List[StageMeasurement] = []
         options: List[List[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
-        lazy = any(backend.is_tracing_lazily(t) for t in backend.tensors_in(x))
+        lazy = any(backend.is_tracing_lazily(t) for t in tensor_leaves(x))
         programs: List[List[StagePrograms]] = []  # per stage: the plain stage, then its options
         out_bytes: List[int] = []
         for i, stage in enumerate(self.stages):
             if lazy and self.tpu_generation:
-                backend.sync(next(iter(backend.tensors_in(x))).device)  # the stage's input as device data
+                backend.sync(tensor_leaves(x)[0].device)  # the stage's input as device data
                 programs.append([stage_programs(s, x) for s in
                                  [stage] + [module for _, module in self.stage_options.get(i, [])]])
             rev = self.reversible and callable(getattr(stage, "inverse", None))
@@ -398,11 +529,11 @@ class Checkpointable(nn.Module):
                                     f"{exc}") from exc
                 for name, module in self.stage_options.get(i, []):
                     alt, _ = measure_stage(module, x)
-                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, tensor_bytes(out)),
+                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, value_bytes(out)),
                                                   alt.fwd_tmp, alt.bwd_tmp))
             options.append(stage_opts)
             measured.append(m)
-            out_bytes.append(tensor_bytes(out))
+            out_bytes.append(value_bytes(out))
             if self.verbosity >= 2:
                 logger.info("stage %d %s: %s", i, type(stage).__name__, m)
             x = out
@@ -416,8 +547,8 @@ class Checkpointable(nn.Module):
         rev = [m.inverse_time is not None for m in measured]
         self.chain = Chain(
             fw=[m.fw for m in measured], bw=[m.bw for m in measured] + [0.0],
-            cw=[m.cw for m in measured] + [tensor_bytes(x)],
-            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else tensor_bytes(x)) for i, m in
+            cw=[m.cw for m in measured] + [value_bytes(x)],
+            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else value_bytes(x)) for i, m in
                        enumerate(measured)],
             fwd_tmp=[m.fwd_tmp for m in measured], bwd_tmp=[m.bwd_tmp for m in measured] +
             [self.loss_tmp_memory_usage],
@@ -426,8 +557,7 @@ class Checkpointable(nn.Module):
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
-        self._sample = optional_detach(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
-        self._input_structure = _structure(sample_input)
+        self._sample = detached(sample_input) if lazy else None  # XLA device data: what fit_to_tpu traces with
         self.sequence = None
         return self.chain
 
@@ -485,14 +615,17 @@ class Checkpointable(nn.Module):
             new_options.append(stage_opts)
         return new_measured, new_options
 
-    def compute_sequence(self, mem_limit: Optional[float] = None, mem_slots: Optional[int] = None) -> Schedule:
-        """Solve for the fastest schedule within ``mem_limit`` (default: the one given at construction)."""
+    def compute_sequence(self, mem_limit: Union[float, str, None] = None, mem_slots: Optional[int] = None
+                         ) -> Schedule:
+        """Solve for the fastest schedule within ``mem_limit`` (bytes, or a string such as ``"1GB"``; default: the
+        one given at construction, else the fastest plan: see the module docstring)."""
         if self.chain is None:
             raise RuntimeError("Checkpointable.compute_sequence: call measure(sample_input) first (or pass input= "
                                "to the constructor)")
-        limit = mem_limit if mem_limit is not None else self.mem_limit
-        if limit is None:
-            limit = self._default_limit()
+        if mem_limit is not None:
+            limit = parse_bytes(mem_limit, "Checkpointable.compute_sequence: mem_limit")
+        else:
+            limit = self.mem_limit if self.mem_limit is not None else self._default_limit()
         held = self.held_during_backward()
         if limit <= held:
             raise InfeasibleBudget(f"Checkpointable: mem_limit {limit:.6g} does not even hold the model's output and "
@@ -500,10 +633,16 @@ class Checkpointable(nn.Module):
         try:
             self.sequence = solve(self.chain, limit - held, mem_slots or self.mem_slots)
         except InfeasibleBudget as exc:
-            raise InfeasibleBudget(f"Checkpointable: no schedule fits in {limit:.6g} bytes: the smallest budget for "
-                                   f"this model and input is {exc.minimum + held:.6g} bytes (including "
-                                   f"{held:.6g} for the output and its gradient); pass a larger mem_limit",
-                                   exc.minimum + held) from None
+            smallest = exc.minimum + held
+            if exc.unit is None:
+                why = f"the smallest budget for this model and input is {smallest:.6g} bytes"
+            else:
+                why = (f"it is above the smallest budget for this model and input ({smallest:.6g} bytes), but the "
+                       f"planner rounds sizes up to multiples of {exc.unit:.6g} bytes and the rounded plan does not "
+                       f"fit")
+            raise InfeasibleBudget(f"Checkpointable: no schedule fits in mem_limit {limit:.6g} bytes: {why} "
+                                   f"(budgets include {held:.6g} bytes for the output and its gradient); pass a "
+                                   f"larger mem_limit", smallest, exc.unit) from None
         if self.verbosity >= 1:
             logger.info("%s", self.sequence.describe())
         return self.sequence
@@ -536,7 +675,7 @@ class Checkpointable(nn.Module):
             return min(plain, 0.9 * free)
         return plain
 
-    def fit_to_tpu(self, hbm_bytes: float, loss_fn: Optional[Any] = None, generation: Optional[str] = None,
+    def fit_to_tpu(self, hbm_bytes: Union[float, str], loss_fn: Optional[Any] = None, generation: Optional[str] = None,
                    probes: int = 6) -> Schedule:
         """Plan for a TPU without one: the fastest schedule found whose training step, compiled deviceless for
         the TPU ``generation`` (default: ``tpu_generation``), fits ``hbm_bytes`` of HBM as the TPU compiler counts
@@ -551,8 +690,9 @@ class Checkpointable(nn.Module):
         from .memory import tpu_memory
 
         self._require_xla_sample("fit_to_tpu")
+        hbm_bytes = parse_bytes(hbm_bytes, "Checkpointable.fit_to_tpu: hbm_bytes")
         generation = generation or self.tpu_generation or "v5e"
-        loss = loss_fn or (lambda out: sum(t.sum() for t in backend.tensors_in(out)))
+        loss = loss_fn or (lambda out: sum(t.sum() for t in tensor_leaves(out)))
 
         def compiled_peak(budget: float) -> Tuple[Schedule, int]:
             schedule = self.compute_sequence(budget)
@@ -594,11 +734,11 @@ class Checkpointable(nn.Module):
 
         self._require_xla_sample("tpu_activation_memory")
         self._need_sequence()
-        loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in backend.tensors_in(out)
+        loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in tensor_leaves(out)
                                            if t.is_floating_point()))
         compiled = tpu_memory(self._step_stablehlo(loss), generation or self.tpu_generation or "v5e", hbm_only=True,
                               liveness=True)
-        return compiled.live_peak_bytes + tensor_bytes(self._sample)
+        return compiled.live_peak_bytes + value_bytes(self._sample)
 
     def _require_xla_sample(self, caller: str) -> None:
         if self._sample is None or self.chain is None:
@@ -630,7 +770,11 @@ class Checkpointable(nn.Module):
         return self._need_sequence().describe()
 
     # -- running -----------------------------------------------------------------------------------------------
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, *more: Any) -> Any:
+        if more:
+            raise TypeError(f"Checkpointable takes the model's input as one argument, as nn.Sequential does; got "
+                            f"{1 + len(more)}. Pass several tensors as one tuple, checkpointed((a, b)): the first "
+                            f"stage receives the tuple as its one argument")
         if not (self.training and torch.is_grad_enabled()):
             return self.model(x)
         if self._signature is not None and _signature(x) != self._signature:
@@ -641,13 +785,44 @@ class Checkpointable(nn.Module):
             self.measure(x)
         if self.sequence is None:
             self.compute_sequence()
-        tensors = list(backend.tensors_in(x))
+        schedule = self._checked_sequence()
+        structure = _Structure(x)
+        tensors = tensor_leaves(x)
         device = tensors[0].device
-        run = _Run(self, self.sequence, device)
+        run = _Run(self, schedule, device, structure)
         dummy = torch.empty(0, device=device, requires_grad=True)
+        params = [p for p in self.parameters() if p.requires_grad]
         with RecomputeState.of(self).python_random_check("Checkpointable"):
-            flat = _Schedule.apply(run, dummy, *tensors)
-        return _rebuild(run.out_structure, list(flat))
+            flat = _Schedule.apply(run, dummy, len(tensors), *tensors, *params)
+        return run.out_structure.rebuild(flat)
+
+    def _checked_sequence(self) -> Schedule:
+        """:attr:`sequence`, checked once to run on this chain (it may have been set by hand)."""
+        schedule = self.sequence
+        if schedule is not self._runnable:
+            try:
+                simulate(self.chain, schedule.ops)
+            except ScheduleError as exc:
+                raise ValueError(f"Checkpointable: the schedule in .sequence cannot run this model: {exc}. Set "
+                                 f".sequence = None (or call compute_sequence()) to plan again") from None
+            self._runnable = schedule
+        return schedule
+
+
+def _check_one_input(index: int, stage: nn.Module) -> None:
+    """Refuse a stage whose forward needs more than one argument: stages are called as nn.Sequential calls them."""
+    try:
+        parameters = inspect.signature(stage.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): left to the call
+        return
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    if len(names) > 1:
+        raise TypeError(
+            f"Checkpointable: stage {index} ({type(stage).__name__}) takes {len(names)} inputs ({', '.join(names)}); "
+            f"each stage is called with one argument, the previous stage's output (a tensor, or a tuple, list or "
+            f"dict of tensors), as nn.Sequential calls it. Give its forward one argument and unpack it "
+            f"(def forward(self, inputs): {', '.join(names)} = inputs), or let the stage before return that tuple")
 
 
 class _NoProgress:

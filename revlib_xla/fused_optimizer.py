@@ -7,8 +7,8 @@ Two ways in, one object (:class:`FusedOptimizer`) behind both:
   it acts per parameter: a post-accumulate-grad hook on every trainable parameter steps that parameter's own
   optimizer (built by ``factory([param])``) and drops ``param.grad``. Anything that produces gradients through
   ordinary autograd leaves (plain modules, ``torch.utils.checkpoint``, the planner's ``Checkpointable``) works with
-  it unchanged. Reversible sequences inside the model step their layers themselves, during their backward walk
-  (their parameter gradients would otherwise all arrive together when the sequence's backward ends).
+  it unchanged, and so do reversible sequences inside the model: their backward hands each layer's gradients to
+  autograd as soon as the layer is done.
 * ``ReversibleSequential(..., fused_optimizer=factory)`` (RevLib's API) builds one optimizer per layer and steps
   it inside the reversible backward, right after the layer's gradients are computed.
 
@@ -178,8 +178,8 @@ class FusedOptimizer(torch.optim.Optimizer):
     def step_accumulated(self, param: nn.Parameter) -> None:
         """Step the optimizer of ``param``, whose gradient autograd has just accumulated into ``param.grad``.
 
-        Autograd also runs the hook when a reversible sequence already stepped the parameter in its backward and
-        passed no gradient on; there is nothing to do then."""
+        Autograd also runs the hook when a backward sends the parameter no gradient (a custom Function returning
+        ``None`` for it); there is nothing to do then."""
         if param.grad is not None:
             self._step_groups([self._of[id(param)]])
 
@@ -308,7 +308,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
         self._model_params = tuple(model.parameters())
         self._model_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         for module in model.modules():
-            if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: steps its layers in its backward
+            if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: its forward records
                 module._attached_fused_optimizer = self
         self._hook_params()
 

@@ -20,7 +20,7 @@ import enum
 
 import torch
 
-__all__ = ["GradDestination", "grad_destination"]
+__all__ = ["GradDestination", "grad_destination", "node_destination"]
 
 
 class GradDestination(enum.Enum):
@@ -40,7 +40,19 @@ def grad_destination(leaf: torch.Tensor) -> GradDestination:
     ``backward()`` does)."""
     if _WILL_EXECUTE is None or not leaf.requires_grad or leaf.grad_fn is not None:
         return GradDestination.ACCUMULATE
-    node = torch.autograd.graph.get_gradient_edge(leaf).node
+    return node_destination(torch.autograd.graph.get_gradient_edge(leaf).node)
+
+
+def node_destination(node) -> GradDestination:
+    """:func:`grad_destination` for the autograd node a gradient is sent to, e.g. an entry of a custom Function's
+    ``ctx.next_functions`` (cheaper than going through the tensor). For a leaf's ``AccumulateGrad`` node the three
+    answers mean what they mean for the leaf; for any other node, ``ACCUMULATE`` means that the engine will run it
+    (the gradient sent there is used) and ``UNUSED`` that it will not. ``None`` (no node: the tensor needs no
+    gradient) is ``UNUSED``."""
+    if node is None:
+        return GradDestination.UNUSED
+    if _WILL_EXECUTE is None:
+        return GradDestination.ACCUMULATE
     try:
         return GradDestination.ACCUMULATE if _WILL_EXECUTE(node) else GradDestination.UNUSED
     except RuntimeError as err:

@@ -54,7 +54,7 @@ __all__ = [
     "MemoryBreakdown", "EagerPeak", "eager_peak", "CudaPeak", "cuda_peak", "AllocatorPeak", "allocator_peak",
     "CompiledMemory", "stablehlo_of", "step_stablehlo", "xla_cpu_memory", "tpu_memory", "tpu_memory_many",
     "clear_compile_cache", "TPU_GENERATIONS", "MATMUL_PATTERN", "MissingDependencyError", "TpuCompileError",
-    "format_bytes",
+    "format_bytes", "parse_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,33 @@ def format_bytes(n: int) -> str:
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+#: Units :func:`parse_bytes` accepts (lower case): decimal ones are powers of 1000, binary ones powers of 1024.
+BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Union[int, float, str], what: str = "size") -> float:
+    """A positive byte count from a number of bytes or a string with a unit: ``"1GB"`` is 10**9 bytes, ``"512MiB"``
+    512 * 2**20, ``"1.5 GiB"`` 1.5 * 2**30. Decimal units (kB, MB, GB, TB) are powers of 1000 and binary ones (KiB,
+    MiB, GiB, TiB) powers of 1024, as their names say (SI and IEC); case and spaces are ignored. ``what`` names the
+    argument in the error raised for anything else."""
+    given = value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
+        unit = BYTE_UNITS.get(match.group(2) or "b") if match else None
+        if unit is None:
+            raise ValueError(f"{what}={value!r}: expected a number of bytes or a number with a unit, one of "
+                             f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "
+                             f"'1GB' or '512MiB'")
+        value = float(match.group(1)) * unit
+    elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}={value!r}: expected a number of bytes or a string such as '1GB' or '512MiB', not "
+                        f"{type(value).__name__}")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{what}={given!r}: must be a positive, finite number of bytes")
+    return value
 
 
 # =================================================================================================================
@@ -272,7 +299,24 @@ def _mem_tracker() -> Tuple[type, Any]:
     missing += [name for name in ("track_external", "get_tracker_snapshot") if not hasattr(MemTracker, name)]
     if missing:
         raise RuntimeError(f"{hint}, whose MemTracker lacks {', '.join(missing)}")
-    return MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        """MemTracker hooks the gradient of every parameter of each module that runs, and a parameter that does not
+        require grad (a frozen layer) refuses the hook with an error. A module holding one gets no gradient hooks;
+        its trainable parameters' gradients are still counted in the total (as gradients when a module of their
+        own hooks them, which holds for every parameter of a module whose parameters all train)."""
+
+        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
+                                             ) -> Tuple[int, int]:
+            frozen = any(not p.requires_grad for p in module.parameters())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+
+        def _update_and_maybe_create_winfos(self, t: Optional[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+            # Autograd runs a parameter's gradient hooks with None when a custom Function (Checkpointable, a
+            # reversible sequence) accumulated its gradient itself and passes none on: nothing to track.
+            return set() if t is None else super()._update_and_maybe_create_winfos(t, *args, **kwargs)
+
+    return Tracker, _MemRefType
 
 
 def _breakdown(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device, ref_type: Any

@@ -6,13 +6,20 @@ the backward pass rebuilds every layer's input from its output, so nothing but t
 
 Design (what differs from RevLib and why):
 
-* One ``autograd.Function`` owns the whole sequence and saves only the final two streams. Under XLA, lifetimes are
-  decided by graph dataflow, and a per-layer Function would keep every layer's output alive until its backward
-  (O(depth)); one Function over the sequence is what makes the compiled step O(1) in depth.
+* No activation is saved: each layer is one autograd node that keeps only its parameters and tensor arguments,
+  and the last one keeps the final two streams. Under XLA, lifetimes are decided by graph dataflow, and saving each
+  layer's output would keep it alive until its backward (O(depth)). The backward of the last layer rebuilds its
+  input from the saved output and hands it to the previous layer's backward, and so on down the sequence.
+* A node per layer lets autograd accumulate each layer's parameter gradients through the parameters' own
+  ``AccumulateGrad`` as soon as that layer is done (hooks, DDP and micro-batched accumulation see ordinary
+  parameters, and only one layer's gradients are in flight); the engine says which gradients a backward uses
+  (:mod:`revlib_xla.grad_destination`), so an input-gradient-only request computes no weight gradient and a fused
+  optimizer steps only in a training backward.
 * Before each layer's recomputation the backward places an optimization barrier over what it reads, so XLA cannot
   merge the recomputation with the forward (which would keep the forward's activations alive).
-* Parameters and tensor arguments are explicit inputs of the Function, so they get gradients whether or not the
+* Parameters and tensor arguments are explicit inputs of each layer's node, so they get gradients whether or not the
   input requires grad, and gradients of the other stream come from the coupling's own vector-Jacobian product.
+  Gradients of gradients (``create_graph=True``) raise: the rebuilt inputs carry no autograd history.
 * Each layer runs under a seed derived from one seed drawn per forward, with generators of its own (cpu, cuda; xla
   seeds the device), and the recomputation reuses it; the autocast state is captured at forward time and replayed;
   buffers a layer changes in its forward are given their earlier values for the recomputation (see
@@ -36,6 +43,7 @@ from torch.utils import _pytree as pytree
 from . import backend
 from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
+from .grad_destination import GradDestination, node_destination
 from .offload import ParameterStreamer, offload_tensor
 from .coupling import (COUPLING, CouplingPair, additive_coupling_forward, additive_coupling_inverse, first_tensor,
                        is_additive_forward, is_additive_inverse, optional_detach, pick)
@@ -138,7 +146,7 @@ def _not_yet(feature: str, issue: str) -> NotImplementedError:
 
 class ReversibleModuleCache:
     """Kept so RevLib code that builds one still runs. revlib_xla's reversible backward needs no cache: every
-    memory mode that saves memory runs the sequence-level Function, whose peak does not grow with depth."""
+    memory mode that saves memory runs the reversible backward walk, whose peak does not grow with depth."""
 
     def __init__(self) -> None:
         self.x0 = self.x1 = None
@@ -266,8 +274,8 @@ def _available_device(target_device: Union[str, torch.device]) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arguments: tensors inside args/kwargs become explicit Function inputs (so they get gradients and their in-place
-# modification is detected); everything else is passed through unchanged.
+# Arguments: tensors inside args/kwargs become explicit inputs of the layers' autograd nodes (so they get gradients
+# and their in-place modification is detected); everything else is passed through unchanged.
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -310,7 +318,7 @@ def _slots_in(obj: Any) -> List[int]:
 
 @dataclasses.dataclass
 class _Plan:
-    """What the sequence Function needs besides tensors: the layers, their arguments with tensors replaced by
+    """What the layers' autograd nodes need besides tensors: the layers, their arguments with tensors replaced by
     slots, and which (deduplicated) parameters each layer uses."""
 
     layers: List[ReversibleModule]
@@ -324,9 +332,13 @@ class _Plan:
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
     state: Optional[RecomputeState] = None  # the model's: which buffers its layers change in their forward
+    param_slots: List[List[Tuple[nn.Module, str, int]]] = dataclasses.field(default_factory=list)  # per layer:
+    # where its parameters sit in its modules (module, name, position in layer_params)
     offload: Optional["_LayerOffload"] = None
     fused: Optional[FusedOptimizer] = None
-    fused_done: Optional[List[List[int]]] = None  # per layer: params whose fused step runs after its gradient
+    fused_done: Optional[List[List[int]]] = None  # per layer: positions (in layer_params) of the fused-stepped ones
+    autocast: Optional[backend.AutocastState] = None  # at forward time, replayed by each recomputation
+    walk: Optional[Tuple[Tensor, Tensor]] = None  # the backward walk: the streams the next layer's backward rebuilds
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: List[ReversibleWrapper] = dataclasses.field(init=False)
     adds: List[bool] = dataclasses.field(init=False)          # per layer: coupling_forward is additive
@@ -349,7 +361,7 @@ class _Plan:
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
         self.saved_buffers = [None] * len(self.layers)
 
-    def args_for(self, i: int, arg_tensors: Sequence[Tensor]):
+    def args_for(self, i: int, arg_tensors: Union[Sequence[Tensor], Dict[int, Tensor]]):
         args, kwargs = self.layer_args[i]
         if not self.layer_arg_slots[i]:  # no tensors inside: nothing to fill in (the common case, and per layer)
             return args, kwargs
@@ -475,89 +487,137 @@ def _shape_of(value) -> str:
 
 
 _INPLACE_HINT = "modified by an inplace operation"
+_UNUSED, _ACCUMULATE = GradDestination.UNUSED, GradDestination.ACCUMULATE
 
 
-class _ReversibleSequenceFn(torch.autograd.Function):
-    """Runs every layer of a reversible sequence without autograd and keeps only the final two streams; the
-    backward walks the layers in reverse, rebuilding each layer's input from its output."""
-
-    @staticmethod
-    def forward(ctx, plan: _Plan, x0: Tensor, x1: Tensor, *flat: Tensor):
-        arg_tensors = flat[len(plan.params):]
-        device = x0.device
-        ctx.plan = plan
-        ctx.autocast = backend.AutocastState.capture(device)
-        off = plan.offload
-        with torch.no_grad(), ctx.autocast.replay(), \
-                rng_scope(device, plan.seed is not None, plan.generators) as reseed:
-            for i in range(len(plan.layers)):
-                args, kwargs = plan.args_for(i, arg_tensors)
-                reseed(plan.seed_of(i))
-                if off is None:
-                    watch = plan.watch_buffers(i)
-                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs)
-                    if watch is not None:
-                        plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
-                    continue
-                copies = off.streamer.fetch(i, prefetch=i + 1)
-                tensors = off.mapping(i, copies)
-                watch = plan.watch_buffers(i, tensors)
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
+def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The reversible forward: each layer runs without autograd as its own :class:`_ReversibleLayerFn` node, which
+    keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams)."""
+    device = x0.device
+    plan.autocast = backend.AutocastState.capture(device)
+    off = plan.offload
+    with plan.autocast.replay(), rng_scope(device, plan.seed is not None, plan.generators) as reseed:
+        for i in range(len(plan.layers)):
+            reseed(plan.seed_of(i))
+            own_args = [arg_tensors[k] for k in plan.layer_arg_slots[i]]
+            if off is None:
+                watch = plan.watch_buffers(i)
+                x0, x1 = _ReversibleLayerFn.apply(plan, i, None, x0, x1, *plan.own_params[i], *own_args)
                 if watch is not None:
                     plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
-                del tensors
-                backend.cut_graph(device)
-                off.write_back_buffers(i, copies)
-                del copies
-                off.streamer.release(i)
-        if off is not None:
-            off.streamer.release_all()
-        # The output streams are kept as detached aliases rather than saved tensors, so the backward can drop them
-        # as soon as it has rebuilt the last layer's input (saved tensors live until the backward returns); their
-        # version is checked by hand, as save_for_backward would.
-        ctx.streams = [x0.detach(), x1.detach()]
-        ctx.stream_versions = (x0._version, x1._version)
-        ctx.save_for_backward(*plan.params, *arg_tensors)
-        return x0, x1
+                continue
+            copies = off.streamer.fetch(i, prefetch=i + 1)
+            tensors = off.mapping(i, copies)
+            watch = plan.watch_buffers(i, tensors)
+            x0, x1 = _ReversibleLayerFn.apply(plan, i, tensors, x0, x1, *plan.own_params[i], *own_args)
+            if watch is not None:
+                plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+            del tensors
+            backend.cut_graph(device)
+            off.write_back_buffers(i, copies)
+            del copies
+            off.streamer.release(i)
+    if off is not None:
+        off.streamer.release_all()
+    return x0, x1
+
+
+@dataclasses.dataclass
+class _Wanted:
+    """Which gradients of one layer the running backward uses (read from the engine, per input edge)."""
+
+    x0: bool
+    x1: bool
+    params: List[GradDestination]  # aligned with plan.layer_params[i]
+    args: List[bool]               # aligned with plan.layer_arg_slots[i]
+    previous: bool                 # the previous layer's backward runs next (the walk goes on)
+
+
+class _ReversibleLayerFn(torch.autograd.Function):
+    """One reversible layer as one autograd node that saves no activation.
+
+    The forward runs the layer without autograd; only the last layer keeps the final two streams. The backward of
+    the last layer rebuilds its input from them, recomputes the layer with autograd, takes its vector-Jacobian
+    product, and hands the rebuilt input to the previous layer's backward (through the plan); the engine runs the
+    layers' backwards in reverse order, since each layer's outputs feed only the next layer.
+
+    A node per layer (rather than one over the sequence) lets the engine accumulate each layer's parameter
+    gradients as soon as that layer is done, through the parameters' own ``AccumulateGrad`` (hooks, DDP,
+    post-accumulate-grad hooks and ``torch.autograd.grad`` all see an ordinary parameter). Activation memory is the
+    same: under XLA, lifetimes follow what is saved, and no node saves an intermediate stream.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, i: int, tensors: Optional[Dict[str, Tensor]], x0: Tensor, x1: Tensor,
+                *flat: Tensor):
+        ctx.plan, ctx.i = plan, i
+        n_params = len(plan.layer_params[i])
+        args, kwargs = plan.args_for(i, dict(zip(plan.layer_arg_slots[i], flat[n_params:])))
+        y1 = _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
+        ctx.save_for_backward(*flat)
+        if i == len(plan.layers) - 1:
+            # The output streams are kept as detached aliases rather than saved tensors, so the backward can drop
+            # them as soon as it has rebuilt the last layer's input (saved tensors live until the graph is freed);
+            # their version is checked by hand, as save_for_backward would.
+            ctx.streams = [x1.detach(), y1.detach()]
+            ctx.stream_versions = (x1._version, y1._version)
+        return x1.detach(), y1
 
     @staticmethod
     def backward(ctx, dy0: Tensor, dy1: Tensor):
         plan: _Plan = ctx.plan
+        i = ctx.i
+        if torch.is_grad_enabled():
+            raise ReversibleError(
+                f"ReversibleSequential ({plan.describe(i)}): a gradient of a gradient (create_graph=True, e.g. a "
+                f"gradient penalty or a Hessian-vector product) cannot be taken through the reversible backward: it "
+                f"rebuilds each layer's input from the output without autograd history, so the second-order "
+                f"gradients would be wrong. Use memory_mode=MemoryModes.no_savings for this model.")
         try:
             saved = ctx.saved_tensors
         except RuntimeError as err:
             if _INPLACE_HINT not in str(err):
                 raise
             raise ReversibleError(
-                "a tensor the reversible backward needs was modified in place after the forward: the sequence's "
-                "output, one of its parameters, or a tensor argument (mask, memory, ...). Clone it before "
-                "changing it, or change it only after backward().") from None
-        streams = ctx.streams
-        if (streams[0]._version, streams[1]._version) != ctx.stream_versions:
-            raise ReversibleError(
-                "a tensor the reversible backward needs was modified in place after the forward: the sequence's "
-                "output. Clone it before changing it, or change it only after backward().")
-        y0, y1 = streams
-        if not _keeps_graph():
-            ctx.streams = None  # the last references: the streams are freed once the last layer is rebuilt
-        del streams
-        n_params = len(plan.params)
-        arg_tensors = saved[n_params:]
-        needs_arg_grad = ctx.needs_input_grad[3 + n_params:]
-        recompute_args = [a.detach().requires_grad_() if need else a for a, need in zip(arg_tensors, needs_arg_grad)]
-        param_grads: List[Optional[Tensor]] = [None] * n_params
-        arg_grads: List[Optional[Tensor]] = [None] * len(arg_tensors)
-
+                f"a tensor the reversible backward needs was modified in place after the forward: a parameter or a "
+                f"tensor argument (mask, memory, ...) of {plan.describe(i)}. Clone it before changing it, or change "
+                f"it only after backward().") from None
+        if i == len(plan.layers) - 1:  # the walk starts from the saved output
+            streams = ctx.streams
+            if (streams[0]._version, streams[1]._version) != ctx.stream_versions:
+                raise ReversibleError(
+                    "a tensor the reversible backward needs was modified in place after the forward: the "
+                    "sequence's output. Clone it before changing it, or change it only after backward().")
+            if not _keeps_graph():
+                ctx.streams = None  # the last references: the streams are freed once the last layer is rebuilt
+            y0, y1 = streams
+            later = ()
+        else:
+            y0, y1, later = plan.walk
+        plan.walk = streams = None
+        want = _wanted(ctx, plan, i)
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
-        # autograd does. Off then and off now (the usual case), there is nothing to enter for each layer.
-        ctx.layer_autocast = ctx.autocast.replay if ctx.autocast.differs_from_now() else _nothing
+        # autograd does. Off then and off now (the usual case), there is nothing to enter.
+        ctx.layer_autocast = plan.autocast.replay if plan.autocast.differs_from_now() else _nothing
         with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
-            for i in reversed(range(len(plan.layers))):
-                y0, y1, dy0, dy1 = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed, recompute_args,
-                                                   needs_arg_grad, param_grads, arg_grads)
-        if plan.offload is not None:
+            x0, y0, dx0, dx1, grads, finished = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed,
+                                                                saved[len(plan.layer_params[i]):], want, later)
+        if want.previous:
+            plan.walk = (x0, y0, finished)
+        elif plan.offload is not None:
             plan.offload.streamer.release_all()
-        return (None, dy0, dy1, *param_grads, *arg_grads)
+        return (None, None, None, dx0, dx1, *grads)
+
+
+def _wanted(ctx, plan: _Plan, i: int) -> _Wanted:
+    """Which of layer ``i``'s input gradients the running backward will use: a parameter's gradient may be
+    accumulated (``backward()``), captured (``torch.autograd.grad(loss, params)``) or unused (an input gradient
+    only), and only what is used is computed (and only accumulated gradients may be stepped by a fused optimizer)."""
+    edges = [node for node, _ in ctx.next_functions]  # x0, x1, then the layer's parameters and tensor arguments
+    n_params = len(plan.layer_params[i])
+    x0, x1 = (node_destination(node) is not _UNUSED for node in edges[:2])
+    return _Wanted(x0, x1, [node_destination(node) for node in edges[2:2 + n_params]],
+                   [node_destination(node) is not _UNUSED for node in edges[2 + n_params:]], i > 0 and x1)
 
 
 def _keeps_graph() -> bool:
@@ -568,35 +628,52 @@ def _keeps_graph() -> bool:
 
 
 def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, reseed,
-                    recompute_args: List[Tensor], needs_arg_grad: Sequence[bool],
-                    param_grads: List[Optional[Tensor]], arg_grads: List[Optional[Tensor]]):
-    """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input and the
-    gradient flowing into it; parameter and argument gradients are accumulated into the given lists.
+                    own_arg_tensors: Sequence[Tensor], want: _Wanted, later: Sequence[Tensor]):
+    """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input, the
+    gradients flowing into its two input streams, those of its parameters and tensor arguments (``None`` for what
+    ``want`` says is unused), and what the previous layer's recomputation must wait for (XLA).
+
+    ``later``: what layer ``i + 1`` finished (its parameter and argument gradients, and its parameters after a fused
+    step), put behind this layer's barrier: otherwise XLA may schedule every layer's weight-gradient matmuls (and
+    fused steps) after the whole walk, keeping every layer's recomputed activations and output gradients alive.
 
     This runs once per layer in every backward, so per-layer bookkeeping is kept out of it (see ``_Plan``): on
     small layers the Python around the block costs as much as the block."""
     wrapper = plan.wrappers[i]
     off = plan.offload
     tensors = None
+    used = [j for j, dest in enumerate(want.params) if dest is not _UNUSED]  # positions in plan.layer_params[i]
     if off is None:
-        own_params = plan.own_params[i]
+        layer_params = plan.own_params[i]
     else:  # differentiate against device copies of the host parameters; their gradients go back to the host
-        copies = list(off.streamer.fetch(i, prefetch=i - 1))
-        for k in plan.layer_params[i]:
-            pos = off.param_pos[i][k]
+        copies = list(off.streamer.fetch(i, prefetch=i - 1 if want.previous else None))
+        for j in used:
+            pos = off.param_pos[i][plan.layer_params[i][j]]
             copies[pos] = copies[pos].detach().requires_grad_()
-        own_params = [copies[off.param_pos[i][k]] for k in plan.layer_params[i]]
+        layer_params = [copies[off.param_pos[i][k]] for k in plan.layer_params[i]]
         tensors = off.mapping(i, copies)
         del copies
-    own_args = [k for k in plan.layer_arg_slots[i] if needs_arg_grad[k]]
-    backend.optimization_barrier_([y0, y1, dy0, dy1, *own_params])
+    recompute_args = {k: a.detach().requires_grad_() if need else a
+                      for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)}
+    own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
+    backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
+    replaced = _NOTHING
+    if off is None and used:
+        # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
+        # would run their tensor hooks, which run again when the engine accumulates the gradients returned here.
+        aliases = {j: layer_params[j].detach().requires_grad_() for j in used}
+        replaced = _parameters_replaced(plan.param_slots[i], aliases)
+        own_params = list(aliases.values())
+    else:
+        own_params = [layer_params[j] for j in used]
     args, kwargs = plan.args_for(i, recompute_args)
     saved = plan.saved_buffers[i]  # the forward's buffer values; the current ones are put back after the gradient
     with saved.replayed(plan.buffers_of(i, tensors)) if saved is not None else _NOTHING:
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.layer_autocast():
-            x1 = y0.detach().requires_grad_()
-            fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
+            x1 = y0.detach().requires_grad_(want.x1)
+            with replaced:
+                fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
             if plan.subtracts[i] and isinstance(fn_out, torch.Tensor):
                 x0 = y1 - fn_out.detach()
             else:
@@ -610,41 +687,77 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
             # need not be differentiated: one graph node and one stream-sized tensor less per layer.
             out = first_tensor(fn_out)
             additive = plan.additive[i] and isinstance(out, torch.Tensor) and out.shape == y1.shape
+            x0_leaf = []
             if not additive:
-                x0_leaf = x0.detach().requires_grad_()
-                out = wrapper.couple(x0_leaf, fn_out)
+                x0_leaf = [x0.detach().requires_grad_()] if want.x0 else []
+                out = wrapper.couple(x0_leaf[0] if x0_leaf else x0, fn_out)
                 if plan.stream_dtype is not None:
                     out = out.to(plan.stream_dtype)
-        if additive:
-            grads = (dy1,) + _vjp(out, [x1, *own_params, *(recompute_args[k] for k in own_args)], dy1)
-        else:
-            grads = _vjp(out, [x0_leaf, x1, *own_params, *(recompute_args[k] for k in own_args)], dy1)
-    del fn_out, out, tensors, own_params
-    dx0 = grads[0] if grads[0] is not None else torch.zeros_like(x0)
-    dx1 = dy0 if grads[1] is None else dy0 + grads[1]
+        inputs = [*x0_leaf, *([x1] if want.x1 else []), *own_params, *own_args]
+        grads = list(_vjp(out, inputs, dy1)) if inputs else []
+    del fn_out, out, tensors, own_params, layer_params, inputs
+    grads.reverse()  # popped in the order of the inputs
+    dx0 = None
+    if want.x0:
+        dx0 = dy1 if additive else grads.pop()
+        dx0 = torch.zeros_like(x0) if dx0 is None else dx0
+    dx1 = None
+    if want.x1:
+        g = grads.pop()
+        dx1 = dy0 if g is None else dy0 + g
     if off is not None:
-        backend.cut_graph(dx0)  # xla: this layer's recomputation and gradients as one graph, run now
-    n_own = len(plan.layer_params[i])
-    for k, g in zip(plan.layer_params[i], grads[2:2 + n_own]):
-        if g is not None:
-            if off is not None:
-                g = backend.to_host_blocking(g, plan.params[k].device)
-            param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
-    for k, g in zip(own_args, grads[2 + n_own:]):
-        if g is not None:
-            arg_grads[k] = g if arg_grads[k] is None else arg_grads[k] + g
-    del grads
+        backend.cut_graph(x0)  # xla: this layer's recomputation and gradients as one graph, run now
+    param_grads: List[Optional[Tensor]] = [None] * len(want.params)
+    for j in used:
+        g = grads.pop()
+        if g is not None and off is not None:
+            g = backend.to_host_blocking(g, plan.params[plan.layer_params[i][j]].device)
+        param_grads[j] = g
+    arg_grads = [grads.pop() if need else None for need in want.args]
     if off is not None:
         off.streamer.release(i)
     if plan.fused is not None and plan.fused_done[i]:  # this layer's gradients are complete: step, then free them
-        done = plan.fused_done[i]
-        plan.fused.step_params([plan.params[k] for k in done], [param_grads[k] for k in done])
-        for k in done:
-            param_grads[k] = None
-    return x0, y0, dx0, dx1
+        done = [j for j in plan.fused_done[i] if want.params[j] is _ACCUMULATE]  # never on autograd.grad()
+        if done:
+            plan.fused.step_params([plan.params[plan.layer_params[i][j]] for j in done],
+                                   [param_grads[j] for j in done])
+        for j in done:
+            param_grads[j] = None
+    finished: Tuple[List[Tensor], List[nn.Parameter]] = ([], [])
+    if backend.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
+        # An accumulated gradient is reached through its parameter's .grad: holding it here would make
+        # AccumulateGrad copy it rather than take it over.
+        kept = [g for g, dest in zip(param_grads, want.params) if g is not None and dest is not _ACCUMULATE]
+        finished = (kept + [g for g in arg_grads if g is not None], plan.own_params[i])
+    return x0, y0, dx0, dx1, param_grads + arg_grads, finished
+
+
+def _finished(later) -> List[Tensor]:
+    """The tensors a layer finished (see :func:`_layer_backward`), read once the engine has accumulated its
+    gradients: the gradients it returned, its parameters (changed by a fused step) and their ``.grad``."""
+    if not later:
+        return []
+    grads, params = later
+    return [*grads, *params, *(p.grad for p in params if p.grad is not None)]
 
 
 _NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _parameters_replaced(slots: Sequence[Tuple[nn.Module, str, int]], tensors: Dict[int, Tensor]):
+    """Run with ``tensors[j]`` in place of the parameter at position ``j`` (``slots``: where each sits), as
+    ``torch.func.functional_call`` does, without its per-call cost."""
+    swapped = []
+    try:
+        for module, name, j in slots:
+            if j in tensors:
+                swapped.append((module, name, module._parameters[name]))
+                module._parameters[name] = tensors[j]
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
 
 
 def _nothing() -> contextlib.nullcontext:
@@ -839,13 +952,13 @@ class ReversibleSequential(nn.Sequential):
 
         params: List[nn.Parameter] = []
         index: Dict[int, int] = {}
-        layer_params, layer_buffers = [], []
+        layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
         check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
         for i, layer in enumerate(layers):
-            own, float_dtypes, modules = [], set(), list(layer.modules())
+            own, slots, float_dtypes, modules = [], [], set(), list(layer.modules())
             for module in modules:
-                for p in module._parameters.values():
+                for name, p in module._parameters.items():
                     if p is not None and p.is_floating_point():
                         float_dtypes.add(p.dtype)
                     if p is None or not p.requires_grad:
@@ -855,8 +968,10 @@ class ReversibleSequential(nn.Sequential):
                         params.append(p)
                     if index[id(p)] not in own:
                         own.append(index[id(p)])
+                    slots.append((module, name, own.index(index[id(p)])))
             layer_params.append(own)
             layer_buffers.append(owned_buffers(modules))
+            param_slots.append(slots)
             if check_dtypes and float_dtypes and blocks_see not in float_dtypes:
                 raise _dtype_mismatch(_layer_label(i, names[i], layer), float_dtypes, blocks_see,
                                       self.compute_dtype is not None)
@@ -865,13 +980,17 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
                      layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None,
-                     stream_dtype, compute_dtype, RecomputeState.of(self))
+                     stream_dtype, compute_dtype, RecomputeState.of(self), param_slots=param_slots)
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
+        # The fused optimizer built from fused_optimizer= is stepped by the backward walk, one layer at a time;
+        # one attached by fuse_optimizer steps each parameter from its post-accumulate-grad hook, which the engine
+        # runs as soon as the layer's backward has returned the gradient, as for any module.
         fused = self.fused_optimizer
         if fused is not None and self.memory_mode != MemoryModes.no_savings:
             fused.record_forward(x0.device)
-            plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
+            if fused is not self._attached_fused_optimizer:
+                plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
         return plan, arg_tensors
 
     # -- parameter offload and fused optimizer --------------------------------------------------------------------
@@ -964,7 +1083,7 @@ class ReversibleSequential(nn.Sequential):
                     f"{', '.join(plan.describe(i) for i in layers)}: its gradient arrives in parts, one per layer, "
                     f"and the first layers' recomputation still reads it. Untie the weights or use an unfused "
                     f"optimizer")
-        return [[k for k in own if fused.covers(plan.params[k])] for own in plan.layer_params]
+        return [[j for j, k in enumerate(own) if fused.covers(plan.params[k])] for own in plan.layer_params]
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
     def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,
@@ -989,7 +1108,7 @@ class ReversibleSequential(nn.Sequential):
             if self._verifies(plan, x0):
                 _check_plan(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):
-                x0, x1 = _ReversibleSequenceFn.apply(plan, x0, x1, *plan.params, *arg_tensors)
+                x0, x1 = _run_layers(plan, x0, x1, arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
 

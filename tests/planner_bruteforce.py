@@ -18,32 +18,33 @@ OpT = Tuple[str, int, int]
 
 
 def schedules(length: int, options: int = 1, extended: bool = False) -> List[Tuple[OpT, ...]]:
-    n = length
+    return list(segment_schedules(0, length, length, options, extended))
 
-    @functools.lru_cache(maxsize=None)
-    def seg(i: int, l: int) -> Tuple[Tuple[OpT, ...], ...]:  # noqa: E741
-        out: List[Tuple[OpT, ...]] = []
-        if i == l:
-            if i == n:
-                return ((("L", n, 0),),)
-            return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
+
+@functools.lru_cache(maxsize=None)
+def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool = False  # noqa: E741
+                      ) -> Tuple[Tuple[OpT, ...], ...]:
+    """Every persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss)."""
+    out: List[Tuple[OpT, ...]] = []
+    if i == l:
+        if i == n:
+            return ((("L", n, 0),),)
+        return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
+    for c in range(options):
+        for rest in segment_schedules(i + 1, l, n, options, extended):
+            out.append((("Fe", i, c),) + rest + (("B", i, c),))
+    for j in range(i + 1, l + 1):
+        fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+        for later in segment_schedules(j, l, n, options, extended):
+            for earlier in segment_schedules(i, j - 1, n, options, extended):
+                out.append(fwd + later + earlier)
+                if extended:
+                    out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
+    if extended:
         for c in range(options):
-            for rest in seg(i + 1, l):
-                out.append((("Fe", i, c),) + rest + (("B", i, c),))
-        for j in range(i + 1, l + 1):
-            fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
-            for later in seg(j, l):
-                for earlier in seg(i, j - 1):
-                    out.append(fwd + later + earlier)
-                    if extended:
-                        out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
-        if extended:
-            for c in range(options):
-                for rest in seg(i + 1, l):
-                    out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
-        return tuple(out)
-
-    return list(seg(0, n))
+            for rest in segment_schedules(i + 1, l, n, options, extended):
+                out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
+    return tuple(out)
 
 
 def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
@@ -145,3 +146,73 @@ def best(all_schedules: Sequence[Tuple[OpT, ...]], chains: Dict[str, np.ndarray]
         lowest = np.where(runs, np.minimum(lowest, peak), lowest)
         fastest = np.where(runs & (peak <= budget), np.minimum(fastest, time), fastest)
     return fastest, lowest
+
+
+@functools.lru_cache(maxsize=None)
+def _count(i: int, l: int) -> int:  # noqa: E741
+    """How many persistent schedules (rotor's: chain and leaf steps) segment [i, l] has."""
+    if i == l:
+        return 1
+    return _count(i + 1, l) + sum(_count(j, l) * _count(i, j - 1) for j in range(i + 1, l + 1))
+
+
+def sample(i: int, l: int, n: int, rng) -> Tuple[OpT, ...]:  # noqa: E741
+    """A persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss), drawn uniformly among
+    all of them (rotor's chain and leaf steps, one option per stage)."""
+    if i == l:
+        return (("L", n, 0),) if i == n else (("Fe", i, 0), ("B", i, 0))
+    pick = rng.randrange(_count(i, l))
+    if pick < _count(i + 1, l):
+        return (("Fe", i, 0),) + sample(i + 1, l, n, rng) + (("B", i, 0),)
+    pick -= _count(i + 1, l)
+    for j in range(i + 1, l + 1):
+        pick -= _count(j, l) * _count(i, j - 1)
+        if pick < 0:
+            fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+            return fwd + sample(j, l, n, rng) + sample(i, j - 1, n, rng)
+    raise AssertionError("unreachable")
+
+
+def segments(ops: Sequence[OpT], n: int) -> List[Tuple[int, int, int, int]]:
+    """The segments of a persistent schedule of an n-stage chain: (i, l, start, end), ops[start:end] running
+    segment [i, l], the whole schedule first."""
+    out: List[Tuple[int, int, int, int]] = []
+    pos = 0
+
+    def seg(i: int, l: int) -> None:  # noqa: E741
+        nonlocal pos
+        start, k = pos, len(out)
+        out.append((i, l, start, -1))
+        kind = ops[pos][0]
+        pos += 1
+        if kind == "Fe":
+            if i < l:
+                seg(i + 1, l)
+            assert ops[pos][:2] == ("B", i), (ops, pos)
+            pos += 1
+        elif kind == "CF":
+            j = i + 1
+            while ops[pos][0] == "Fn":
+                j, pos = j + 1, pos + 1
+            seg(j, l)
+            seg(i, j - 1)
+        else:
+            assert kind == "L" and i == l == n, (ops, pos)
+        out[k] = (i, l, start, pos)
+
+    seg(0, n)
+    assert pos == len(ops)
+    return out
+
+
+def neighbours(ops: Sequence[OpT], n: int, count: int, rng, every_below: int = 5) -> List[Tuple[OpT, ...]]:
+    """Schedules that differ from ``ops`` in one segment run another way: every other way for segments of fewer
+    than ``every_below`` stages after the first, and ``count`` drawn uniformly over all segments. Near an optimal
+    schedule, where a better one would be if the optimum were a local mistake."""
+    parts = segments(ops, n)
+    out = [tuple(ops[:start]) + other + tuple(ops[end:]) for i, l, start, end in parts if l - i < every_below
+           for other in segment_schedules(i, l, n)]
+    for _ in range(count):
+        i, l, start, end = parts[rng.randrange(len(parts))]
+        out.append(tuple(ops[:start]) + sample(i, l, n, rng) + tuple(ops[end:]))
+    return out

@@ -1,4 +1,5 @@
 """Checkpointable: planned schedules run, give the plain model's gradients, and stay within their budget."""
+import collections
 import copy
 import dataclasses
 import importlib.util
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import backend
+from revlib_xla import atomic, backend
 from revlib_xla.memory import eager_peak
 from revlib_xla.models import TransformerConfig, gpt, resnet18
 from revlib_xla.planner import InfeasibleBudget, min_memory, no_checkpoint_memory, solve
@@ -266,8 +267,8 @@ def test_cuda_peak_within_budget():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, input=x)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     for fraction in BUDGET_FRACTIONS:
         budget = checkpointed.min_memory() + fraction * (checkpointed.no_checkpoint_memory() -
                                                          checkpointed.min_memory())
@@ -276,7 +277,7 @@ def test_cuda_peak_within_budget():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        for g, r in zip(gradients(model, step, x), reference):
+        for g, r in zip(gradients(checkpointed, step, x), reference):
             assert max_rel_err(g, r) <= 1e-10
         peak = torch.cuda.max_memory_allocated(device) - start
         assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())
@@ -293,8 +294,8 @@ def test_stage_options_are_planned_and_run():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, saved_dtypes=(torch.float32,))
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     chain = checkpointed.measure(x)
     for i in range(1, 7):  # the residual blocks: their floating saved tensors halve (bool dropout masks do not;
         option = chain.options[i][0]  # the output is kept at full size)
@@ -318,7 +319,7 @@ def test_stage_options_are_planned_and_run():
             chosen.append(with_options)
     assert chosen
     checkpointed.sequence = chosen[0]
-    for g, r in zip(gradients(model, step, x), reference):
+    for g, r in zip(gradients(checkpointed, step, x), reference):
         assert max_rel_err(g, r) <= 1e-6
 
 
@@ -388,3 +389,322 @@ def test_planned_peak_tracks_what_the_tpu_compiler_keeps():
     ratios = [c / p for c, p in zip(compiled, planned)]
     assert sum(abs(r - 1) <= 0.15 for r in ratios) >= 5, list(zip(planned, compiled))
     assert all(abs(r - 1) <= 0.15 for r in ratios), list(zip(planned, compiled))
+
+
+# -- real use: containers, autograd's other entry points, frozen stages, budgets given as text ---------------------
+Pair = collections.namedtuple("Pair", "a b")
+CONTAINERS = {"dict": lambda a, b: {"a": a, "b": b}, "list": lambda a, b: [a, b], "tuple": lambda a, b: (a, b),
+              "namedtuple": Pair}
+
+
+def _halves(x):
+    return (x["a"], x["b"]) if isinstance(x, dict) else (x[0], x[1])
+
+
+class Mix(nn.Module):
+    """A stage taking and returning two tensors in one container of the given kind."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.pack = CONTAINERS[kind]
+        self.lin = nn.Linear(8, 8).double()
+
+    def forward(self, x):
+        a, b = _halves(x)
+        return self.pack(torch.tanh(self.lin(a)) + b, a * b)
+
+
+def _tight(checkpointed):
+    """The smallest budget's plan (sizes round up to mem_limit/mem_slots, hence the margin), which recomputes. Where
+    the measured sizes make it the plain plan (XLA's compiled sizes of a tiny model), the one planned for the same
+    stages with unit sizes."""
+    schedule = checkpointed.compute_sequence(checkpointed.min_memory() * 1.05)
+    if schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) == 0:
+        n = checkpointed.chain.length
+        unit = checkpointed.chain.replace(cw=[1] * (n + 1), cbw=[0] + [3] * n, fwd_tmp=[0] * n, bwd_tmp=[0] * (n + 1))
+        schedule = checkpointed.sequence = solve(unit, min_memory(unit), mem_slots=int(min_memory(unit)))
+    assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0
+    return schedule
+
+
+@pytest.mark.parametrize("kind", sorted(CONTAINERS))
+def test_container_inputs_and_outputs_give_the_plain_gradients(kind):
+    """Stages passing a dict, list, tuple or named tuple: the output keeps its kind, and the input's and the
+    parameters' gradients equal the plain model's (a dict input once got no input gradient, a named tuple could
+    not be rebuilt)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Mix(kind) for _ in range(5)])
+    a = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    wa, wb = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+
+    def run(m):
+        a.grad = b.grad = None
+        model.zero_grad(set_to_none=True)
+        out = m(CONTAINERS[kind](a, b))
+        ya, yb = _halves(out)
+        ((ya * wa).sum() + (yb * wb).sum()).backward()
+        return out, [a.grad, b.grad] + [p.grad for p in model.parameters()]
+
+    want_out, want = run(model)
+    checkpointed = revlib.Checkpointable(model, input=CONTAINERS[kind](a, b))
+    for _ in ("default plan", "tight plan"):
+        out, got = run(checkpointed)
+        assert type(out) is type(want_out)
+        for g, w in zip(_halves(out), _halves(want_out)):
+            assert torch.equal(g, w)
+        for g, w in zip(got, want):
+            assert g is not None and max_rel_err(g, w) <= 1e-12
+        _tight(checkpointed)
+
+
+def test_containers_pytree_cannot_walk_are_refused():
+    """A stage output holding tensors in a container torch.utils._pytree does not walk (a list subclass) is
+    refused when measured, naming the stage and the class: its tensors would get no gradient."""
+
+    class Bag(list):
+        pass
+
+    class ToBag(nn.Module):
+        def forward(self, x):
+            return Bag([x, 2 * x])
+
+    model = nn.Sequential(nn.Linear(4, 4), ToBag(), nn.Identity())
+    with pytest.raises(TypeError, match=r"measuring stage 1 \(ToBag\).*inside a Bag, which torch.utils._pytree "
+                                        r"does not walk"):
+        revlib.Checkpointable(model, input=torch.randn(2, 4))
+
+
+def _dropout_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def test_double_backward_gives_the_plain_gradients_of_gradients():
+    """Gradient penalties (create_graph=True) on the input gradient and on the parameter gradients: the gradients of
+    those gradients, with respect to the input and to the parameters, equal the plain model's, dropout included; a
+    warning says the plan does not bound that backward's memory."""
+    model = _dropout_mlp()
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def step(m):
+        torch.manual_seed(4)
+        inp = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        out = m(inp)
+        grad_x, = torch.autograd.grad(out.square().sum(), inp, create_graph=True)
+        (out.sum() + grad_x.square().sum()).backward()
+        return [inp.grad] + [p.grad for p in model.parameters()]
+
+    def penalty_on_parameter_gradients(m):
+        torch.manual_seed(4)
+        model.zero_grad(set_to_none=True)
+        grads = torch.autograd.grad(m(x).square().sum(), list(model.parameters()), create_graph=True)
+        sum(g.square().sum() for g in grads).backward()
+        return [p.grad for p in model.parameters()]
+
+    checkpointed = revlib.Checkpointable(model, input=x)
+    plain = SeededUnits(checkpointed.stages)  # the plain model, with the masks Checkpointable draws
+    want = step(plain) + penalty_on_parameter_gradients(plain)
+    _tight(checkpointed)
+    with pytest.warns(UserWarning, match="create_graph=True.*memory plan does not apply"):
+        got = step(checkpointed) + penalty_on_parameter_gradients(checkpointed)
+    for g, w in zip(got, want):
+        assert max_rel_err(g, w) <= 1e-12
+
+
+def test_second_backward_through_a_retained_graph():
+    """backward(retain_graph=True) then backward again accumulates the same gradients twice, as plain autograd does
+    (the second backward replays the forward phase with the first one's dropout masks and leaves running
+    statistics alone); a third backward without a retained graph gets torch's own error."""
+    model = _dropout_mlp()
+    model.insert(1, nn.BatchNorm1d(16).double())
+    x = torch.randn(5, 6, dtype=torch.float64)
+    state = copy.deepcopy(model.state_dict())
+
+    def step(m):
+        model.load_state_dict(state)
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(4)
+        loss = m(x).square().sum()
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()]
+        loss.backward()
+        return loss, first, [p.grad.clone() for p in model.parameters()], copy.deepcopy(model.state_dict())
+
+    checkpointed = revlib.Checkpointable(model, input=x)
+    _, want_first, want, want_state = step(SeededUnits(checkpointed.stages))  # the plain model, the same masks
+    _tight(checkpointed)
+    loss, first, got, got_state = step(checkpointed)
+    for g1, w1, g, w in zip(first, want_first, got, want):
+        assert max_rel_err(g1, w1) <= 1e-12 and max_rel_err(g, w) <= 1e-12
+        assert max_rel_err(g, 2 * g1) <= 1e-12
+    for key, value in want_state.items():
+        assert torch.equal(got_state[key], value), key
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("budget", ["default", "tight"])
+def test_frozen_first_stage(budget):
+    """Fine-tuning: the first stage's parameters do not require grad. The trainable ones get the plain model's
+    gradients, the frozen ones none."""
+    model = _dropout_mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    x = torch.randn(5, 6, dtype=torch.float64)
+
+    def step(m):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        m(x).square().sum().backward()
+        return [p.grad for p in model.parameters()]
+
+    checkpointed = revlib.Checkpointable(model, input=x)
+    want = step(SeededUnits(checkpointed.stages))  # the plain model, with the masks Checkpointable draws
+    if budget == "tight":
+        _tight(checkpointed)
+    got = step(checkpointed)
+    assert got[0] is None and got[1] is None
+    for g, w in zip(got[2:], want[2:]):
+        assert max_rel_err(g, w) <= 1e-12
+
+
+def _tied_model(device):
+    """Stages 0 and 3 share one Linear: its gradient is the sum of both uses."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), atomic(nn.Sequential(shared, nn.Tanh())),
+                          nn.Linear(8, 4)).double().to(device)
+    return model, torch.randn(5, 8, dtype=torch.float64).to(device)
+
+
+def test_autograd_grad_and_backward_inputs_through_checkpointable(device):
+    """torch.autograd.grad(loss, params) returns the plain gradients (a shared parameter's summed over its uses)
+    and leaves .grad alone; torch.autograd.grad(loss, x) and backward(inputs=[x]) give the input gradient and
+    touch no parameter's .grad (they once accumulated every parameter gradient); backward() still fills .grad."""
+    model, x = _tied_model(device)
+    params = list(model.parameters())
+
+    def loss_of(m, inp):
+        return m(inp).square().sum()
+
+    inp = x.clone().requires_grad_(True)
+    want = torch.autograd.grad(loss_of(model, inp), [inp] + params)
+    checkpointed = revlib.Checkpointable(model, input=x)
+    _tight(checkpointed)
+
+    got = torch.autograd.grad(loss_of(checkpointed, x), params)
+    assert all(p.grad is None for p in params)
+    for g, w in zip(got, want[1:]):
+        assert max_rel_err(g, w) <= 1e-10
+    inp = x.clone().requires_grad_(True)
+    got_x, = torch.autograd.grad(loss_of(checkpointed, inp), inp)
+    assert all(p.grad is None for p in params)
+    assert max_rel_err(got_x, want[0]) <= 1e-10
+    inp = x.clone().requires_grad_(True)
+    got = torch.autograd.grad(loss_of(checkpointed, inp), [inp, params[0]])
+    assert all(p.grad is None for p in params)
+    assert max_rel_err(got[0], want[0]) <= 1e-10 and max_rel_err(got[1], want[1]) <= 1e-10
+    inp = x.clone().requires_grad_(True)
+    loss_of(checkpointed, inp).backward(inputs=[inp])
+    assert all(p.grad is None for p in params)
+    assert max_rel_err(inp.grad, want[0]) <= 1e-10
+    loss_of(checkpointed, x).backward()
+    for p, w in zip(params, want[1:]):
+        assert max_rel_err(p.grad, w) <= 1e-10
+
+
+def test_multi_tensor_gradient_hooks_on_stage_outputs_complete():
+    """A hook on all of a stage's outputs (register_multi_grad_hook, as memory trackers and sharding wrappers put
+    there) runs once per backward with the plain model's gradients. A stage's backward that started from the
+    output itself never completed such a hook, which then held the gradient until Python's garbage collector ran
+    (torch 2.5's MemTracker counted it: the plan measured 8 % over its budget there)."""
+    from torch.autograd.graph import register_multi_grad_hook
+
+    model = _dropout_mlp()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    seen = []
+
+    def hook(module, args, out):
+        if out.requires_grad:
+            register_multi_grad_hook([out], lambda grads: seen.append(grads[0].clone()))
+
+    checkpointed = revlib.Checkpointable(model, input=x)  # the plain plan: stage 5 runs with autograd at once
+    handle = model[5].register_forward_hook(hook)
+    try:
+        gradients(SeededUnits(checkpointed.stages), lambda m, inp: m(inp).square().sum().backward(), x)
+        want, seen[:] = list(seen), []
+        gradients(checkpointed, lambda m, inp: m(inp).square().sum().backward(), x)
+    finally:
+        handle.remove()
+    assert len(want) == 1 and len(seen) == 1
+    assert max_rel_err(seen[0], want[0]) <= 1e-12
+
+
+def test_budget_given_with_units():
+    """mem_limit accepts bytes or text with a unit: decimal units are powers of 1000, binary ones of 1024."""
+    model, x = _dropout_mlp(), torch.randn(5, 6, dtype=torch.float64)
+    for text, value in [("1GB", 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 1.5 * 2**30), ("2 kb", 2000),
+                        (12345, 12345)]:
+        assert revlib.Checkpointable(model, mem_limit=text).mem_limit == value
+    checkpointed = revlib.Checkpointable(model, input=x, mem_limit="1GB")
+    assert checkpointed.get_expected_memory() == checkpointed.no_checkpoint_memory()
+    assert checkpointed.compute_sequence("10MiB") is checkpointed.sequence
+    with pytest.raises(ValueError, match="mem_limit='1G'.*KiB, MiB, GiB"):
+        revlib.Checkpointable(model, mem_limit="1G")
+    with pytest.raises(TypeError, match="mem_limit=True"):
+        revlib.Checkpointable(model, mem_limit=True)
+    with pytest.raises(ValueError, match="mem_limit='-3MB'"):
+        checkpointed.compute_sequence("-3MB")
+
+
+def test_stages_take_one_argument():
+    """A stage whose forward takes two inputs, or two arguments given to the model, are refused at once, naming
+    the stage and what to write instead."""
+
+    class Two(nn.Module):
+        def forward(self, a, b):
+            return a + b
+
+    with pytest.raises(TypeError, match=r"stage 1 \(Two\) takes 2 inputs \(a, b\).*def forward\(self, inputs\): "
+                                        r"a, b = inputs"):
+        revlib.Checkpointable(nn.Sequential(nn.Identity(), Two()))
+    checkpointed = revlib.Checkpointable(_dropout_mlp())
+    a = torch.randn(2, 6, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"one argument.*checkpointed\(\(a, b\)\)"):
+        checkpointed(a, a)
+
+
+def test_default_plan_where_the_smallest_budget_is_the_plain_one():
+    """Checkpointable(model) with no mem_limit on an MLP whose smallest budget is the no-checkpoint one (batch 8):
+    the plain plan, not InfeasibleBudget ('no schedule fits in 973404 bytes: the smallest budget ... is 972432')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+    x = torch.randn(8, 784)
+    want = gradients(model, lambda m, inp: m(inp).square().sum().backward(), x)
+    checkpointed = revlib.Checkpointable(model)
+    for g, w in zip(gradients(checkpointed, lambda m, inp: m(inp).square().sum().backward(), x), want):
+        assert max_rel_err(g, w) <= 1e-6
+    assert checkpointed.min_memory() == checkpointed.no_checkpoint_memory()
+    assert checkpointed.get_expected_memory() == checkpointed.no_checkpoint_memory()
+    assert "Fn" not in checkpointed.sequence.counts()
+
+
+def test_a_schedule_that_cannot_run_is_refused_clearly():
+    """A schedule set by hand is checked against the model before it runs; the executor names a missing input
+    instead of a KeyError."""
+    from revlib_xla.checkpointable import _Run, _Structure
+    from revlib_xla.planner import Op, Schedule
+
+    model, x = _dropout_mlp(), torch.randn(5, 6, dtype=torch.float64)
+    checkpointed = revlib.Checkpointable(model, input=x)
+    bad = Schedule((Op("CF", 0), Op("Fn", 2), Op("L", 8)), 0.0, 0.0, checkpointed.chain)
+    checkpointed.sequence = bad
+    with pytest.raises(ValueError, match="schedule in .sequence cannot run this model: Fn_2: x_2 is not live"):
+        checkpointed(x)
+    run = _Run(checkpointed, bad, x.device, _Structure(x))
+    run.x[0] = x
+    with pytest.raises(RuntimeError, match="runs stage 2 but its input x_2 is neither stored nor kept"):
+        run._barrier(2)

@@ -144,18 +144,20 @@ def test_fuse_optimizer_composes_with_checkpointing():
     assert fused.steps_taken == STEPS * 2 * DEPTH
 
 
+def _planned(seed=0):
+    """The plain model under the planner's Checkpointable, at a budget that recomputes."""
+    model = revlib.Checkpointable(_plain(seed), input=torch.randn(5, 2 * WIDTH))
+    low, high = model.min_memory(), model.no_checkpoint_memory()
+    schedule = model.compute_sequence(low + 0.1 * (high - low))
+    assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0  # something is recomputed
+    return model
+
+
 def test_fuse_optimizer_with_the_planners_checkpointable():
     """Checkpointable runs each stage's backward with autograd, so the per-parameter hooks step every stage as its
     gradients complete, in the planned schedule with recomputation (the smallest budget)."""
     factory = OPTIMIZERS["adamw"]
-    sample = torch.randn(5, 2 * WIDTH)
-
-    def planned():
-        model = revlib.Checkpointable(_plain(), input=sample)
-        low, high = model.min_memory(), model.no_checkpoint_memory()
-        schedule = model.compute_sequence(low + 0.1 * (high - low))
-        assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0  # something is recomputed
-        return model
+    planned = _planned
 
     unfused = planned()
     ref_losses, ref_weights = _train(unfused, torch.device("cpu"), factory(unfused.parameters()), 2 * WIDTH)
@@ -294,7 +296,7 @@ def _weights(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("make", [_plain, Checkpointed], ids=["plain", "torch_checkpoint"])
+@pytest.mark.parametrize("make", [_plain, Checkpointed, _planned], ids=["plain", "torch_checkpoint", "checkpointable"])
 def test_fuse_optimizer_steps_only_what_a_backward_accumulates(make):
     factory = OPTIMIZERS["sgd_momentum"]
     x = torch.randn(5, 2 * WIDTH, requires_grad=True)

@@ -141,14 +141,14 @@ def loss_jax(out, w):
 
 
 def ran_reversible_backward(out):
-    """True when the graph behind ``out`` contains revlib_xla's sequence-level reversible Function."""
+    """True when the graph behind ``out`` contains revlib_xla's reversible layers (their autograd nodes)."""
     stack, seen = [out.grad_fn], set()
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
             continue
         seen.add(fn)
-        if "ReversibleSequenceFn" in type(fn).__name__:
+        if "ReversibleLayerFn" in type(fn).__name__:
             return True
         stack.extend(nxt for nxt, _ in fn.next_functions)
     return False

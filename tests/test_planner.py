@@ -8,7 +8,7 @@ import pytest
 from revlib_xla.planner import (Chain, InfeasibleBudget, Op, ScheduleError, StageOption, min_memory,
                                 no_checkpoint_memory, simulate, solve)
 
-from planner_bruteforce import best, schedules
+from planner_bruteforce import best, evaluate, neighbours, sample, schedules
 
 
 def homogeneous(length=10):
@@ -197,3 +197,98 @@ def test_solve_bad_input_and_bad_schedules():
         simulate(chain, [Op("CF", 0), Op("Fr", 1)])
     with pytest.raises(ScheduleError, match="does not reach"):
         simulate(chain, [Op("Fe", 0)])
+
+
+def _as_bruteforce(schedule):
+    return tuple((op.kind, op.index, op.option) for op in schedule.ops)
+
+
+@pytest.mark.parametrize("length", range(9, 13))
+def test_optimal_against_sampled_schedules(length):
+    """Chains too long for the exhaustive search (9..12 stages): each plan replays in the search's own simulation
+    with the solver's time and within its budget, and no schedule drawn uniformly, nor any neighbour of the plan
+    (one segment run another way: every way for short segments), is faster within the budget or needs less memory
+    than min_memory. (Local: of 12 plans of rotor's program that are slower than the optimum, the neighbours of 2
+    are faster, the differences being elsewhere global.)"""
+    rng = random.Random(3000 + length)
+    chains = [random_chain(rng, length) for _ in range(6)]
+    budgets = [rng.randint(int(min_memory(c)), int(no_checkpoint_memory(c))) for c in chains]
+    arrays = as_arrays(chains, 1)
+    drawn = [sample(0, length, length, rng) for _ in range(150)]
+    fastest, lowest = best(drawn, arrays, np.array(budgets, float))
+    for k, (chain, budget) in enumerate(zip(chains, budgets)):
+        plan = solve(chain, budget, mem_slots=budget)
+        one = {key: value[k:k + 1] for key, value in arrays.items()}
+        time, peak = evaluate(_as_bruteforce(plan), one)
+        assert (time[0], peak[0]) == (plan.makespan, plan.peak_memory) and peak[0] <= budget
+        assert plan.makespan <= fastest[k] and min_memory(chain) <= lowest[k]
+        near, near_lowest = best(neighbours(_as_bruteforce(plan), length, 100, rng), one, np.array([budget], float))
+        assert plan.makespan <= near[0] and min_memory(chain) <= near_lowest[0]
+
+
+# Chains (10 stages, small integer costs) whose plans rotor's dynamic program (topal-team/rockmate,
+# rotor/algorithms/persistent.py, force_python=True, the same Chain, memory slots = budget) makes slower: 109 and 104.
+ROTOR_MISSES = [
+    (dict(fw=[5, 3, 4, 4, 2, 3, 2, 2, 2, 3], bw=[6, 8, 7, 7, 7, 6, 8, 5, 5, 2, 4], cw=[3, 4, 2, 3, 1, 3, 4, 3, 1, 1, 2],
+          cbw=[0, 5, 5, 7, 1, 3, 8, 6, 1, 1, 6], fwd_tmp=[1, 0, 1, 2, 0, 1, 1, 0, 1, 2],
+          bwd_tmp=[0, 1, 1, 0, 0, 2, 0, 1, 0, 0, 1]), 33, 107, "Fe_9 L"),
+    (dict(fw=[3, 3, 4, 5, 1, 4, 1, 2, 2, 3], bw=[6, 5, 5, 2, 2, 7, 8, 5, 2, 8, 8], cw=[1, 2, 2, 1, 1, 3, 3, 1, 2, 1, 4],
+          cbw=[0, 3, 4, 3, 5, 6, 5, 1, 2, 4, 8], fwd_tmp=[1, 2, 2, 2, 1, 1, 2, 0, 0, 2],
+          bwd_tmp=[1, 0, 2, 2, 0, 1, 2, 0, 0, 0, 1]), 26, 103, "Fe_9 L"),
+]
+
+
+@pytest.mark.parametrize("costs, budget, makespan, step", ROTOR_MISSES)
+def test_plans_rotor_misses(costs, budget, makespan, step):
+    """Plans faster than rotor's own dynamic program finds (109 and 104 there). rotor evaluates the chain step of
+    segment [i, l] (Fe_i, then [i+1, l], then B_i) with the base case's memory condition, which counts the gradient
+    of x_{i+1} as live while Fe_i runs; in the chain step the gradient live then is that of x_{l+1} (none before the
+    loss). Both plans run Fe_9 just before the loss with too few slots left for rotor, which charges the gradient of
+    x_10 that does not exist yet: charged as a temporary of that forward, the plan no longer fits. The plan replays
+    in the exhaustive search's own memory simulation, independent of the solver: it runs, within the budget, in the
+    solver's time."""
+    chain = Chain(**costs)
+    plan = solve(chain, budget, mem_slots=budget)
+    assert plan.makespan == makespan and step in str(plan)
+    time, peak = evaluate(_as_bruteforce(plan), as_arrays([chain], 1))
+    assert (time[0], peak[0]) == (plan.makespan, plan.peak_memory) and peak[0] <= budget
+    assert simulate(chain, plan.ops) == (plan.makespan, plan.peak_memory)
+    as_rotor_counts = chain.replace(fwd_tmp=chain.fwd_tmp[:-1] + (chain.fwd_tmp[-1] + chain.cw[-1],))
+    assert simulate(as_rotor_counts, plan.ops)[1] > budget
+
+
+def test_plain_plan_when_the_budget_holds_it():
+    """At the no-checkpoint budget the plain plan, exactly, at any resolution: rounding each size up to
+    mem_limit/mem_slots once made a budget equal to both the smallest and the plain one infeasible. A faster option
+    keeps the dynamic program in charge."""
+    chain = Chain([1, 1, 1], [2, 2, 2, 0], [3, 6, 7, 1], [0, 6, 7, 3], [1, 0, 0], [0, 0, 1, 0])
+    plain = no_checkpoint_memory(chain)
+    assert min_memory(chain) == plain == 29
+    for slots in (7, 29, 500):
+        schedule = solve(chain, plain, mem_slots=slots)
+        assert str(schedule) == "Fe_0 Fe_1 Fe_2 L B_2 B_1 B_0" and schedule.peak_memory == plain
+    faster = chain.replace(options=[[StageOption("fast", 0.5, 1.0, 6)], [], []])
+    assert solve(faster, plain, mem_slots=500).ops[0] == Op("Fe", 0, 1)
+
+
+def test_budget_between_the_smallest_and_its_rounding():
+    """A budget at least the smallest one that fails only because sizes are rounded up to mem_limit/mem_slots: on
+    whole-number sizes (bytes) the solver plans on their common grid, exactly; otherwise it refines the slots, and
+    where even the finest table it builds fails, the error says so and at which resolution, not that the budget is
+    below the smallest one."""
+    rng = random.Random(11)
+    chain = random_chain(rng, 12)
+    chain = chain.replace(cw=[c * 1000 + 8 for c in chain.cw], cbw=[c * 1000 + 8 for c in chain.cbw],
+                          fwd_tmp=[c * 1000 for c in chain.fwd_tmp], bwd_tmp=[c * 1000 for c in chain.bwd_tmp])
+    low = min_memory(chain)
+    schedule = solve(chain, low, mem_slots=7)
+    assert schedule.peak_memory == low
+    assert simulate(chain, schedule.ops) == (schedule.makespan, schedule.peak_memory)
+    fractional = chain.replace(cw=[c + 0.5 for c in chain.cw], cbw=[c + 0.5 for c in chain.cbw])
+    low = min_memory(fractional)
+    schedule = solve(fractional, low * 1.001, mem_slots=7)
+    assert schedule.peak_memory <= low * 1.001
+    with pytest.raises(InfeasibleBudget, match="smallest budget .* is .* and mem_limit is .* rounds every size up") \
+            as info:
+        solve(fractional, low, mem_slots=7)
+    assert info.value.minimum == low and 0 < info.value.unit < low / 1000

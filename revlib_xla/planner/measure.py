@@ -17,16 +17,17 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .. import backend
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
 __all__ = ["StageMeasurement", "StagePrograms", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves",
-           "differentiable"]
+           "differentiable", "tensor_leaves", "detached", "value_bytes"]
 
 
 class InPlaceInput(ValueError):
@@ -65,20 +66,43 @@ def _flops(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def grad_leaves(x: Any) -> Any:
-    """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd)."""
-    if isinstance(x, torch.Tensor):
-        leaf = x.detach()
-        if leaf.is_floating_point() or leaf.is_complex():
-            leaf.requires_grad_(True)
-        return leaf
-    if isinstance(x, (tuple, list)):
-        return type(x)(grad_leaves(item) for item in x)
-    return x
+def tensor_leaves(x: Any) -> List[torch.Tensor]:
+    """The tensors in ``x``: a tensor, or containers ``torch.utils._pytree`` walks (tuples, lists, dicts, named
+    tuples, ordered dicts and registered classes), nested, in pytree order. A container pytree does not know (a
+    subclass of list or dict) that holds tensors is refused: its tensors would be missed."""
+    leaves = pytree.tree_leaves(x)
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) and next(iter(backend.tensors_in(leaf)), None) is not None:
+            raise TypeError(f"a stage's input or output holds tensors inside a {type(leaf).__name__}, which "
+                            f"torch.utils._pytree does not walk: use a tuple, list or dict, or register the class "
+                            f"with torch.utils._pytree.register_pytree_node")
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def grad_leaves(x: Any, needs: Optional[Sequence[bool]] = None) -> Any:
+    """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd); with
+    ``needs`` (one flag per tensor, in :func:`tensor_leaves` order), requiring grad where it says."""
+    flags = iter(needs) if needs is not None else None
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        wanted = next(flags) if flags is not None else t.is_floating_point() or t.is_complex()
+        return t.detach().requires_grad_(wanted)
+
+    return pytree.tree_map_only(torch.Tensor, leaf, x)
+
+
+def value_bytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (:func:`tensor_leaves`), each storage once."""
+    return tensor_bytes(tensor_leaves(x))
+
+
+def detached(x: Any) -> Any:
+    """``x`` with every tensor detached."""
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, x)
 
 
 def differentiable(x: Any) -> List[torch.Tensor]:
-    return [t for t in backend.tensors_in(x) if t.requires_grad]
+    return [t for t in tensor_leaves(x) if t.requires_grad]
 
 
 def _tracker():
@@ -117,7 +141,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
 
     with torch.no_grad():
         out = stage(x)
-        forward = stablehlo_of(list(backend.tensors_in(out)))
+        forward = stablehlo_of(list(tensor_leaves(out)))
     params = [p for p in stage.parameters() if p.requires_grad]
     kept = [p.grad for p in params]
     for p in params:
@@ -131,7 +155,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         dys = [torch.zeros(o.shape, dtype=o.dtype).to(o.device) for o in outs]
         backend.optimization_barrier_(outs + dys)
         torch.autograd.backward(outs, dys)
-        grads = [t.grad for t in backend.tensors_in(inp) if t.requires_grad and t.grad is not None]
+        grads = [t.grad for t in tensor_leaves(inp) if t.requires_grad and t.grad is not None]
         input_gradients = len(grads)
         grads += [p.grad for p in params if p.grad is not None]
         # The output is returned too: the chain keeps it anyway (it is x_{i+1}), and an output nobody uses would
@@ -152,13 +176,13 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
                   ) -> Tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
     autograd), the next stage's input."""
-    tensors = list(backend.tensors_in(x))
+    tensors = list(tensor_leaves(x))
     if not tensors:
         raise TypeError(f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a "
                         f"tuple of tensors")
     device = tensors[0].device
     lazy = backend.is_tracing_lazily(tensors[0])
-    cw = tensor_bytes(x)
+    cw = value_bytes(x)
     versions = [t._version for t in tensors]
     with torch.no_grad():
         out = stage(x)
@@ -169,10 +193,10 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         fw = _flops(lambda: stage(grad_leaves(x)))
         inp = grad_leaves(x)
         # The stage's input is x_i, counted by the chain as cw[i]: the eager tracker does not count it either.
-        with SavedTensorCounter(exclude=params + tensors + list(backend.tensors_in(inp))) as counter:
+        with SavedTensorCounter(exclude=params + tensors + list(tensor_leaves(inp))) as counter:
             y = stage(inp)
         outs = differentiable(y)
-        cbw = counter.bytes + tensor_bytes(y)
+        cbw = counter.bytes + value_bytes(y)
         bw = _flops(lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])) if outs else 0.0
         for p in params:
             p.grad = None
@@ -180,7 +204,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         if reversible:
             with torch.no_grad():
                 inverse_time = _flops(lambda: stage.inverse(out))
-        return StageMeasurement(fw, bw, cw, max(cbw, tensor_bytes(out)), 0, 0, inverse_time), out
+        return StageMeasurement(fw, bw, cw, max(cbw, value_bytes(out)), 0, 0, inverse_time), out
 
     with torch.no_grad():
         fw = _median_time(lambda: stage(x), device, repeats)
@@ -192,7 +216,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
             start = _total(tracker.get_tracker_snapshot("current"), device)
             nograd_out = stage(x)
             nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start
-                             - tensor_bytes(nograd_out))
+                             - value_bytes(nograd_out))
         del nograd_out
     inverse_time = None
     if reversible:
@@ -210,21 +234,21 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
             inp = grad_leaves(x)
             saved: List[torch.Tensor] = []
             tracker = _tracker()
-            tracker.track_external(stage, *backend.tensors_in(inp))
+            tracker.track_external(stage, *tensor_leaves(inp))
             with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), tracker:
                 start = _total(tracker.get_tracker_snapshot("current"), device)
                 y = stage(inp)
                 end = _total(tracker.get_tracker_snapshot("current"), device)
                 peak = _total(tracker.get_tracker_snapshot("peak"), device)
-            cbw = max(end - start, tensor_bytes(y))
+            cbw = max(end - start, value_bytes(y))
             fwd_tmp = max(0, peak - end, nograd_tmp)
             outs = differentiable(y)
             grads = [torch.ones_like(o) for o in outs]
             tracker = _tracker()
             # Known to the tracker, so that freeing them during the backward lowers its level.
-            tracker.track_external(stage, *saved, *backend.tensors_in(inp), *backend.tensors_in(y), *grads)
+            tracker.track_external(stage, *saved, *tensor_leaves(inp), *tensor_leaves(y), *grads)
             del saved
-            in_grad = tensor_bytes([t for t in backend.tensors_in(inp) if t.requires_grad])
+            in_grad = tensor_bytes([t for t in tensor_leaves(inp) if t.requires_grad])
             with tracker:
                 start = _total(tracker.get_tracker_snapshot("current"), device)
                 backend.sync(device)

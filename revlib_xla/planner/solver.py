@@ -21,7 +21,7 @@ Every candidate is evaluated for all ``i`` of one segment length and all ``m`` a
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -34,11 +34,14 @@ _INF = math.inf
 
 
 class InfeasibleBudget(ValueError):
-    """No schedule fits in the budget. ``minimum`` is the smallest budget any schedule fits in (chain units)."""
+    """No schedule fits in the budget. ``minimum`` is the smallest budget any schedule fits in (chain units).
+    ``unit`` is set when the budget is at least that minimum but the plan's sizes, rounded up to multiples of
+    ``unit`` (the budget over the finest number of slots tried), are not: a budget a little larger fits."""
 
-    def __init__(self, message: str, minimum: float) -> None:
+    def __init__(self, message: str, minimum: float, unit: Optional[float] = None) -> None:
         super().__init__(message)
         self.minimum = minimum
+        self.unit = unit
 
 
 class _Arrays:
@@ -262,7 +265,11 @@ def min_memory(chain: Chain) -> float:
     Feasibility is monotone in the budget, so the DP over slots becomes a DP over the least budget per segment
     (max of what the operations need and what the sub-segments need, shifted by what stays held meanwhile).
     """
-    a = _Arrays(chain, 1.0, float)
+    return _least(_Arrays(chain, 1.0, float))
+
+
+def _least(a: _Arrays) -> float:
+    """:func:`min_memory` in the units of ``a`` (bytes, or slots when ``a`` holds rounded sizes)."""
     n = a.n
     cw, fmax, rev, off = a.lists["cw"], a.fmax_list, a.lists["rev"], a.lists["off"]
     opts = [[c for c in range(a.k) if math.isfinite(a.lists["ofw"][i][c])] for i in range(n + 1)]
@@ -289,15 +296,30 @@ def min_memory(chain: Chain) -> float:
                 best_free = min(best_free, max(need, free[i + 1][l] + cw[i + 1] - cw[i], 0.0))
             free[i][l] = best_free
             kept[i][l] = min(chain_need, leaf_kept)
-    return max(kept[0][n], 0.0) + chain.cw[0]
+    return max(kept[0][n], 0.0) + cw[0]
+
+
+def _plain_ops(chain: Chain) -> List[Op]:
+    n = chain.length
+    return [Op("Fe", i) for i in range(n)] + [Op("L", n)] + [Op("B", i) for i in reversed(range(n))]
 
 
 def no_checkpoint_memory(chain: Chain) -> float:
     """The peak of the plain schedule (every stage keeps what autograd saves): the budget at which nothing needs
     recomputing."""
-    n = chain.length
-    ops = [Op("Fe", i) for i in range(n)] + [Op("L", n)] + [Op("B", i) for i in reversed(range(n))]
-    return simulate(chain, ops)[1]
+    return simulate(chain, _plain_ops(chain))[1]
+
+
+def _plain_is_fastest(chain: Chain) -> bool:
+    """Whether no schedule is faster than the plain one: every schedule runs each stage's backward once with one of
+    its options (``B``, or ``Br`` which adds an inverse), after a forward with autograd of that option, so when the
+    plain option is the cheapest of each stage, the plain schedule's time is a lower bound."""
+    return all(chain.fw[i] + chain.bw[i] <= opt.fw + opt.bw for i in range(chain.length)
+               for opt in chain.options[i])
+
+
+#: The largest table the solver builds when it refines the resolution: (stages + 1)**2 * (slots + 1) entries.
+_MAX_TABLE = 1 << 22
 
 
 def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dtype = torch.float64) -> Schedule:
@@ -320,21 +342,61 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
             if opt.cbw < chain.cw[i + 1]:
                 raise ValueError(f"solve: option {opt.name!r} of stage {i} keeps {opt.cbw} < cw[{i + 1}] = "
                                  f"{chain.cw[i + 1]}: what a stage keeps alive with autograd includes its output")
-    unit = mem_limit / mem_slots
+    plain = _plain_ops(chain)
+    plain_time, plain_peak = simulate(chain, plain)
+    if mem_limit >= plain_peak and _plain_is_fastest(chain):
+        # Exact: rounding sizes up could make the plain schedule miss a budget it fits.
+        return Schedule(tuple(plain), plain_time, plain_peak, chain)
     slots = mem_slots
-    a = _Arrays(chain, unit, lambda v: float(math.ceil(v - 1e-9)))
-    top = slots - int(a.cw[0])
-    if top >= 0:
-        tables = _Tables(a, slots, dtype)
-        makespan = tables.value(False, 0, a.n, top)
-    else:
-        makespan = _INF
-    if not math.isfinite(makespan):
+    tables, a, top = _table(chain, mem_limit / slots, slots, dtype)
+    if tables is None:
         minimum = min_memory(chain)
-        raise InfeasibleBudget(
-            f"no schedule of this {chain.length}-stage chain fits in {mem_limit:.6g}: the smallest budget any "
-            f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit (sizes are rounded up to "
-            f"mem_limit/mem_slots = {unit:.6g}, so leave a little more)", minimum)
+        if mem_limit < minimum:
+            raise InfeasibleBudget(
+                f"no schedule of this {chain.length}-stage chain fits in {mem_limit:.6g}: the smallest budget any "
+                f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit", minimum)
+        # The budget holds a plan, but not once every size is rounded up to mem_limit/mem_slots: sizes in whole
+        # multiples of one grid (bytes are) fit exactly on it, if the table is not too large; else refine.
+        finest = max(mem_slots, _MAX_TABLE // (chain.length + 1) ** 2)
+        grid = _grid(chain)
+        if grid is not None and mem_limit // grid <= finest:
+            slots = int(mem_limit // grid)
+            tables, a, top = _table(chain, grid, slots, dtype)
+        while tables is None and slots < finest:
+            slots = min(2 * slots, finest)
+            if _least(_Arrays(chain, mem_limit / slots, _round_up)) <= slots:
+                tables, a, top = _table(chain, mem_limit / slots, slots, dtype)
+        if tables is None:
+            unit = mem_limit / slots
+            raise InfeasibleBudget(
+                f"the smallest budget of this {chain.length}-stage chain is {minimum:.6g} (x_0 included) and "
+                f"mem_limit is {mem_limit:.6g}, but the planner rounds every size up to a multiple of "
+                f"mem_limit/slots ({unit:.6g} at {slots} slots, the finest it tries for this chain), and rounded "
+                f"up the plan no longer fits: pass a mem_limit a little larger", minimum, unit)
     ops = _rebuild(tables, a, top)
     time, peak = simulate(chain, ops)
     return Schedule(tuple(ops), time, peak, chain)
+
+
+def _grid(chain: Chain) -> Optional[int]:
+    """The largest size every size of the chain is a whole multiple of, if they are all whole numbers."""
+    sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *chain.bwd_tmp]
+    sizes += [v for opts in chain.options for o in opts for v in (o.cbw, o.fwd_tmp, o.bwd_tmp)]
+    if not all(float(v).is_integer() for v in sizes):
+        return None
+    return math.gcd(*(int(v) for v in sizes)) or None
+
+
+def _round_up(value: float) -> float:
+    return float(math.ceil(value - 1e-9))
+
+
+def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> Tuple[Optional[_Tables], _Arrays, int]:
+    """The DP tables for ``slots`` slots of ``unit`` each (sizes rounded up to whole slots), or None when no
+    schedule fits at that resolution."""
+    a = _Arrays(chain, unit, _round_up)
+    top = slots - int(a.cw[0])
+    if top < 0:
+        return None, a, top
+    tables = _Tables(a, slots, dtype)
+    return (tables if math.isfinite(tables.value(False, 0, a.n, top)) else None), a, top
