@@ -12,6 +12,13 @@ rounding of the stored activations.
   compiler turns them into transfers. PJRT CPU cannot execute the annotations, so there they are left out
   (identity) unless :func:`revlib_xla.backend.host_annotations` asks for them (to inspect or compile the HLO).
 
+A storage dtype with a smaller range than the tensor's (float16 for float32 or bfloat16 activations, whose values
+above 65504 would become inf) is scaled per tensor by a power of two that puts the tensor's largest magnitude in
+the storage dtype's top binade: the multiplication and the division on restore are exact, so the stored values
+keep float16's 11 significant bits whatever their size, and the gradients stay finite and within float16's
+rounding. The scale (one 0-d tensor, computed on the device, no host sync) is kept with the stored tensor. A tensor
+that holds inf or NaN is stored unscaled (those stay inf and NaN).
+
 Not converted: parameters and other leaf tensors that require grad (they stay alive in the model anyway: a copy
 would only add memory), and tensors ``tensor_filter`` rejects (default: floating-point ones are converted).
 
@@ -20,6 +27,7 @@ not).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -44,11 +52,31 @@ def _held_elsewhere(tensor: Tensor) -> bool:
     return base.is_leaf and base.requires_grad
 
 
-class _Stored:
-    __slots__ = ("value", "dtype", "offloaded", "restored", "__weakref__")
+def _narrower_range(storage: torch.dtype, source: torch.dtype) -> bool:
+    """Whether ``storage`` cannot hold the magnitudes ``source`` can (by more than a binade: bfloat16 holds
+    float32's range, float16 does not)."""
+    return torch.finfo(storage).max < torch.finfo(source).max / 2
 
-    def __init__(self, value: Any, dtype: torch.dtype, offloaded: bool) -> None:
-        self.value, self.dtype, self.offloaded = value, dtype, offloaded
+
+def _range_scale(value: Tensor, storage: torch.dtype) -> Tensor:
+    """The power of two s (a 0-d tensor in ``value``'s precision, at least float32) that puts ``value``'s largest
+    finite magnitude in ``storage``'s top binade; 1 when ``value`` holds inf or NaN, or is empty or all zero."""
+    opmath = torch.promote_types(value.dtype, torch.float32)
+    if value.numel() == 0:
+        return torch.ones((), dtype=opmath, device=value.device)
+    largest = torch.linalg.vector_norm(value, float("inf")).to(opmath)  # one pass, no |value| temporary
+    exponent = torch.floor(torch.log2(torch.finfo(storage).max / largest))
+    limit = -math.log2(torch.finfo(opmath).smallest_normal) - 2
+    exponent = exponent.clamp(-limit, limit)   # largest = 0 gives +inf: keep 2**exponent finite and normal
+    usable = torch.isfinite(largest) & (largest > 0)
+    return torch.where(usable, torch.exp2(exponent), torch.ones_like(largest))
+
+
+class _Stored:
+    __slots__ = ("value", "dtype", "scale", "offloaded", "restored", "__weakref__")
+
+    def __init__(self, value: Any, dtype: torch.dtype, offloaded: bool, scale: Optional[Tensor] = None) -> None:
+        self.value, self.dtype, self.offloaded, self.scale = value, dtype, offloaded, scale
         self.restored: Optional[Tensor] = None  # XLA: one place_to_device per stored tensor, however often used
 
 
@@ -95,16 +123,20 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
         if entry is not None and entry[0]() is owner and entry[1]() is not None:
             return entry[1]()
         value = tensor.detach()
+        scale = None
         if self.storage_dtype is not None and value.dtype != self.storage_dtype:
+            if value.is_floating_point() and _narrower_range(self.storage_dtype, value.dtype):
+                scale = _range_scale(value, self.storage_dtype)
+                value = value * scale
             value = value.to(self.storage_dtype)
         offloaded = self.offload and value.device.type != "cpu"
         if offloaded:
             value = backend.to_host(value)
             self._pending = [ref for ref in self._pending if ref() is not None]
-            stored = _Stored(value, tensor.dtype, True)
+            stored = _Stored(value, tensor.dtype, True, scale)
             self._pending.append(weakref.ref(stored))
         else:
-            stored = _Stored(value, tensor.dtype, False)
+            stored = _Stored(value, tensor.dtype, False, scale)
         if len(self._same) > 1024:
             self._same = {k: e for k, e in self._same.items() if e[0]() is not None and e[1]() is not None}
         self._same[key] = (weakref.ref(owner), weakref.ref(stored))
@@ -122,7 +154,8 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
                 stored.restored = value
         else:
             value = stored.value
-        return value.to(stored.dtype)
+        value = value.to(stored.dtype)
+        return value if stored.scale is None else value / stored.scale.to(stored.dtype)
 
     def _prefetch_after(self, stored: _Stored) -> None:
         # The backward uses saved tensors roughly in the reverse order of the forward: start moving the ones saved

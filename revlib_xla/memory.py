@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
-from . import backend
+from . import backend, compile_cache
 from .hlo_liveness import live_peak
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
@@ -228,6 +228,9 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tens
 
     ``fn`` is typically a forward pass; its result is dropped afterwards, which frees the saved tensors.
     """
+    if not callable(fn):
+        raise TypeError(f"saved_bytes needs a function to run, e.g. saved_bytes(lambda: model(x)) or "
+                        f"saved_bytes(model, x); got {type(fn).__name__} {fn!r}")
     with SavedTensorCounter(exclude) as counter:
         fn(*args, **kwargs)
     return counter.bytes
@@ -299,24 +302,38 @@ def _mem_tracker() -> Tuple[type, Any]:
     missing += [name for name in ("track_external", "get_tracker_snapshot") if not hasattr(MemTracker, name)]
     if missing:
         raise RuntimeError(f"{hint}, whose MemTracker lacks {', '.join(missing)}")
+    return _tracker_for_frozen_parameters(MemTracker), _MemRefType
 
-    class Tracker(MemTracker):
-        """MemTracker hooks the gradient of every parameter of each module that runs, and a parameter that does not
-        require grad (a frozen layer) refuses the hook with an error. A module holding one gets no gradient hooks;
-        its trainable parameters' gradients are still counted in the total (as gradients when a module of their
-        own hooks them, which holds for every parameter of a module whose parameters all train)."""
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _tracker_for_frozen_parameters(tracker: type) -> type:
+    """``MemTracker`` that also tracks parameters that do not require grad (frozen layers; the device copies a
+    ``target_device`` model hands its blocks): torch's registers a gradient hook on every parameter of every module
+    it enters, and such a tensor refuses one ("cannot register a hook on a tensor that doesn't require gradient").
+    Marking them as hooked already leaves their bytes counted as parameters; they get no gradient to count."""
+    if not hasattr(tracker, "_track_module_params_and_buffers"):
+        return tracker
+
+    class Tracker(tracker):  # type: ignore[misc, valid-type]
         def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
                                              ) -> Tuple[int, int]:
-            frozen = any(not p.requires_grad for p in module.parameters())
-            return super()._track_module_params_and_buffers(module, install_grad_hooks and not frozen)
+            hooked = getattr(self, "_param_to_grad_hook_handles", None)
+            if install_grad_hooks and hooked is not None:
+                for param in module.parameters():
+                    if not param.requires_grad and hooked.get(param, None) is None:
+                        hooked[param] = (_NoHook(), _NoHook())
+            return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
         def _update_and_maybe_create_winfos(self, t: Optional[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
             # Autograd runs a parameter's gradient hooks with None when a custom Function (Checkpointable, a
-            # reversible sequence) accumulated its gradient itself and passes none on: nothing to track.
+            # reversible layer) accumulated its gradient itself and passes none on: nothing to track.
             return set() if t is None else super()._update_and_maybe_create_winfos(t, *args, **kwargs)
 
-    return Tracker, _MemRefType
+    return Tracker
 
 
 def _breakdown(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device, ref_type: Any
@@ -683,7 +700,11 @@ def step_stablehlo(step_fn: Callable[..., Any], model: torch.nn.Module, *inputs:
     for param in params:
         param.grad = None
     backend.sync(dev)
-    result = step_fn(model, *moved)
+    # torch's autograd engine sizes its per-device worker queues at the first backward of the process; after a CPU
+    # backward that ran before torch_xla's runtime started, an XLA backward on a worker fails with "INTERNAL ASSERT
+    # FAILED ... engine.cpp". Tracing needs no worker thread: run the backward on this thread.
+    with torch.autograd.set_multithreading_enabled(False):
+        result = step_fn(model, *moved)
     grads = [p.grad for p in params if p.grad is not None]
     if require_grads and not grads and any(p.requires_grad for p in params):
         raise ValueError("step_fn produced no parameter gradients; it must run the backward pass "
@@ -727,26 +748,13 @@ def _cache_key(platform: str, topology: Optional[str], device_index: int, text: 
                liveness: bool = False) -> str:
     tc = _compile_helpers()
     header = json.dumps({
-        "format": 2, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
+        "format": 3, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
         "liveness": liveness,
         "versions": tc.versions(),
         # Flags that can change compiled numbers.
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
     }, sort_keys=True)
     return hashlib.sha256(header.encode() + b"\0" + text.encode()).hexdigest()
-
-
-def _disk_dir(disk_cache: Union[bool, str, "os.PathLike[str]", None]) -> Optional[Path]:
-    if disk_cache is False:
-        return None
-    env = os.environ.get("REVLIB_XLA_CACHE")
-    if disk_cache is None:
-        if not env:
-            return None
-        disk_cache = True
-    if disk_cache is True:
-        return Path(env) if env else Path.home() / ".cache" / "revlib_xla"
-    return Path(disk_cache)
 
 
 def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[str], text: str,
@@ -769,37 +777,28 @@ def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[st
     )
 
 
-def _lookup(key: str, directory: Optional[Path]) -> Optional[Dict[str, Any]]:
-    if directory is None:
-        return None
-    path = directory / f"{key}.json"
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
+def _valid_entry(liveness: bool) -> Callable[[Mapping[str, Any]], bool]:
+    """What a cached compile result must hold to be used (see :mod:`revlib_xla.compile_cache`)."""
+    from .tpu_compile import STAT_FIELDS
+
+    def valid(entry: Mapping[str, Any]) -> bool:
+        numbers = all(isinstance(entry[name], int) for name in STAT_FIELDS)
+        texts = all(isinstance(entry[name], str) for name in ("optimized_hlo", "pre_optimization_hlo"))
+        live = not liveness or (isinstance(entry["live_peak_bytes"], int)
+                                and all(isinstance(n, str) and isinstance(b, int)
+                                        for n, b in entry["live_peak_values"]))
+        return numbers and texts and live and isinstance(entry.get("versions", {}), dict)
+
+    return valid
 
 
-def _store(key: str, directory: Optional[Path], result: Mapping[str, Any]) -> None:
-    if directory is None:
-        return
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(result, f)
-        os.replace(tmp, directory / f"{key}.json")
-    except OSError as exc:  # a read-only or full cache directory must not fail the measurement
-        logger.warning("revlib_xla: could not write the compile cache in %s: %s", directory, exc)
-
-
-def _cached_result(key: str, cache: bool, directory: Optional[Path]) -> Tuple[Optional[CompiledMemory],
-                                                                             Optional[Dict[str, Any]]]:
+def _cached_result(key: str, cache: bool, directory: Optional[Path], liveness: bool = False
+                   ) -> Tuple[Optional[CompiledMemory], Optional[Dict[str, Any]]]:
     if not cache:
         return None, None
     if key in _COMPILE_CACHE:
         return _COMPILE_CACHE[key], None
-    return None, _lookup(key, directory)
+    return None, compile_cache.load(directory, key, _valid_entry(liveness))
 
 
 def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
@@ -810,10 +809,11 @@ def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
     XLA:CPU numbers; not for judging remat/reversible/offload policies (XLA:CPU drops optimization barriers before
     its CSE runs) - use :func:`tpu_memory` for those. ``cache``/``disk_cache``: see :func:`tpu_memory_many`.
     """
+    _check_stablehlo(stablehlo_text, "xla_cpu_memory")
     _require(("jax", "jaxlib"), _JAX_EXTRA_HINT, "xla_cpu_memory")
     tc = _compile_helpers()
     key = _cache_key("cpu", None, 0, stablehlo_text)
-    directory = _disk_dir(disk_cache)
+    directory = compile_cache.directory_for(disk_cache)
     hit, stored = _cached_result(key, cache, directory)
     if hit is not None:
         return hit
@@ -821,11 +821,17 @@ def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
         stored = tc.compile_for_cpu(stablehlo_text)
         stored["versions"] = tc.versions()
         logger.debug("xla_cpu_memory: compiled in %.2f s", stored["compile_seconds"])
-        _store(key, directory if cache else None, stored)
+        compile_cache.store(directory if cache else None, key, stored)
     memory = _from_result(stored, "xla:cpu", None, stablehlo_text, stored.get("versions", {}))
     if cache:
         _COMPILE_CACHE[key] = memory
     return memory
+
+
+def _check_stablehlo(text: Any, what: str) -> None:
+    if not isinstance(text, str):
+        raise TypeError(f"{what} needs StableHLO text (a str, as memory.step_stablehlo() and memory.stablehlo_of() "
+                        f"return), got {type(text).__name__}")
 
 
 def _resolve_topology(generation: str, topology: Optional[str]) -> str:
@@ -868,6 +874,7 @@ def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Option
     Raises :class:`MissingDependencyError` without jax/jaxlib/libtpu, :class:`TpuCompileError` when the compile
     or the worker fails (with the compiler's message or the worker's stderr tail).
     """
+    _check_stablehlo(stablehlo_text, "tpu_memory")
     return tpu_memory_many([stablehlo_text], generation, topology=topology, device_index=device_index,
                            cache=cache, disk_cache=disk_cache, timeout=timeout, hbm_only=hbm_only,
                            liveness=liveness)[0]
@@ -885,16 +892,20 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
     ``True`` means ``$REVLIB_XLA_CACHE`` or ``~/.cache/revlib_xla``). ``timeout`` bounds the child process, in
     seconds. ``hbm_only``, ``liveness``: see :func:`tpu_memory`.
     """
+    if isinstance(stablehlo_texts, str):
+        raise TypeError("tpu_memory_many takes a list of StableHLO texts; for one text use tpu_memory(text)")
+    texts = list(stablehlo_texts)
+    for i, text in enumerate(texts):
+        _check_stablehlo(text, f"tpu_memory_many (module {i})")
     _require(("jax", "jaxlib", "libtpu"), _TPU_EXTRA_HINT, "tpu_memory (the deviceless TPU compile)")
     tc = _compile_helpers()
     topo = _resolve_topology(generation, topology)
-    directory = _disk_dir(disk_cache)
-    texts = list(stablehlo_texts)
+    directory = compile_cache.directory_for(disk_cache)
     keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness) for text in texts]
     results: List[Optional[CompiledMemory]] = [None] * len(texts)
     todo: Dict[str, List[int]] = {}
     for i, (key, text) in enumerate(zip(keys, texts)):
-        hit, stored = _cached_result(key, cache, directory)
+        hit, stored = _cached_result(key, cache, directory, liveness)
         if hit is None and stored is not None:
             hit = _from_result(stored, "tpu", topo, text, stored.get("versions", {}), hbm_only)
             _COMPILE_CACHE[key] = hit
@@ -908,7 +919,7 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
                                    hbm_only, liveness)
         for key, stored in zip(order, compiled):
             if cache:
-                _store(key, directory, stored)
+                compile_cache.store(directory, key, stored)
             for i in todo[key]:
                 results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only)
             if cache:
@@ -933,6 +944,9 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
             paths.append(str(path))
         request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
         env = tc.tpu_environment(topology, hbm_only=hbm_only)
+        # libtpu writes log files (two per process) to $TPU_LOG_DIR, by default /tmp/tpu_logs, and never removes
+        # them: unless the caller chose a directory, they go into this temporary directory and are deleted with it.
+        env.setdefault("TPU_LOG_DIR", str(Path(tmp) / "tpu_logs"))
         order: Dict[str, Any] = {"topology": topology, "device_index": device_index, "modules": paths}
         if liveness:
             order["dump_dir"] = str(Path(tmp) / "dump")

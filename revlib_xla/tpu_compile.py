@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Optional
 
 __all__ = [
     "TPU_GENERATIONS", "JAX_VERSION_TESTED", "HBM_ONLY_FLAGS", "versions", "tpu_environment", "compile_module",
-    "compile_for_cpu", "compile_for_tpu", "dump_flags", "main",
+    "compile_for_cpu", "compile_for_tpu", "dump_flags", "main", "STAT_FIELDS",
 ]
 
 #: The jax/jaxlib release whose internals this module was written against.
@@ -161,7 +161,8 @@ def _pre_optimization_hlo(stablehlo_text: str) -> str:
     return computation.as_hlo_text()
 
 
-_STAT_FIELDS = (
+#: The ``CompiledMemoryStats`` fields every result holds (bytes).
+STAT_FIELDS = (
     "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
     "temp_size_in_bytes", "generated_code_size_in_bytes", "host_argument_size_in_bytes",
     "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes",
@@ -187,7 +188,7 @@ def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> Dict[str,
         executable = device.client.compile(bytecode, executable_devices=devices, compile_options=options)
     seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
-    result: Dict[str, Any] = {name: int(getattr(stats, name, 0) or 0) for name in _STAT_FIELDS}
+    result: Dict[str, Any] = {name: int(getattr(stats, name, 0) or 0) for name in STAT_FIELDS}
     result.update(
         device_kind=str(getattr(device, "device_kind", "")),
         compile_seconds=seconds,

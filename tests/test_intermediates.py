@@ -57,10 +57,27 @@ def test_bfloat16_storage_halves_the_saved_bytes():
     output = ROWS * WIDTH * F32   # the kept output, in float32 either way
     plain = _kept_after_forward(contextlib.nullcontext())
     assert plain == DEPTH * ROWS * WIDTH * F32  # each tanh output (the last one is the output), saved once
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype, scales in ((torch.bfloat16, 0), (torch.float16, DEPTH * F32)):
         cast = _kept_after_forward(memory_efficient_intermediates(dtype))
-        # the 16-bit copies, one per tensor although each tanh output is saved twice (by tanh and the next Linear)
-        assert cast - output == plain // 2
+        # the 16-bit copies, one per tensor although each tanh output is saved twice (by tanh and the next Linear);
+        # float16, whose range is smaller than float32's, also keeps each copy's scale (a float32 scalar)
+        assert cast - output == plain // 2 + scales
+
+
+class _RoundSaved(torch.autograd.graph.saved_tensors_hooks):
+    """The test's own reference: every saved activation rounded to ``dtype`` and back, nothing else."""
+
+    def __init__(self, dtype):
+        def pack(t):
+            base = t._base if t._base is not None else t
+            if not t.is_floating_point() or (base.is_leaf and base.requires_grad):
+                return t
+            return t.to(dtype), t.dtype
+
+        def unpack(packed):
+            return packed[0].to(packed[1]) if isinstance(packed, tuple) else packed
+
+        super().__init__(pack, unpack)
 
 
 def test_cast_keeps_the_forward_and_gradients_within_one_percent(device):
@@ -69,6 +86,39 @@ def test_cast_keeps_the_forward_and_gradients_within_one_percent(device):
     assert torch.equal(y, y16)
     errors = [max_rel_err(a, b) for a, b in zip(grads16, grads)]
     assert 0 < max(errors) <= 1e-2, errors
+    # exactly the gradients of the same step with each saved activation rounded to bfloat16 (the same operations)
+    _, reference = _grads(device, _RoundSaved(torch.bfloat16))
+    assert all(torch.equal(a, b) for a, b in zip(grads16, reference))
+
+
+def test_float16_storage_scales_what_exceeds_its_range(device):
+    """Activations above float16's 65504 stay finite: each stored tensor is scaled by a power of two."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to(device)
+    x = (torch.randn(32, 8, generator=torch.Generator().manual_seed(1)) * 1e5).to(device)
+
+    def grads(context):
+        with context:
+            loss = model(x).pow(2).mean()
+        return [to_host(g) for g in torch.autograd.grad(loss, list(model.parameters()))]
+
+    exact = grads(contextlib.nullcontext())
+    stored = grads(memory_efficient_intermediates(torch.float16))
+    assert all(torch.isfinite(g).all() for g in stored)
+    # the ReLU output (up to ~1e6) is the only stored tensor: float16's 11 significant bits, ~4.9e-4 per element
+    assert max(max_rel_err(a, b) for a, b in zip(stored, exact)) <= 1e-3
+    # what is stored and restored, value by value: within float16's rounding across eight decades
+    values = torch.logspace(-2, 6, 1001, dtype=torch.float64) * torch.tensor([1.0, -1.0]).repeat(501)[:1001]
+    for dtype in (torch.float32, torch.float64):
+        context = memory_efficient_intermediates(torch.float16)
+        restored = context.unpack_hook(context.pack_hook(values.to(dtype).to(device)))
+        assert restored.dtype == dtype
+        assert (to_host(restored).double() / values - 1).abs().max() <= 2.0 ** -11
+    # inf and NaN are kept, unscaled
+    special = torch.tensor([float("inf"), float("nan"), 1.0]).to(device)
+    context = memory_efficient_intermediates(torch.float16)
+    torch.testing.assert_close(to_host(context.unpack_hook(context.pack_hook(special))), to_host(special),
+                               equal_nan=True)
 
 
 def test_offload_to_cpu_gives_the_same_gradients(device):

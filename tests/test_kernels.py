@@ -1,6 +1,7 @@
 """Few-bit kernels (issue 4): Triton (TRITON_INTERPRET=1 on the CPU) and Pallas (interpret mode on the CPU), each
-bit for bit equal to the pure-PyTorch reference on the same data, for every bit width, float32 / bfloat16 /
-float16, sizes that need padding, and inf/NaN inputs; and the dispatch that picks them by device.
+bit for bit equal to the pure-PyTorch reference on the same data (a NaN only has to be a NaN: its sign and payload
+are the hardware's), for every bit width, float32 / bfloat16 / float16, sizes that need padding, inf/NaN inputs and
+gradients, NaN coded high or low, NaN and zero levels; and the dispatch that picks them by device.
 """
 import importlib.util
 import os
@@ -23,9 +24,10 @@ SIZES = (1, 13, 1000, 4099)
 def _data(n, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * 2
+    grad = torch.randn(n, generator=g)
     if n > 8:
         x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
-    grad = torch.randn(n, generator=g)
+        grad[4:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
     return x.to(dtype), grad.to(dtype)
 
 
@@ -82,15 +84,23 @@ def test_pallas_kernels_equal_the_reference_bit_for_bit():
             if n not in (13, 4099) or (dtype != torch.float32 and bits != 3):
                 continue
             x, grad = _data(n, dtype, seed=n + bits)
-            expected_packed = ref.pack(ref.stepwise_codes(x, table.borders), bits)
-            packed = fewbit_pallas.encode_stepwise(_to_jax(jnp, x), table.borders, bits, interpret=True)
-            assert np.array_equal(np.asarray(packed), expected_packed.numpy()), (bits, dtype, n)
-            levels = kernels.levels_tensor(table.levels, x.device, dtype)
-            expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels)
-            got = fewbit_pallas.stepwise_grad(packed, _to_jax(jnp, grad), table.levels, bits, interpret=True)
-            assert got.dtype == jnp.dtype(_JAX_DTYPES[dtype])
-            exp_bits = expected.view(torch.int16 if dtype != torch.float32 else torch.int32).numpy()
-            assert np.array_equal(_bits_of(jnp, got), exp_bits), (bits, dtype, n)
+            # NaN coded high, a NaN end level and a zero level that selects (0 even for an inf gradient)
+            odd_levels = (float("nan"), 0.0) + tuple(table.levels[2:])
+            for nan_high, levels, select_zero in ((False, table.levels, False), (True, odd_levels, True)):
+                expected_packed = ref.pack(ref.stepwise_codes(x, table.borders, nan_high), bits)
+                packed = fewbit_pallas.encode_stepwise(_to_jax(jnp, x), table.borders, bits, interpret=True,
+                                                       nan_high=nan_high)
+                assert np.array_equal(np.asarray(packed), expected_packed.numpy()), (bits, dtype, n)
+                levels_t = torch.tensor(levels, dtype=torch.float32)
+                expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels_t, select_zero=select_zero)
+                got = fewbit_pallas.stepwise_grad(packed, _to_jax(jnp, grad), levels_t.numpy(), bits, interpret=True,
+                                                  select_zero=select_zero)
+                assert got.dtype == jnp.dtype(_JAX_DTYPES[dtype])
+                exp_bits = expected.view(torch.int16 if dtype != torch.float32 else torch.int32).numpy()
+                nan = expected.isnan().numpy()
+                got_bits = _bits_of(jnp, got)
+                assert np.array_equal(np.isnan(np.asarray(got, dtype=np.float32)), nan), (bits, dtype, n)
+                assert np.array_equal(got_bits[~nan], exp_bits[~nan]), (bits, dtype, n, nan_high)
 
 
 def test_dispatch_picks_by_device(monkeypatch):

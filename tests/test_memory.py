@@ -4,11 +4,15 @@ Every number asserted here is exact and reproducible: storage sizes for the eage
 The TPU figures come from libtpu's deviceless compiler (no TPU is used).
 """
 import dataclasses
+import hashlib
 import importlib.util
+import json
 import os
 import resource
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -486,3 +490,145 @@ def test_missing_tpu_compiler_names_the_extra(monkeypatch):
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(MissingDependencyError, match=r"libtpu.*pip install 'revlib_xla\[tpu-compile\]'"):
         tpu_memory("module {}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad arguments, frozen parameters, the engine's device queues, the disk cache and libtpu's log files (issue 15)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match=r"saved_bytes needs a function to run.*got int 42"):
+        saved_bytes(42)
+    with pytest.raises(TypeError, match=r"tpu_memory needs StableHLO text.*got NoneType"):
+        tpu_memory(None)
+    with pytest.raises(TypeError, match=r"tpu_memory_many \(module 1\) needs StableHLO text.*got bytes"):
+        tpu_memory_many(["module {}", b"module {}"])
+    with pytest.raises(TypeError, match=r"takes a list of StableHLO texts.*tpu_memory\(text\)"):
+        tpu_memory_many("module {}")
+    with pytest.raises(TypeError, match=r"xla_cpu_memory needs StableHLO text.*got NoneType"):
+        xla_cpu_memory(None)
+
+
+def test_eager_peak_counts_frozen_parameters_and_target_device_copies():
+    import revlib_xla as revlib
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model[0].requires_grad_(False)  # fine-tuning: a frozen first layer
+    peak = eager_peak(train_step, model, torch.randn(8, 16))
+    assert peak.parameters == nbytes(*model.parameters())
+    assert peak.end.gradients == nbytes(*model[2].parameters())  # only the trainable layer gets gradients
+    assert all(p.grad is None for p in model[0].parameters())
+    blocks = [nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(3)]
+    streamed = revlib.ReversibleSequential(*blocks, split_dim=-1, target_device="cpu")
+    peak = eager_peak(train_step, streamed, torch.randn(4, 16))
+    assert peak.end.gradients == nbytes(*streamed.parameters())
+
+
+STEP_AFTER_A_CPU_BACKWARD = """
+import hashlib, sys, torch
+sys.path.insert(0, {tests!r})
+from test_memory import small_mlp, train_step
+from revlib_xla import memory
+torch.manual_seed(0)
+model, x = small_mlp(), torch.randn(8, 16)
+train_step(model, x)                           # a CPU backward first: the engine sizes its queues without XLA
+model.zero_grad(set_to_none=True)
+print(hashlib.sha256(memory.step_stablehlo(train_step, model, x).encode()).hexdigest())
+"""
+
+
+@needs_xla
+def test_step_stablehlo_works_after_a_cpu_backward(tmp_path):
+    """The README's memory snippet: a CPU step, then step_stablehlo. The child process starts no XLA runtime before
+    its CPU backward (this worker's conftest does); the StableHLO equals this process's."""
+    script = tmp_path / "step_after_cpu_backward.py"
+    script.write_text(STEP_AFTER_A_CPU_BACKWARD.format(tests=str(Path(__file__).parent)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PJRT_DEVICE="CPU"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.manual_seed(0)
+    model, x = small_mlp(), torch.randn(8, 16)
+    expected = hashlib.sha256(step_stablehlo(train_step, model, x).encode()).hexdigest()
+    assert done.stdout.split()[-1] == expected
+
+
+IDENTITY_HLO = "module { func.func @main(%arg0: tensor<64xf32>) -> tensor<64xf32> { return %arg0 : tensor<64xf32> } }"
+
+
+@needs_jax
+@pytest.mark.parametrize("damage", ["truncated", "not json", "a list", "other key", "field missing", "wrong type"])
+def test_disk_cache_recompiles_a_damaged_entry(tmp_path, monkeypatch, damage):
+    compiles = []
+    real = memory._compile_helpers().compile_for_cpu
+    monkeypatch.setattr(memory._compile_helpers(), "compile_for_cpu", lambda text: compiles.append(1) or real(text))
+    memory.clear_compile_cache()
+    first = xla_cpu_memory(IDENTITY_HLO, disk_cache=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    entry = json.loads(path.read_text())
+    text = path.read_text()
+    broken = {
+        "truncated": text[: len(text) // 2], "not json": "\x00\xff", "a list": "[]",
+        "other key": json.dumps({**entry, "key": "0" * 64}),
+        "field missing": json.dumps({k: v for k, v in entry.items() if k != "peak_memory_in_bytes"}),
+        "wrong type": json.dumps({**entry, "optimized_hlo": 3}),
+    }[damage]
+    path.write_bytes(broken.encode("utf-8", "surrogateescape") if damage != "not json" else b"\x00\xff")
+    memory.clear_compile_cache()
+    again = xla_cpu_memory(IDENTITY_HLO, disk_cache=tmp_path)
+    assert again == first and len(compiles) == 2  # compiled again, never a KeyError
+    rewritten = json.loads(path.read_text())  # and rewritten (the same but for the compile time)
+    del entry["compile_seconds"]
+    assert rewritten.pop("compile_seconds") > 0 and rewritten == entry
+    memory.clear_compile_cache()
+    assert xla_cpu_memory(IDENTITY_HLO, disk_cache=tmp_path) == first and len(compiles) == 2  # now a hit
+
+
+def test_disk_cache_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
+    from revlib_xla import compile_cache
+
+    monkeypatch.setenv("REVLIB_XLA_CACHE_MAX_BYTES", "3KiB")
+    valid = lambda entry: "payload" in entry
+    for i, key in enumerate("abcd"):
+        compile_cache.store(tmp_path, key, {"payload": "x" * 900})
+        os.utime(tmp_path / f"{key}.json", (1000 + i, 1000 + i))  # written in the order a, b, c, d
+    # four entries of ~920 bytes exceed 3 KiB: the least recently used one (a) was evicted
+    assert sorted(p.stem for p in tmp_path.glob("*.json")) == ["b", "c", "d"]
+    assert compile_cache.load(tmp_path, "b", valid) is not None  # a read is a use: b is now the newest
+    compile_cache.store(tmp_path, "e", {"payload": "x" * 900})
+    assert sorted(p.stem for p in tmp_path.glob("*.json")) == ["b", "d", "e"]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= 3 * 1024
+    compile_cache.store(tmp_path, "huge", {"payload": "x" * 5000})  # larger than the bound: not stored
+    assert not (tmp_path / "huge.json").exists() and len(list(tmp_path.iterdir())) == 3
+    monkeypatch.setenv("REVLIB_XLA_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="REVLIB_XLA_CACHE_MAX_BYTES='lots' is not a size.*512MiB"):
+        compile_cache.max_bytes()
+    monkeypatch.setenv("REVLIB_XLA_CACHE_MAX_BYTES", "2 GB")
+    assert compile_cache.max_bytes() == 2 * 10 ** 9
+    monkeypatch.delenv("REVLIB_XLA_CACHE_MAX_BYTES")
+    assert compile_cache.max_bytes() == compile_cache.DEFAULT_MAX_BYTES == 2 ** 30
+    monkeypatch.delenv("REVLIB_XLA_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.directory_for(True) == tmp_path / "xdg" / "revlib_xla"
+    assert compile_cache.directory_for(None) is None and compile_cache.directory_for(False) is None
+
+
+@needs_libtpu
+def test_tpu_compile_leaves_no_log_files_behind(monkeypatch):
+    """libtpu writes two log files per process to $TPU_LOG_DIR (default /tmp/tpu_logs, never cleaned): the worker's
+    go into its temporary directory, which is deleted."""
+    monkeypatch.delenv("TPU_LOG_DIR", raising=False)
+    seen = {}
+    real_run = subprocess.run
+
+    def run(command, env, **kwargs):
+        done = real_run(command, env=env, **kwargs)
+        seen["dir"] = Path(env["TPU_LOG_DIR"])
+        seen["files"] = list(seen["dir"].iterdir())
+        return done
+
+    monkeypatch.setattr(memory.subprocess, "run", run)
+    tpu_memory(IDENTITY_HLO, cache=False)
+    assert seen["files"], "libtpu wrote no log where TPU_LOG_DIR pointed"
+    assert seen["dir"].name == "tpu_logs" and seen["dir"].parent.name.startswith("revlib_xla_tpu_")
+    assert not seen["dir"].exists()  # deleted with the worker's temporary directory

@@ -1,8 +1,9 @@
 """Run by tests/test_kernels.py in a child process with TRITON_INTERPRET=1 (triton must be imported after it is
 set: its library functions, tl.zeros among them, are defined as interpreted or compiled at import time).
 
-Compares the Triton few-bit kernels with the pure-PyTorch reference, bit for bit, on every bit width, float32 /
-bfloat16 / float16, sizes that need padding, and inf/NaN inputs. Prints one line per case; exits 1 on a mismatch.
+Compares the Triton few-bit kernels with the pure-PyTorch reference, bit for bit (a NaN has to be a NaN), on every
+bit width, float32 / bfloat16 / float16, sizes that need padding, inf/NaN inputs and gradients, NaN coded high or
+low, NaN levels and zero levels that select. Prints one line per case; exits 1 on a mismatch.
 """
 import os
 import sys
@@ -11,30 +12,44 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 import torch  # noqa: E402
 
-from revlib_xla import fewbit, kernels  # noqa: E402
+from revlib_xla import fewbit  # noqa: E402
 from revlib_xla.kernels import fewbit_reference as ref  # noqa: E402
 from revlib_xla.kernels import fewbit_triton  # noqa: E402
+
+
+def same_bits_or_both_nan(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit for bit, except that a NaN only has to be a NaN (its sign and payload are not specified)."""
+    as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[expected.dtype]
+    nan = expected.isnan()
+    return (got.dtype == expected.dtype and torch.equal(got.isnan(), nan)
+            and torch.equal(got.view(as_int)[~nan], expected.view(as_int)[~nan]))
 
 
 def main() -> int:
     failures = 0
     for bits in (1, 2, 3, 4):
         table = fewbit.stepwise_table("gelu", bits)
+        # NaN end levels (a call whose input held a NaN) and a zero level (select_zero: 0 even for an inf gradient)
+        odd_levels = (float("nan"), 0.0) + tuple(table.levels[2:])
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             for n in (1, 13, 4099):
                 g = torch.Generator().manual_seed(n + bits)
                 x, grad = torch.randn(n, generator=g) * 2, torch.randn(n, generator=g)
                 if n > 8:
                     x[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+                    grad[4:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
                 x, grad = x.to(dtype), grad.to(dtype)
-                expected_packed = ref.pack(ref.stepwise_codes(x, table.borders), bits)
-                packed = fewbit_triton.encode_stepwise(x, table.borders, bits)
-                levels = kernels.levels_tensor(table.levels, x.device, dtype)
-                expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels)
-                got = fewbit_triton.stepwise_grad(expected_packed, grad, levels, bits)
-                as_int = torch.int32 if dtype == torch.float32 else torch.int16
-                ok = (torch.equal(packed, expected_packed) and got.dtype == dtype
-                      and torch.equal(got.view(as_int), expected.view(as_int)))
+                ok = True
+                for nan_high, levels, select_zero in ((False, table.levels, False), (True, odd_levels, True)):
+                    expected_packed = ref.pack(ref.stepwise_codes(x, table.borders, nan_high), bits)
+                    packed = fewbit_triton.encode_stepwise(x, table.borders, bits, nan_high)
+                    levels_t = torch.tensor(levels, dtype=torch.float32)
+                    if nan_high:  # a NaN whose payload would carry into the exponent when rounded to bfloat16
+                        levels_t.view(torch.int32)[0] = 0x7FFFFFFF
+                    expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels_t,
+                                          select_zero=select_zero)
+                    got = fewbit_triton.stepwise_grad(expected_packed, grad, levels_t, bits, select_zero)
+                    ok &= torch.equal(packed, expected_packed) and same_bits_or_both_nan(got, expected)
                 print(f"bits={bits} {dtype} n={n}: {'bit-exact' if ok else 'MISMATCH'}")
                 failures += not ok
     return 1 if failures else 0

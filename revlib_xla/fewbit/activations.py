@@ -7,21 +7,32 @@ piecewise-constant approximation of the derivative (:mod:`.approximation`). Piec
 values, so one bit (inside or outside a band) gives their gradient exactly - elementwise equal to PyTorch's.
 
 What is saved for backward: the packed codes (one uint8 tensor of ``bits * numel / 8`` bytes, rounded up to a whole
-packing group) and nothing else; borders and levels are constants of the activation.
+packing group); borders and levels are constants of the activation.
+
+Infinite and NaN inputs get PyTorch's gradient where the codes can carry it: piecewise-linear activations send NaN
+to the side of the band PyTorch's backward kernel sends it (relu: passes the gradient, leaky_relu: the slope, ...),
+so their gradients equal PyTorch's at NaN and +-inf too; ELU, CELU, SELU and Hardswish, whose PyTorch gradient at
+NaN is the one at +inf, code NaN in the top interval. Where PyTorch's gradient is NaN (at NaN for most smooth
+activations, and at +-inf for GELU, Mish, SiLU and Softsign), the codes cannot tell that input from the finite ones
+of its interval (the lowest for NaN and -inf, the highest for +inf): the forward also saves two flags (2 bytes),
+whether such an input occurred at each end, and the backward makes that end's level NaN, so the gradient is NaN
+there and at every element coded in the same interval - never a finite number in its place.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .. import backend, kernels
-from .approximation import SUPPORTED_BITS, StepwiseDerivative, optimal_stepwise
+from .approximation import SUPPORTED_BITS, StepwiseDerivative, derivative_of, optimal_stepwise
 
 Tensor = torch.Tensor
 
@@ -79,6 +90,8 @@ class Band:
     inside: float
     outside: float
     bits: int = 1
+    nan_inside: bool = False   # PyTorch's kernel tests "outside" (x <= lo, ...), so NaN lands inside
+    select_zero: bool = True   # a zero level gives 0 for an inf/NaN gradient: PyTorch's kernel selects (not leaky_relu)
 
     @property
     def levels(self) -> Tuple[float, float]:
@@ -86,18 +99,19 @@ class Band:
 
 
 PIECEWISE: Dict[str, PiecewiseSpec] = {
-    "relu": PiecewiseSpec(F.relu, lambda: Band(0.0, None, False, 1.0, 0.0)),
+    "relu": PiecewiseSpec(F.relu, lambda: Band(0.0, None, False, 1.0, 0.0, nan_inside=True)),
     "leaky_relu": PiecewiseSpec(lambda x, negative_slope: F.leaky_relu(x, negative_slope),
-                                lambda negative_slope: Band(0.0, None, False, 1.0, negative_slope),
+                                lambda negative_slope: Band(0.0, None, False, 1.0, negative_slope,
+                                                            select_zero=False),
                                 (("negative_slope", 0.01),)),
     "threshold": PiecewiseSpec(lambda x, threshold, value: F.threshold(x, threshold, value),
-                               lambda threshold, value: Band(threshold, None, False, 1.0, 0.0),
+                               lambda threshold, value: Band(threshold, None, False, 1.0, 0.0, nan_inside=True),
                                (("threshold", None), ("value", None))),
     "hardsigmoid": PiecewiseSpec(F.hardsigmoid, lambda: Band(-3.0, 3.0, False, 1.0 / 6.0, 0.0)),
     "hardtanh": PiecewiseSpec(lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
-                              lambda min_val, max_val: Band(min_val, max_val, False, 1.0, 0.0),
+                              lambda min_val, max_val: Band(min_val, max_val, False, 1.0, 0.0, nan_inside=True),
                               (("min_val", -1.0), ("max_val", 1.0))),
-    "relu6": PiecewiseSpec(F.relu6, lambda: Band(0.0, 6.0, False, 1.0, 0.0)),
+    "relu6": PiecewiseSpec(F.relu6, lambda: Band(0.0, 6.0, False, 1.0, 0.0, nan_inside=True)),
     "hardshrink": PiecewiseSpec(lambda x, lambd: F.hardshrink(x, lambd),
                                 lambda lambd: Band(-lambd, lambd, True, 0.0, 1.0), (("lambd", 0.5),)),
     "softshrink": PiecewiseSpec(lambda x, lambd: F.softshrink(x, lambd),
@@ -107,11 +121,39 @@ PIECEWISE: Dict[str, PiecewiseSpec] = {
 
 @dataclasses.dataclass(frozen=True)
 class StepCode:
-    """A stepwise derivative used by the backward: borders and levels, as the kernels take them."""
+    """A stepwise derivative used by the backward: borders and levels, as the kernels take them, and where
+    PyTorch's gradient of the activation is NaN at a non-finite input (see the module docstring).
+
+    ``nan_high``: NaN is coded in the top interval (PyTorch's gradient at NaN is finite, its gradient at +inf);
+    ``nan_at_nan`` / ``nan_at_neg_inf`` / ``nan_at_pos_inf``: PyTorch's gradient there is NaN.
+    """
 
     bits: int
     borders: Tuple[float, ...]
     levels: Tuple[float, ...]
+    nan_high: bool = False
+    nan_at_nan: bool = False
+    nan_at_neg_inf: bool = False
+    nan_at_pos_inf: bool = False
+
+    @property
+    def flags_nan(self) -> bool:
+        """Whether the forward must record non-finite inputs (some end level may have to become NaN)."""
+        return self.nan_at_nan or self.nan_at_neg_inf or self.nan_at_pos_inf
+
+    def nan_ends(self, x: Tensor) -> Tensor:
+        """Two bools on ``x``'s device, no host sync: whether the lowest / highest level must be NaN for ``x``."""
+        no = torch.zeros((), dtype=torch.bool, device=x.device)
+        if self.nan_at_nan and self.nan_at_neg_inf:
+            low = ~(x > float("-inf")).all()  # NaN or -inf, in one pass (XLA's min() skips NaN)
+        elif self.nan_at_nan:
+            low = x.isnan().any()
+        elif self.nan_at_neg_inf:
+            low = (x == float("-inf")).any()
+        else:
+            low = no
+        high = (x == float("inf")).any() if self.nan_at_pos_inf else no
+        return torch.stack([low, high])
 
 
 def _params(name: str, defaults: Tuple[Tuple[str, Any], ...], given: Dict[str, Any]) -> Tuple[Tuple[str, Any], ...]:
@@ -124,6 +166,24 @@ def _params(name: str, defaults: Tuple[Tuple[str, Any], ...], given: Dict[str, A
     if missing:
         raise TypeError(f"few-bit {name} needs the parameter(s) {missing}")
     return params
+
+
+_NOT_NUMBERS = {("threshold", "value"), ("gelu", "approximate")}   # the backward never compares with these
+
+
+def check_params(name: str, params: Dict[str, Any]) -> None:
+    """Refuse a parameter the backward cannot use: a non-number, NaN (every comparison with a NaN band edge is
+    false), or, for a smooth activation, an infinity (its derivative table is computed from the parameters)."""
+    for key, value in params.items():
+        if (name, key) in _NOT_NUMBERS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"few-bit {name}: {key} must be a number, got {type(value).__name__} {value!r}")
+        if math.isnan(value) or (name in SMOOTH and math.isinf(value)):
+            why = ("its derivative table is computed from it" if name in SMOOTH
+                   else "its gradient compares the input with it, and every comparison with NaN is false")
+            raise ValueError(f"few-bit {name}: {key}={value} cannot be used ({why}); pass a finite number, or keep "
+                             f"torch's own activation here")
 
 
 def _table_key(name: str, params: Tuple[Tuple[str, Any], ...], bits: int) -> str:
@@ -168,27 +228,33 @@ def write_builtin_tables(path: Path = TABLES_FILE) -> Dict[str, Dict[str, Any]]:
 
 
 class FewBitFunction(torch.autograd.Function):
-    """y = forward(x) exactly; saves the packed codes of x; backward = grad * levels[code]."""
+    """y = forward(x) exactly; saves the packed codes of x (and, where needed, two NaN flags); backward =
+    grad * levels[code]."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, forward: Callable[[Tensor], Tensor], derivative: Any) -> Tensor:
         y = forward(x)
+        nan_ends = None
         if isinstance(derivative, Band):
-            packed = kernels.encode_band(x, derivative.lo, derivative.hi, derivative.closed)
+            packed = kernels.encode_band(x, derivative.lo, derivative.hi, derivative.closed, derivative.nan_inside)
         else:
-            packed = kernels.encode_stepwise(x, derivative.borders, derivative.bits)
+            packed = kernels.encode_stepwise(x, derivative.borders, derivative.bits, derivative.nan_high)
+            if derivative.flags_nan:
+                nan_ends = derivative.nan_ends(x)
         # Tie the codes to the output: the encode must run when the output is made, so the compiler cannot move it
         # to the backward pass and keep the full input alive instead (a no-op in eager mode).
-        backend.optimization_barrier_([y, packed])
-        ctx.save_for_backward(packed)
+        backend.optimization_barrier_([y, packed] + ([nan_ends] if nan_ends is not None else []))
+        ctx.save_for_backward(packed, nan_ends)
         ctx.derivative = derivative
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None]:
-        (packed,) = ctx.saved_tensors
+        packed, nan_ends = ctx.saved_tensors
         derivative = ctx.derivative
-        return kernels.stepwise_grad(packed, grad.contiguous(), tuple(derivative.levels), derivative.bits), None, None
+        select_zero = derivative.select_zero if isinstance(derivative, Band) else True
+        return kernels.stepwise_grad(packed, grad.contiguous(), tuple(derivative.levels), derivative.bits,
+                                     select_zero, nan_ends), None, None
 
 
 def _check_input(name: str, x: Any) -> None:
@@ -209,12 +275,21 @@ def check_bits(name: str, bits: Any) -> int:
     return bits
 
 
+@functools.lru_cache(maxsize=None)
 def derivative_for(name: str, bits: int, params: Tuple[Tuple[str, Any], ...]) -> Any:
     """The :class:`StepCode` or :class:`Band` derivative the backward of ``name`` uses."""
     if name in PIECEWISE:
         return PIECEWISE[name].band(**dict(params))
     table = stepwise_table(name, bits, params)
-    return StepCode(bits, table.borders, table.levels)
+    kwargs = dict(params)
+    # PyTorch's own gradient (cpu autograd, float64) at NaN, +inf and -inf decides where NaN is coded and where
+    # the gradient must be NaN.
+    at_nan, at_pos_inf, at_neg_inf = derivative_of(lambda t: SMOOTH[name].forward(t, **kwargs))(
+        np.array([math.nan, math.inf, -math.inf])).tolist()
+    return StepCode(bits, table.borders, table.levels,
+                    nan_high=math.isfinite(at_nan) and at_nan == at_pos_inf,
+                    nan_at_nan=not math.isfinite(at_nan), nan_at_neg_inf=not math.isfinite(at_neg_inf),
+                    nan_at_pos_inf=not math.isfinite(at_pos_inf))
 
 
 def few_bit(name: str, x: Tensor, bits: int, **params: Any) -> Tensor:
@@ -226,6 +301,7 @@ def few_bit(name: str, x: Tensor, bits: int, **params: Any) -> Tensor:
     bits = check_bits(name, bits)
     spec = SMOOTH.get(name) or PIECEWISE[name]
     params_t = _params(name, spec.defaults, params)
+    check_params(name, dict(params_t))
     kwargs = dict(params_t)
 
     def forward(t: Tensor) -> Tensor:

@@ -24,7 +24,9 @@ How it is solved:
    (finite-difference Hessian, backtracking on J) is tried on the borders not sitting at a kink of f'; it is kept
    only if a further sweep then moves nothing by more than 1e-9. Iteration stops when no border moves by 1e-12. The
    bisection also finds minima at a jump of f' (SELU at 0), where the derivative changes sign without a zero.
-4. Borders are rounded to float32 (the comparison precision of the kernels) and the levels recomputed for them.
+4. Of two optima that are mirror images (f' symmetric about 0, or about a constant: tanh, gelu, ...), the one
+   with the smaller first border is taken, so that every CPU gives the same table.
+5. Borders are rounded to float32 (the comparison precision of the kernels) and the levels recomputed for them.
 
 The moments S0, S1, S2 come from 32-point Gauss-Legendre quadrature on cells of width <= 1/20 whose ends include
 every kink of f', with f' evaluated by torch autograd in float64, which is accurate to ~1e-15.
@@ -48,6 +50,11 @@ _LIMIT = 12.0          # the normal weight beyond +-12 is below 1e-31: the integ
 _CELL = 0.05           # quadrature cell width
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(32)
 _DP_GRID = np.linspace(-8.0, 8.0, 801)
+#: Round-off of J: the quadrature sums ~500 cells of O(1e-3) terms in float64, so two computations of the same J
+#: (on two CPUs, or at mirrored borders) agree to ~1e-16 absolute; errors closer than _TIE * max(J, _ERROR_FLOOR)
+#: are equal.
+_TIE = 1e-13
+_ERROR_FLOOR = 1e-3
 
 
 def derivative_of(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[np.ndarray], np.ndarray]:
@@ -299,6 +306,22 @@ def _refine(moments: _Moments, borders: np.ndarray, kinks: Sequence[float], tol:
     return b
 
 
+def _break_mirror_tie(moments: _Moments, borders: np.ndarray) -> np.ndarray:
+    """Of the borders and their mirror image, the one with the smaller first border when both have the same error.
+
+    The normal weight is symmetric, so when f'(-x) is f'(x) or c - f'(x) (tanh, sigmoid, gelu, hardswish, ...) the
+    mirrored borders -b[::-1] are as good as b. Several of these optima are not symmetric themselves (tanh at 1 and 2
+    bits), and which of the two the dynamic program finds is decided by the last bits of its sums, which differ
+    between CPUs; this rule makes the result the same everywhere.
+    """
+    mirror = -borders[::-1]
+    _, error = _levels_and_error(moments, borders)
+    _, mirror_error = _levels_and_error(moments, mirror)
+    if abs(mirror_error - error) <= _TIE * max(error, _ERROR_FLOOR) and tuple(mirror) < tuple(borders):
+        return mirror
+    return borders
+
+
 def optimal_stepwise(fn: Callable[[torch.Tensor], torch.Tensor], bits: int, kinks: Iterable[float] = ()
                      ) -> StepwiseDerivative:
     """The optimal ``2**bits``-level approximation of ``fn``'s derivative (see the module docstring).
@@ -311,7 +334,7 @@ def optimal_stepwise(fn: Callable[[torch.Tensor], torch.Tensor], bits: int, kink
     kinks = tuple(sorted(float(k) for k in kinks))
     derivative = derivative_of(fn)
     moments = _Moments(derivative, kinks)
-    borders = _refine(moments, _dynamic_program(moments, 2 ** bits, kinks), kinks)
+    borders = _break_mirror_tie(moments, _refine(moments, _dynamic_program(moments, 2 ** bits, kinks), kinks))
     borders32 = np.unique(borders.astype(np.float32)).astype(np.float64)
     if len(borders32) != len(borders):
         raise ArithmeticError(f"two optimal borders round to the same float32 value: {borders}")

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from . import functional as FB
-from .activations import PIECEWISE, SMOOTH, check_bits
+from .activations import PIECEWISE, SMOOTH, check_bits, check_params
 
 Tensor = torch.Tensor
 
@@ -28,6 +28,7 @@ class FewBitActivation(nn.Module):
     def __init__(self, bits: int, **params: Any) -> None:
         super().__init__()
         self.bits = check_bits(self.name, bits)
+        check_params(self.name, params)
         self.params: Dict[str, Any] = params
 
     def forward(self, x: Tensor) -> Tensor:

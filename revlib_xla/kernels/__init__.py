@@ -45,36 +45,55 @@ def levels_tensor(levels: Sequence[float], device: torch.device, dtype: torch.dt
     return hit
 
 
-def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int) -> torch.Tensor:
-    """Packed ``bits``-bit codes of ``x`` (flat uint8, :func:`reference.packed_bytes` long)."""
+def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int, nan_high: bool = False) -> torch.Tensor:
+    """Packed ``bits``-bit codes of ``x`` (flat uint8, :func:`reference.packed_bytes` long); NaN gets the top code
+    with ``nan_high``, else code 0."""
     impl = implementation_for(x)
     if impl == "triton":
         from . import fewbit_triton
 
-        return fewbit_triton.encode_stepwise(x, borders, bits)
+        return fewbit_triton.encode_stepwise(x, borders, bits, nan_high)
     if impl == "pallas":
         from . import fewbit_pallas
 
-        return fewbit_pallas.encode_stepwise_torch_xla(x, borders, bits)
-    return reference.pack(reference.stepwise_codes(x, borders), bits)
+        return fewbit_pallas.encode_stepwise_torch_xla(x, borders, bits, nan_high)
+    return reference.pack(reference.stepwise_codes(x, borders, nan_high), bits)
 
 
-def encode_band(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool) -> torch.Tensor:
+def encode_band(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool,
+                nan_inside: bool = False) -> torch.Tensor:
     """Packed 1-bit band codes of ``x`` (reference implementation on every device: two comparisons and a pack)."""
-    return reference.pack(reference.band_codes(x, lo, hi, closed), 1)
+    return reference.pack(reference.band_codes(x, lo, hi, closed, nan_inside), 1)
 
 
-def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[float], bits: int) -> torch.Tensor:
-    """``grad * levels[code]`` for the packed codes of ``grad.numel()`` elements, shaped like ``grad``."""
+def _levels_with_nan_ends(levels: Sequence[float], device: torch.device, dtype: torch.dtype,
+                          nan_ends: Optional[torch.Tensor]) -> torch.Tensor:
+    """:func:`levels_tensor`, with the lowest / highest level made NaN where ``nan_ends`` (bool, 2 elements on
+    ``device``) says so: no host sync, so this works inside a lazily traced XLA graph."""
+    table = levels_tensor(levels, device, dtype)
+    if nan_ends is None:
+        return table
+    mask = torch.cat([nan_ends[:1], nan_ends.new_zeros(table.numel() - 2), nan_ends[1:]])
+    return torch.where(mask, torch.full_like(table, float("nan")), table)
+
+
+def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[float], bits: int,
+                  select_zero: bool = False, nan_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``grad * levels[code]`` for the packed codes of ``grad.numel()`` elements, shaped like ``grad``.
+
+    ``select_zero``: a zero level gives 0 even for an inf or NaN gradient (see :mod:`.fewbit_reference`);
+    ``nan_ends``: a 2-element bool tensor; where set, the lowest / highest level is NaN for this call.
+    """
     impl = implementation_for(grad)
+    select_zero = select_zero and 0.0 in tuple(levels)
+    table = _levels_with_nan_ends(levels, grad.device, grad.dtype, nan_ends)
     if impl == "triton":
         from . import fewbit_triton
 
-        return fewbit_triton.stepwise_grad(packed, grad, levels_tensor(levels, grad.device, grad.dtype), bits)
+        return fewbit_triton.stepwise_grad(packed, grad, table, bits, select_zero)
     if impl == "pallas":
         from . import fewbit_pallas
 
-        return fewbit_pallas.stepwise_grad_torch_xla(packed, grad, levels, bits)
-    return reference.lookup(reference.unpack(packed, bits, grad.numel()), grad,
-                            levels_tensor(levels, grad.device, grad.dtype),
-                            gather=not backend.is_tracing_lazily(grad))
+        return fewbit_pallas.stepwise_grad_torch_xla(packed, grad, table, bits, select_zero)
+    return reference.lookup(reference.unpack(packed, bits, grad.numel()), grad, table,
+                            gather=not backend.is_tracing_lazily(grad), select_zero=select_zero)

@@ -5,7 +5,9 @@ for bit:
 
 * **code**: element x gets code k = number of borders b with ``x > b`` (interval ``(b_{k-1}, b_k]``), the
   comparison done in float32 (float64 for float64 input; bfloat16 and float16 convert to float32 exactly); NaN gets
-  code 0. A *band* code is 1 where ``lo < x < hi`` (or ``lo <= x <= hi`` when closed), else 0.
+  code 0, or the top code with ``nan_high`` (each border then counts where ``not x <= b``: the same for every other
+  x). A *band* code is 1 where ``lo < x < hi`` (or ``lo <= x <= hi`` when closed), else 0; NaN is inside the band
+  with ``nan_inside``. Where NaN goes is where PyTorch's backward kernel of the activation sends it.
 * **pack**: codes of ``bits`` bits are packed in groups of ``GROUP[bits]`` codes (8 for 1 and 3 bits, 4 for 2 bits,
   2 for 4 bits), laid out in planes so that every step is an elementwise operation on long vectors (what TPUs and
   coalesced GPU loads want; a (groups, 8) layout is padded to 128 lanes on a TPU): the n codes, padded with zeros
@@ -13,7 +15,9 @@ for bit:
   is the integer ``sum_j code[j * G + g] << (bits * j)``, and its byte i is stored at ``i * G + g``. n codes take
   ``bits * G * GROUP / 8`` bytes: exactly ``bits`` bits per element, plus at most one group of padding.
 * **lookup**: ``grad_in = (grad.to(opmath) * levels[code]).to(grad.dtype)`` with opmath float32 (float64 for
-  float64 gradients): one rounding, as the kernels do.
+  float64 gradients): one rounding, as the kernels do. With ``select_zero``, a level of exactly 0 gives 0 whatever
+  the gradient (an inf or NaN gradient included), as PyTorch's piecewise-linear backward kernels select rather than
+  multiply. NaN results are NaN; their sign and payload are not specified.
 """
 from __future__ import annotations
 
@@ -38,23 +42,27 @@ def packed_bytes(numel: int, bits: int) -> int:
     return -(-numel // group) * group * bits // 8
 
 
-def stepwise_codes(x: torch.Tensor, borders: Sequence[float]) -> torch.Tensor:
-    """uint8 codes, flat: the number of borders each element is above."""
+def stepwise_codes(x: torch.Tensor, borders: Sequence[float], nan_high: bool = False) -> torch.Tensor:
+    """uint8 codes, flat: the number of borders each element is above (NaN: none, or all with ``nan_high``)."""
     flat = x.reshape(-1).to(opmath_dtype(x.dtype))
     codes = torch.zeros(flat.shape, dtype=torch.uint8, device=x.device)
     for border in borders:
-        codes += flat > border
+        codes += (flat <= border).logical_not_() if nan_high else flat > border
     return codes
 
 
-def band_codes(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool) -> torch.Tensor:
-    """uint8 codes, flat: 1 inside the band (``lo``/``hi`` None for no bound), else 0."""
+def band_codes(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool,
+               nan_inside: bool = False) -> torch.Tensor:
+    """uint8 codes, flat: 1 inside the band (``lo``/``hi`` None for no bound), else 0; NaN inside with
+    ``nan_inside``."""
     flat = x.reshape(-1).to(opmath_dtype(x.dtype))
     inside = torch.ones(flat.shape, dtype=torch.bool, device=x.device)
     if lo is not None:
         inside &= (flat >= lo) if closed else (flat > lo)
     if hi is not None:
         inside &= (flat <= hi) if closed else (flat < hi)
+    if nan_inside:
+        inside |= flat.isnan()
     return inside.to(torch.uint8)
 
 
@@ -91,11 +99,13 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return codes[:numel]
 
 
-def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather: bool = True) -> torch.Tensor:
+def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather: bool = True,
+           select_zero: bool = False) -> torch.Tensor:
     """``grad * levels[codes]`` in opmath precision, rounded once to the gradient's dtype; the gradient's shape.
 
     ``gather=False`` looks the levels up with a chain of selects instead of a gather (the same values; what a TPU
-    does well: ``2**bits`` fused elementwise passes rather than a gather).
+    does well: ``2**bits`` fused elementwise passes rather than a gather). ``select_zero``: a zero level gives 0, not
+    ``grad * 0`` (which is NaN for an infinite or NaN gradient).
     """
     if gather:
         level = levels.index_select(0, codes)
@@ -103,4 +113,8 @@ def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather
         level = levels[0].expand(codes.shape)
         for k in range(1, levels.numel()):
             level = torch.where(codes == k, levels[k], level)
-    return (grad.to(levels.dtype) * level.view(grad.shape)).to(grad.dtype)
+    level = level.view(grad.shape)
+    product = grad.to(levels.dtype) * level
+    if select_zero:
+        product = product.masked_fill_(level == 0, 0)
+    return product.to(grad.dtype)

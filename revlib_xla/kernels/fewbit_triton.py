@@ -37,7 +37,7 @@ def _grid(groups: int) -> Tuple[int]:
     return (-(-groups // _BLOCK_GROUPS),)
 
 
-def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int) -> torch.Tensor:
+def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int, nan_high: bool = False) -> torch.Tensor:
     """Packed codes of ``x`` (as :func:`fewbit_reference.pack` of :func:`fewbit_reference.stepwise_codes`)."""
     _check(x)
     encode_kernel, _ = _kernels()
@@ -50,11 +50,12 @@ def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int) -> tor
         borders_t = _BORDERS[key] = torch.tensor(list(borders), dtype=torch.float32, device=x.device)
     out = torch.empty(groups * per_group, dtype=torch.uint8, device=x.device)
     encode_kernel[_grid(groups)](flat, borders_t, out, n, groups, NUM_BORDERS=len(borders), BITS=bits,
-                                 GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS)
+                                 GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS, NAN_HIGH=nan_high)
     return out
 
 
-def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, bits: int,
+                  select_zero: bool = False) -> torch.Tensor:
     """``grad * levels[code]`` (as :func:`fewbit_reference.lookup` of :func:`fewbit_reference.unpack`)."""
     _check(grad)
     if levels.dtype != torch.float32:
@@ -66,5 +67,6 @@ def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor
     out = torch.empty_like(flat)
     bf16 = flat.dtype == torch.bfloat16
     grad_kernel[_grid(groups)](packed, flat, levels, out.view(torch.int16) if bf16 else out, n, groups, BITS=bits,
-                               GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS, BF16_BITS=bf16)
+                               GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS, BF16_BITS=bf16,
+                               SELECT_ZERO=select_zero)
     return out.view(grad.shape)
