@@ -72,6 +72,14 @@ def test_schedules_match_plain_gradients_within_budget(build):
     assert recomputed[0] > recomputed[-1]  # a tighter budget recomputes more
 
 
+def _priced_by_parameters(checkpointed, measured: Chain) -> Chain:
+    """``measured`` with each stage's times replaced by its parameter count (backward twice the forward, an inversion
+    one forward): plans follow times, which a loaded machine skews, so tests that assert a plan's shape price stages
+    the same way everywhere. Sizes stay measured."""
+    work = [1.0 + sum(p.numel() for p in stage.parameters()) / 1e3 for stage in checkpointed.model]
+    return measured.replace(fw=work, bw=[2 * w for w in work] + [1.0], inverse_time=work)
+
+
 def test_hybrid_plan_is_faster_and_exact():
     """A transformer whose blocks are reversible: at a budget where rotor alone must recompute a lot, the plan
     that may also rebuild inputs from outputs is faster, and the step gives the plain gradients."""
@@ -83,7 +91,7 @@ def test_hybrid_plan_is_faster_and_exact():
 
     checkpointed = revlib.Checkpointable(model)
     reference = gradients(SeededUnits(checkpointed.stages), step, x)
-    chain = checkpointed.measure(x)
+    chain = _priced_by_parameters(checkpointed, checkpointed.measure(x))
     assert sum(chain.reversible) == 8
     rotor_chain = chain.replace(reversible=[False] * chain.length)
     budget = 1.1 * min_memory(rotor_chain)
@@ -108,13 +116,7 @@ def test_rebuilt_inputs_run_at_every_budget():
 
     checkpointed = revlib.Checkpointable(model, reversible=True)
     reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
-    measured = checkpointed.measure(x)
-    # Plans follow measured times, which a loaded machine skews; price each stage by its parameter count instead (an
-    # inversion costs a forward) so the same plans are made everywhere, Br among them at the tightest budget.
-    work = [1.0 + sum(p.numel() for p in stage.parameters()) / 1e3 for stage in checkpointed.model]
-    checkpointed.chain = Chain(work, [2 * w for w in work] + [1.0], measured.cw, measured.cbw, measured.fwd_tmp,
-                               measured.bwd_tmp, reversible=measured.reversible, inverse_time=work,
-                               offload_time=measured.offload_time, options=measured.options, names=measured.names)
+    checkpointed.chain = _priced_by_parameters(checkpointed, checkpointed.measure(x))
     high = checkpointed.no_checkpoint_memory()
     rebuilt = 0
     for fraction in (0.2, 0.3, 0.6, 1.0):

@@ -8,18 +8,19 @@ semantic difference).
 """
 import contextlib
 
-import jax
-import jax.experimental
-import jax.numpy as jnp
-import numpy as np
 import pytest
-import torch
-from torch import nn
 
-import revlib_xla as revlib
-from conftest import max_rel_err
-from jax_reference import from_torch, torch_names
-from revlib_xla import backend
+jax = pytest.importorskip("jax", reason="the JAX reference needs jax (pip install 'revlib_xla[jax]')")
+import jax.experimental  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import revlib_xla as revlib  # noqa: E402
+from conftest import max_rel_err  # noqa: E402
+from jax_reference import from_torch, torch_names  # noqa: E402
+from revlib_xla import backend  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
