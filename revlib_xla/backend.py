@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Union
 
 import torch
 
@@ -22,7 +22,8 @@ DeviceLike = Union[str, torch.device, torch.Tensor, None]
 
 __all__ = [
     "DeviceLike", "device_kind", "xla_available", "cuda_available", "device_available", "available_kinds",
-    "default_device", "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "rng_scope", "AutocastState",
+    "default_device", "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "takes_generators",
+    "owned_generator", "default_generator", "DeviceSeed", "AutocastState",
     "optimization_barrier_", "sync", "holds_data", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
     "cut_graph", "host_placement_executes", "place_on_host", "place_on_device", "kernel_platform",
     "xla_runtime_type", "HostCopy", "to_host", "prefetch_to_device", "to_device", "host_annotations",
@@ -273,35 +274,52 @@ def manual_seed(device: DeviceLike, seed: int) -> None:
         _xla().set_rng_state(seed, str(dev))
 
 
-@contextlib.contextmanager
-def rng_scope(device: DeviceLike, active: bool = True) -> Iterator[Callable[[Optional[int]], None]]:
-    """Yield ``reseed(seed)``, which seeds the CPU generator and the device's generator with ``seed``; at exit, put
-    back the state they had on entry. Inactive (``active=False``) or given ``None``, ``reseed`` does nothing.
+def takes_generators(device: DeviceLike) -> bool:
+    """Whether random ops on ``device`` can be handed a generator object (``generator=``): cpu and cuda. On xla they
+    draw from the device's seed inside the graph (:func:`manual_seed` sets it), and cannot."""
+    return device_kind(device) in ("cpu", "cuda")
 
-    This is how a recomputation draws exactly the random numbers of the forward (dropout masks): both run each
-    layer under the same seed. Keeping one integer per layer, rather than a snapshot of the generator (5 kB for the
-    CPU's), keeps the memory of a reversible sequence independent of its depth; saving and restoring the caller's
-    state once per sequence rather than once per layer keeps the cost per layer to one ``manual_seed``.
-    """
-    if not active:
-        yield lambda seed: None
-        return
+
+def owned_generator(device: DeviceLike) -> Optional[torch.Generator]:
+    """A new generator for ``device`` that random ops on it can be handed, so that a computation draws from a
+    stream it owns instead of the process-global one (see :mod:`revlib_xla.recompute`); ``None`` where
+    :func:`takes_generators` says no."""
+    return torch.Generator(device=_as_device(device)) if takes_generators(device) else None
+
+
+def default_generator(device: DeviceLike) -> Optional[torch.Generator]:
+    """The process-global generator that random ops on ``device`` draw from when handed none (cpu, cuda), else
+    ``None``."""
     dev = _as_device(device)
-    saved = RngState.capture(dev)
-    cpu_only = dev.type == "cpu"
+    if dev.type == "cpu":
+        return torch.default_generator
+    if dev.type == "cuda":
+        return torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()]
+    return None
 
-    def reseed(seed: Optional[int]) -> None:
-        if seed is None:
-            return
-        if cpu_only:  # once per layer per pass: skip the device dispatch
-            torch.default_generator.manual_seed(seed)
-        else:
-            manual_seed(dev, seed)
 
-    try:
-        yield reseed
-    finally:
-        saved.restore()
+@dataclasses.dataclass
+class DeviceSeed:
+    """The random state of a device whose random ops cannot be handed a generator (xla: one seed per device, which
+    reaches the graph as data), kept while a computation seeds the device per unit, and put back by
+    :meth:`restore`. That state is process-global: two threads seeding one such device race."""
+
+    device: torch.device
+    state: Any
+
+    @classmethod
+    def capture(cls, device: DeviceLike) -> Optional["DeviceSeed"]:
+        """The device's state, or ``None`` for a device whose random ops can be handed a generator."""
+        dev = _as_device(device)
+        if dev.type != "xla":
+            return None
+        return cls(dev, _xla().get_rng_state(str(dev)))
+
+    def seed(self, seed: int) -> None:
+        _xla().set_rng_state(seed, str(self.device))
+
+    def restore(self) -> None:
+        _xla().set_rng_state(self.state, str(self.device))
 
 
 @dataclasses.dataclass(frozen=True)

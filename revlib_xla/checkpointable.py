@@ -23,7 +23,8 @@ gives what plain autograd gives for ``backward()`` (parameter gradients accumula
 ``backward(inputs=...)`` and ``torch.autograd.grad`` (of inputs or parameters; nothing else is computed or stored),
 a second ``backward()`` through a graph kept with ``retain_graph=True`` (the forward phase runs again, with the
 first run's random numbers), and ``create_graph=True`` (double backward: the whole model runs again with autograd,
-so that one backward holds what the plain model holds). In eval mode, or under ``torch.no_grad()``, it is the plain
+so that one backward holds what the plain model holds). Each stage runs with the random numbers, autocast state
+and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or under ``torch.no_grad()``, it is the plain
 model.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 from . import backend
 from .grad_destination import GradDestination, grad_destination
-from .running_stats import frozen_running_stats, norms_with_running_stats
+from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, probe
 from .planner import (Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate,
                       solve)
 from .planner.chain import StageOption
@@ -141,9 +142,10 @@ class _Run:
         self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
         self.host: Dict[int, Any] = {}
         self.held: set = set()
-        self.rng: Dict[int, backend.RngState] = {}
-        self.autocast = backend.AutocastState.capture(device)
-        self.preserve_rng = owner.preserve_rng_state
+        self.replay = CallReplay(device, owner.preserve_rng_state)
+        self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
+        self.saved: Dict[int, Optional[SavedBuffers]] = {}  # per stage: the buffers its first run changed
+        self.to_put_back: Dict[int, List[torch.Tensor]] = {}  # per stage: their values to restore after its backward
         self.replaying = False  # the forward phase run again, for a second backward: every stage is a recomputation
         self.used = False  # its backward phase has run
         # Where the running backward sends parameter gradients (see route()).
@@ -151,19 +153,38 @@ class _Run:
         self.capture: List[torch.Tensor] = []
         self.captured: List[Optional[torch.Tensor]] = []
 
-    # -- running one stage, with the random numbers of its first run -------------------------------------------
+    # -- running one stage, as its first run did ---------------------------------------------------------------
     def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False, option: int = 0) -> Any:
         stage = self.stages[i] if option == 0 else self.owner.stage_options[i][option - 1][1]
         fn = self.stages[i].inverse if inverse else stage
+        state = RecomputeState.of(self.owner)
         if not recompute:
-            if self.preserve_rng and i not in self.rng:
-                self.rng[i] = backend.RngState.capture(self.device)
-            return fn(x)
-        with backend.rng_scope(self.device, active=self.preserve_rng and i in self.rng), self.autocast.replay(), \
-                frozen_running_stats(self.owner._norms[i]):
-            if self.preserve_rng and i in self.rng:
-                self.rng[i].restore()
-            return fn(x)
+            watch = state.watch(self.buffers[i])
+            with self.replay.first_run(i):
+                out = fn(x)
+            self.saved[i] = state.changed(watch, f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
+            return out
+        saved = self.saved.get(i)
+        tensors = [b for _, b in self.buffers[i]]
+        current = saved.swap_in(tensors) if saved is not None else None
+        with self.replay.rerun(i):
+            out = fn(x)
+        if current is not None:
+            if torch.is_grad_enabled():  # the stage's backward may read them: put back after it
+                self.to_put_back.setdefault(i, current)
+            else:
+                saved.put_back(tensors, current)
+        return out
+
+    def _put_back(self, i: int) -> None:
+        """After stage ``i``'s backward: its buffers get the values its first run left again."""
+        current = self.to_put_back.pop(i, None)
+        if current is not None:
+            self.saved[i].put_back([b for _, b in self.buffers[i]], current)
+
+    def _put_back_all(self) -> None:
+        for i in list(self.to_put_back):
+            self._put_back(i)
 
     def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
@@ -222,6 +243,7 @@ class _Run:
             elif op.kind == "B":
                 inp, out = self.xbar.pop(i + 1)
                 self._backward(out, self.grad.pop(i + 1), inp)
+                self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del inp, out
                 self._free_input(i)
@@ -236,6 +258,7 @@ class _Run:
                 with torch.enable_grad():
                     out = self._call(i, inp, recompute=True, option=op.option)
                 self._backward(out, self.grad.pop(i + 1), inp)
+                self._put_back(i)
                 self.grad[i] = _input_grads(inp)
                 del out
                 if i in self.held:
@@ -306,7 +329,10 @@ class _Run:
         ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
         self.route(params)
         self.grad[len(self.stages)] = tuple(grads)
-        self.run(self.schedule.ops[self.loss_at + 1:], backward=True)
+        try:
+            self.run(self.schedule.ops[self.loss_at + 1:], backward=True)
+        finally:
+            self._put_back_all()
         self.used = True
         input_grads = self.grad.pop(0)
         self.x.clear()
@@ -319,6 +345,7 @@ class _Run:
         statistics untouched)."""
         fresh = copy.copy(self)
         fresh.x, fresh.xbar, fresh.grad, fresh.host, fresh.held = {}, {}, {}, {}, set()
+        fresh.to_put_back = {}
         fresh.replaying, fresh.used = True, False
         fresh.forward_phase(inputs)
         return fresh
@@ -339,13 +366,16 @@ class _Run:
         self.used = True
         x = self.input_structure.rebuild(inputs)
         wanted = [p for p in params if grad_destination(p) is not GradDestination.UNUSED]
-        with torch.enable_grad():
-            for i in range(len(self.stages)):
-                x = self._call(i, x, recompute=True)
-            pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
-            wrt = [t for t in inputs if t.requires_grad] + wanted
-            got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
-                                           allow_unused=True)) if pairs and wrt else [None] * len(wrt)
+        try:
+            with torch.enable_grad():
+                for i in range(len(self.stages)):
+                    x = self._call(i, x, recompute=True)
+                pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
+                wrt = [t for t in inputs if t.requires_grad] + wanted
+                got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
+                                               allow_unused=True)) if pairs and wrt else [None] * len(wrt)
+        finally:
+            self._put_back_all()
         by_input = iter(got)
         input_grads = [next(by_input) if t.requires_grad else None for t in inputs]
         by_param = dict(zip(map(id, wanted), by_input))
@@ -410,8 +440,12 @@ class Checkpointable(nn.Module):
             :func:`revlib_xla.memory.parse_bytes`.
         mem_slots: resolution of the budget in the dynamic program (sizes are rounded up to mem_limit/mem_slots).
         verbosity: 1 logs the plan, 2 also the measurements.
-        preserve_rng_state: recomputations draw the random numbers of the first run (dropout gives the plain
-            model's gradients).
+        preserve_rng_state: each stage draws its random numbers (dropout) from generators of its own, seeded from
+            one seed drawn per forward from torch's global generator, and its recomputations draw the same ones,
+            also while other threads draw from the global generators (see :mod:`revlib_xla.recompute`). The
+            masks differ from those the plain model draws from the global generator; each is a valid draw, and the
+            gradients are the plain model's for the masks drawn. ``False``: stages draw from the global generators
+            and recomputations draw other numbers.
         reversible: let stages with an ``inverse`` method drop their input and rebuild it (``Fr``/``Br``).
         offload_bandwidth: bytes/second between device and host memory; given, checkpoints may be offloaded.
         loss_tmp_memory_usage: transient memory of the loss computed on the output (rotor's parameter).
@@ -449,7 +483,6 @@ class Checkpointable(nn.Module):
             if not 0 <= index < len(self.stages):
                 raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "
                                  f"0..{len(self.stages) - 1}")
-        self._norms = [norms_with_running_stats(stage) for stage in self.stages]
         self._option_modules = nn.ModuleList([m for opts in self.stage_options.values() for _, m in opts])
         self.chain: Optional[Chain] = None
         self.sequence: Optional[Schedule] = None
@@ -479,8 +512,9 @@ class Checkpointable(nn.Module):
                                  [stage] + [module for _, module in self.stage_options.get(i, [])]])
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             stage_opts = []
-            # Measuring runs the stage (and its options) several times: it must not move running statistics.
-            with frozen_running_stats(self._norms[i]):
+            # Measuring runs the stage (and its options) several times: it must leave no trace (buffers, the
+            # stage's own generators, torch's global generators).
+            with probe(next(iter(backend.tensors_in(x))).device, list(stage.buffers()), i):
                 try:
                     m, out = measure_stage(stage, x, reversible=rev)
                 except InPlaceInput:
@@ -758,7 +792,8 @@ class Checkpointable(nn.Module):
         run = _Run(self, schedule, device, structure)
         dummy = torch.empty(0, device=device, requires_grad=True)
         params = [p for p in self.parameters() if p.requires_grad]
-        flat = _Schedule.apply(run, dummy, len(tensors), *tensors, *params)
+        with RecomputeState.of(self).python_random_check("Checkpointable"):
+            flat = _Schedule.apply(run, dummy, len(tensors), *tensors, *params)
         return run.out_structure.rebuild(flat)
 
     def _checked_sequence(self) -> Schedule:

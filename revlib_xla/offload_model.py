@@ -12,14 +12,17 @@ What differs from fairscale, and why (each is a test in ``tests/test_offload_mod
 * Without checkpointing, the tensors autograd saves that are the slice's parameter copies are stored as
   references to the host parameters and fetched again in the backward (fairscale's graph kept every slice's
   device weights alive).
-* Copies are ordered with events on cuda (fairscale used side streams without synchronization); the random state
-  of the cpu and of the device is replayed in the recomputation (fairscale replayed only the CPU's).
+* Copies are ordered with events on cuda (fairscale used side streams without synchronization); a checkpointed
+  slice's recomputation draws the random numbers of its forward on the cpu and on the device (fairscale replayed
+  only the CPU's), from generators of its own, also while other threads draw (see :mod:`revlib_xla.recompute`),
+  and sees the buffer values its forward saw (``spectral_norm``, running statistics).
 * Micro-batches split every tensor input along dim 0 and concatenate every tensor output (multi-tensor
   activations), without squeezing a trailing size-1 dimension; they work with and without checkpointing.
 * It runs on cuda, on xla, and on the cpu (``device == offload_device``: a functional fallback with real copies).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -27,6 +30,7 @@ from torch import nn
 
 from . import backend
 from .offload import ParameterStreamer
+from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 
 __all__ = ["OffloadModel", "OffloadModelError", "split_by_parameters"]
 
@@ -131,18 +135,15 @@ class _Boundary(torch.autograd.Function):
 
 class _CheckpointedSlice(torch.autograd.Function):
     """One slice with activation checkpointing: the forward runs without autograd and keeps only the slice's
-    inputs (on ``offload_device``) and the random state; the backward streams the slice in again, recomputes it
-    under that state and differentiates it."""
+    inputs (on ``offload_device``), its seed and the values of the buffers it changed; the backward streams the
+    slice in again, recomputes it as its forward ran (:mod:`revlib_xla.recompute`) and differentiates it."""
 
     @staticmethod
-    def forward(ctx, owner: "OffloadModel", index: int, n_acts: int, *flat: Tensor):
+    def forward(ctx, owner: "OffloadModel", index: int, call: CallReplay, n_acts: int, *flat: Tensor):
         acts, host = flat[:n_acts], flat[n_acts:]
-        device = owner.device
-        ctx.owner, ctx.index, ctx.n_acts = owner, index, n_acts
-        ctx.rng = backend.RngState.capture(device)
-        ctx.autocast = backend.AutocastState.capture(device)
+        ctx.owner, ctx.index, ctx.call, ctx.n_acts = owner, index, call, n_acts
         with torch.no_grad():
-            outs = owner._run_slice(index, acts, prefetch=index + 1)
+            outs, ctx.saved_buffers = owner._run_slice(index, acts, prefetch=index + 1, call=call)
         ctx.save_for_backward(*(a.to(owner.offload_device) for a in acts))
         ctx.act_devices = [a.device for a in acts]
         return outs if len(outs) > 1 else outs[0]
@@ -154,33 +155,30 @@ class _CheckpointedSlice(torch.autograd.Function):
         acts = [s.to(d) for s, d in zip(saved, ctx.act_devices)]
         leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in acts]
         host = owner._slice_tensors[ctx.index]
-        caller = backend.RngState.capture(owner.device)
-        ctx.rng.restore()
-        try:
-            with torch.enable_grad(), ctx.autocast.replay():
-                copies = list(owner._streamer.fetch(ctx.index, prefetch=ctx.index - 1))
-                trainable = [k for k, t in enumerate(host) if t.requires_grad]
+        with torch.enable_grad(), ctx.call.rerun(ctx.index):
+            copies = list(owner._streamer.fetch(ctx.index, prefetch=ctx.index - 1))
+            if ctx.saved_buffers is not None:  # the copies are scratch: nothing to put back afterwards
+                ctx.saved_buffers.swap_in(owner._buffers_of(ctx.index, copies))
+            trainable = [k for k, t in enumerate(host) if t.requires_grad]
+            for k in trainable:
+                copies[k] = copies[k].detach().requires_grad_()
+            param_grads: List[Optional[Tensor]] = [None] * len(host)
+            act_grads: List[List[Optional[Tensor]]] = []
+            mbs = _micro_batches(leaves, owner._num_microbatches)
+            grad_mbs = _micro_batches(grads, owner._num_microbatches)
+            for mb, gmb in zip(mbs, grad_mbs):
+                outs = owner._call(ctx.index, copies, mb)
+                pairs = [(o, g) for o, g in zip(outs, gmb) if o.requires_grad and g is not None]
+                wrt = [t for t in mb if t.requires_grad] + [copies[k] for k in trainable]
+                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                          allow_unused=True) if pairs else [None] * len(wrt)
+                it = iter(got)
+                act_grads.append([next(it) if t.requires_grad else None for t in mb])
                 for k in trainable:
-                    copies[k] = copies[k].detach().requires_grad_()
-                param_grads: List[Optional[Tensor]] = [None] * len(host)
-                act_grads: List[List[Optional[Tensor]]] = []
-                mbs = _micro_batches(leaves, owner._num_microbatches)
-                grad_mbs = _micro_batches(grads, owner._num_microbatches)
-                for mb, gmb in zip(mbs, grad_mbs):
-                    outs = owner._call(ctx.index, copies, mb)
-                    pairs = [(o, g) for o, g in zip(outs, gmb) if o.requires_grad and g is not None]
-                    wrt = [t for t in mb if t.requires_grad] + [copies[k] for k in trainable]
-                    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                              allow_unused=True) if pairs else [None] * len(wrt)
-                    it = iter(got)
-                    act_grads.append([next(it) if t.requires_grad else None for t in mb])
-                    for k in trainable:
-                        g = next(it)
-                        if g is not None:
-                            param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
-                del copies, outs, mbs
-        finally:
-            caller.restore()
+                    g = next(it)
+                    if g is not None:
+                        param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+            del copies, outs, mbs
         owner._streamer.release(ctx.index)
         if ctx.index == 0:
             owner._streamer.release_all()
@@ -192,7 +190,7 @@ class _CheckpointedSlice(torch.autograd.Function):
                                (parts[0] if len(parts) == 1 else torch.cat(parts, 0)))
         host_grads = [None if g is None else backend.to_host_blocking(g, h.device)
                       for g, h in zip(param_grads, host)]
-        return (None, None, None, *input_grads, *host_grads)
+        return (None, None, None, None, *input_grads, *host_grads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -290,15 +288,30 @@ class OffloadModel(nn.Module):
                 if id(host) in self._buffer_ids:
                     host.copy_(copy)
 
-    def _run_slice(self, index: int, inputs: Sequence[Any], prefetch: int) -> Tuple[Tensor, ...]:
-        """Slice ``index`` on ``inputs`` (no autograd bookkeeping of parameters), micro-batched."""
+    def _buffers_of(self, index: int, copies: Sequence[Tensor]) -> List[Tensor]:
+        """The device copies standing for slice ``index``'s buffers, in the order of :func:`owned_buffers`."""
+        position = {id(t): k for k, t in enumerate(self._slice_tensors[index])}
+        return [copies[position[id(b)]] for _, b in owned_buffers(self.model_slices[index].modules())]
+
+    def _run_slice(self, index: int, inputs: Sequence[Any], prefetch: int, call: Optional[CallReplay] = None
+                   ) -> Tuple[Tuple[Tensor, ...], Optional[SavedBuffers]]:
+        """Slice ``index`` on ``inputs`` (no autograd bookkeeping of parameters), micro-batched. With ``call`` (a
+        checkpointed slice's first run): under the slice's random numbers, and returning the values its changed
+        buffers had before (for the recomputation)."""
         copies = self._streamer.fetch(index, prefetch=prefetch)
-        outs = _join([self._call(index, copies, mb) for mb in _micro_batches(inputs, self._num_microbatches)])
+        watch, saved = None, None
+        if call is not None:
+            state = RecomputeState.of(self)
+            watch = state.watch(owned_buffers(self.model_slices[index].modules()), self._buffers_of(index, copies))
+        with call.first_run(index) if call is not None else contextlib.nullcontext():
+            outs = _join([self._call(index, copies, mb) for mb in _micro_batches(inputs, self._num_microbatches)])
+        if call is not None:
+            saved = state.changed(watch, f"OffloadModel slice {index}")
         backend.cut_graph(self.device)
         self._write_back_buffers(index, copies)
         del copies
         self._streamer.release(index)
-        return outs
+        return outs, saved
 
     def _run_slice_with_graph(self, index: int, inputs: Sequence[Any]) -> Tuple[Tensor, ...]:
         """Slice ``index`` under autograd without checkpointing: activations stay in the graph, parameter copies
@@ -351,15 +364,21 @@ class OffloadModel(nn.Module):
         n = len(self.model_slices)
         if not torch.is_grad_enabled():
             for i in range(n):
-                acts = self._run_slice(i, acts, prefetch=i + 1)
+                acts, _ = self._run_slice(i, acts, prefetch=i + 1)
             return acts if len(acts) > 1 else acts[0]
         dummy = torch.empty(0, requires_grad=True)  # makes every boundary's backward run
-        for i in range(n):
+        call = CallReplay(self.device) if self._checkpoint_activation else None
+        with RecomputeState.of(self).python_random_check("OffloadModel") if call is not None else \
+                contextlib.nullcontext():
+            return self._forward_slices(acts, call, dummy)
+
+    def _forward_slices(self, acts: Tuple[Any, ...], call: Optional[CallReplay], dummy: Tensor) -> Any:
+        for i in range(len(self.model_slices)):
             if not all(isinstance(a, Tensor) for a in acts):
                 raise OffloadModelError(f"OffloadModel: slice {i} gets {[type(a).__name__ for a in acts]}; every "
                                         f"input of a slice (and of the model) must be a tensor")
-            if self._checkpoint_activation:
-                out = _CheckpointedSlice.apply(self, i, len(acts), *acts, *self._slice_tensors[i])
+            if call is not None:
+                out = _CheckpointedSlice.apply(self, i, call, len(acts), *acts, *self._slice_tensors[i])
             else:
                 out = _Boundary.apply(self, i, True, dummy, *acts)
                 out = self._run_slice_with_graph(i, out if isinstance(out, tuple) else (out,))

@@ -20,9 +20,11 @@ Design (what differs from RevLib and why):
 * Parameters and tensor arguments are explicit inputs of each layer's node, so they get gradients whether or not the
   input requires grad, and gradients of the other stream come from the coupling's own vector-Jacobian product.
   Gradients of gradients (``create_graph=True``) raise: the rebuilt inputs carry no autograd history.
-* Each layer runs under a seed derived from one seed drawn per forward (for the CPU generator and that of the
-  device the streams live on: cpu, cuda or xla), and the recomputation reuses it; the autocast state is captured
-  at forward time and replayed. Only integers are kept, so nothing grows with depth.
+* Each layer runs under a seed derived from one seed drawn per forward, with generators of its own (cpu, cuda; xla
+  seeds the device), and the recomputation reuses it; the autocast state is captured at forward time and replayed;
+  buffers a layer changes in its forward are given their earlier values for the recomputation (see
+  :mod:`revlib_xla.recompute`). Only integers are kept per layer, plus those buffers, so nothing else grows with
+  depth.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import backend
-from .running_stats import frozen_running_stats, tracks_running_stats
+from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .grad_destination import GradDestination, node_destination
 from .offload import ParameterStreamer, offload_tensor
@@ -325,10 +327,11 @@ class _Plan:
     layer_arg_slots: List[List[int]]
     params: List[nn.Parameter]
     layer_params: List[List[int]]
-    layer_norms: List[List[nn.Module]]
+    layer_buffers: List[List[Tuple[nn.Module, Tensor]]]  # per layer: its buffers, each once, with their modules
     seed: Optional[int]
     stream_dtype: Optional[torch.dtype]
     compute_dtype: Optional[torch.dtype]
+    state: Optional[RecomputeState] = None  # the model's: which buffers its layers change in their forward
     param_slots: List[List[Tuple[nn.Module, str, int]]] = dataclasses.field(default_factory=list)  # per layer:
     # where its parameters sit in its modules (module, name, position in layer_params)
     offload: Optional["_LayerOffload"] = None
@@ -343,6 +346,10 @@ class _Plan:
     additive: List[bool] = dataclasses.field(init=False)      # adds, and streams and blocks share one dtype
     seeds: List[Optional[int]] = dataclasses.field(init=False)
     own_params: List[List[nn.Parameter]] = dataclasses.field(init=False)
+    # What the forward leaves for the recomputations: the user's generators met in each layer, and the values
+    # each layer's changed buffers had before its forward.
+    generators: dict = dataclasses.field(init=False, default_factory=dict)
+    saved_buffers: List[Optional[SavedBuffers]] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.wrappers = [layer.wrapped_module for layer in self.layers]
@@ -352,6 +359,7 @@ class _Plan:
         self.additive = [one_dtype and add for add in self.adds]
         self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
+        self.saved_buffers = [None] * len(self.layers)
 
     def args_for(self, i: int, arg_tensors: Union[Sequence[Tensor], Dict[int, Tensor]]):
         args, kwargs = self.layer_args[i]
@@ -361,6 +369,19 @@ class _Plan:
 
     def seed_of(self, i: int) -> Optional[int]:
         return self.seeds[i]
+
+    def buffers_of(self, i: int, tensors: Optional[Dict[str, Tensor]]) -> List[Tensor]:
+        """The tensors standing for layer ``i``'s buffers: its own, or (``target_device``) their device copies in
+        ``tensors``, in the order of ``layer_buffers``."""
+        if tensors is None:
+            return [b for _, b in self.layer_buffers[i]]
+        return [tensors[self.offload.buffer_names[i][id(b)]] for _, b in self.layer_buffers[i]]
+
+    def watch_buffers(self, i: int, tensors: Optional[Dict[str, Tensor]] = None):
+        """Before layer ``i``'s forward (see :meth:`RecomputeState.watch`); ``None`` for a layer without buffers."""
+        if not self.layer_buffers[i]:
+            return None
+        return self.state.watch(self.layer_buffers[i], None if tensors is None else self.buffers_of(i, tensors))
 
     def describe(self, i: int) -> str:
         return _layer_label(i, self.names[i], self.layers[i])
@@ -379,6 +400,12 @@ class _LayerOffload:
     names: List[List[List[str]]]      # per layer, per streamed tensor: its names inside the block
     param_pos: List[Dict[int, int]]   # per layer: index in plan.params -> position among the streamed tensors
     buffer_pos: List[List[int]]       # per layer: positions of buffers (written back after the forward)
+
+    buffer_names: List[Dict[int, str]] = dataclasses.field(init=False)  # per layer: id(host buffer) -> a name
+
+    def __post_init__(self) -> None:
+        self.buffer_names = [{id(units[p]): names[p][0] for p in positions}
+                             for units, names, positions in zip(self.streamer.units, self.names, self.buffer_pos)]
 
     def mapping(self, i: int, tensors: Sequence[Tensor]) -> Dict[str, Tensor]:
         return {name: t for names, t in zip(self.names[i], tensors) for name in names}
@@ -469,16 +496,23 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
     device = x0.device
     plan.autocast = backend.AutocastState.capture(device)
     off = plan.offload
-    with plan.autocast.replay(), backend.rng_scope(device, plan.seed is not None) as reseed:
+    with plan.autocast.replay(), rng_scope(device, plan.seed is not None, plan.generators) as reseed:
         for i in range(len(plan.layers)):
             reseed(plan.seed_of(i))
             own_args = [arg_tensors[k] for k in plan.layer_arg_slots[i]]
             if off is None:
+                watch = plan.watch_buffers(i)
                 x0, x1 = _ReversibleLayerFn.apply(plan, i, None, x0, x1, *plan.own_params[i], *own_args)
+                if watch is not None:
+                    plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
                 continue
             copies = off.streamer.fetch(i, prefetch=i + 1)
-            x0, x1 = _ReversibleLayerFn.apply(plan, i, off.mapping(i, copies), x0, x1, *plan.own_params[i],
-                                              *own_args)
+            tensors = off.mapping(i, copies)
+            watch = plan.watch_buffers(i, tensors)
+            x0, x1 = _ReversibleLayerFn.apply(plan, i, tensors, x0, x1, *plan.own_params[i], *own_args)
+            if watch is not None:
+                plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+            del tensors
             backend.cut_graph(device)
             off.write_back_buffers(i, copies)
             del copies
@@ -565,7 +599,7 @@ class _ReversibleLayerFn(torch.autograd.Function):
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
         # autograd does. Off then and off now (the usual case), there is nothing to enter.
         ctx.layer_autocast = plan.autocast.replay if plan.autocast.differs_from_now() else _nothing
-        with backend.rng_scope(y0.device, plan.seed is not None) as reseed:
+        with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
             x0, y0, dx0, dx1, grads, finished = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed,
                                                                 saved[len(plan.layer_params[i]):], want, later)
         if want.previous:
@@ -633,8 +667,8 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     else:
         own_params = [layer_params[j] for j in used]
     args, kwargs = plan.args_for(i, recompute_args)
-    norms = plan.layer_norms[i]
-    with frozen_running_stats(norms) if norms else _NOTHING:  # statistics are put back after the gradient is taken
+    saved = plan.saved_buffers[i]  # the forward's buffer values; the current ones are put back after the gradient
+    with saved.replayed(plan.buffers_of(i, tensors)) if saved is not None else _NOTHING:
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.layer_autocast():
             x1 = y0.detach().requires_grad_(want.x1)
@@ -767,9 +801,11 @@ class ReversibleSequential(nn.Sequential):
             output is returned in the input's dtype.
         compute_dtype: the dtype the blocks see (default: the input's dtype); useful with a two-stream input
             already in ``stream_dtype``.
-        preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward, so the
-            recomputation draws the forward's random numbers (dropout) on cpu, cuda and xla. Both memory modes
-            seed the same way, so ``no_savings`` gives the same masks. Costs a few microseconds per layer.
+        preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward from
+            torch's global generator, with generators of its own, so the recomputation draws the forward's random
+            numbers (dropout) on cpu, cuda and xla, also while other threads draw from the global generators (see
+            :mod:`revlib_xla.recompute`). Both memory modes seed the same way, so ``no_savings`` gives the same
+            masks. Costs a few microseconds per layer.
         verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), run
             :func:`check_invertible` on the real input: every block replays, every coupling pair inverts, and the
             input rebuilt through all layers matches it; raise naming the layer (or the depth) otherwise. ``None``
@@ -916,14 +952,12 @@ class ReversibleSequential(nn.Sequential):
 
         params: List[nn.Parameter] = []
         index: Dict[int, int] = {}
-        layer_params, layer_norms, param_slots = [], [], []
+        layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
         check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
         for i, layer in enumerate(layers):
-            own, norms, slots, float_dtypes = [], [], [], set()
-            for module in layer.modules():
-                if tracks_running_stats(module):
-                    norms.append(module)
+            own, slots, float_dtypes, modules = [], [], set(), list(layer.modules())
+            for module in modules:
                 for name, p in module._parameters.items():
                     if p is not None and p.is_floating_point():
                         float_dtypes.add(p.dtype)
@@ -936,7 +970,7 @@ class ReversibleSequential(nn.Sequential):
                         own.append(index[id(p)])
                     slots.append((module, name, own.index(index[id(p)])))
             layer_params.append(own)
-            layer_norms.append(norms)
+            layer_buffers.append(owned_buffers(modules))
             param_slots.append(slots)
             if check_dtypes and float_dtypes and blocks_see not in float_dtypes:
                 raise _dtype_mismatch(_layer_label(i, names[i], layer), float_dtypes, blocks_see,
@@ -945,8 +979,8 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
         plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, layer_norms, backend.draw_seed() if self.preserve_rng_state else None, stream_dtype,
-                     compute_dtype, param_slots=param_slots)
+                     layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None,
+                     stream_dtype, compute_dtype, RecomputeState.of(self), param_slots=param_slots)
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         # The fused optimizer built from fused_optimizer= is stepped by the backward walk, one layer at a time;
@@ -1060,7 +1094,7 @@ class ReversibleSequential(nn.Sequential):
         x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
-            with backend.rng_scope(x0.device, plan.seed is not None) as reseed:
+            with rng_scope(x0.device, plan.seed is not None) as reseed:
                 for i in range(len(plan.layers)):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
@@ -1073,7 +1107,8 @@ class ReversibleSequential(nn.Sequential):
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
             if self._verifies(plan, x0):
                 _check_plan(plan, x0, x1, arg_tensors)
-            x0, x1 = _run_layers(plan, x0, x1, arg_tensors)
+            with plan.state.python_random_check("ReversibleSequential"):
+                x0, x1 = _run_layers(plan, x0, x1, arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
 
@@ -1189,18 +1224,6 @@ def _magnitude(*tensors: Tensor) -> Tensor:
     return largest.clamp_min(torch.finfo(largest.dtype).tiny)
 
 
-@contextlib.contextmanager
-def _buffers_kept(layers: Sequence[nn.Module]) -> Iterator[None]:
-    """Put every buffer of ``layers`` back as it was (running statistics, power-iteration vectors, counters)."""
-    saved = [(b, b.clone()) for layer in layers for b in layer.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
 @torch.no_grad()
 def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor],
                 tolerance: Optional[float] = None) -> InvertibilityReport:
@@ -1209,16 +1232,25 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
     tol = tolerance if tolerance is not None else max(
         _DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
     replays, locals_ = [], []
-    with _buffers_kept(plan.layers), backend.rng_scope(x0.device, plan.seed is not None) as reseed:
+    active, device, generators = plan.seed is not None, x0.device, {}
+
+    @contextlib.contextmanager
+    def as_in_the_forward(i: int, copies: Optional[Dict[str, Tensor]], replay: bool = True) -> Iterator[None]:
+        """Layer ``i``'s random numbers, own generators and buffers as its forward met them (the buffers left as
+        they were after), as the backward's recomputation has them."""
+        with preserved(plan.buffers_of(i, copies)), rng_scope(device, active, generators, replay) as reseed:
+            reseed(plan.seed_of(i))
+            yield
+
+    try:
         a0, a1 = x0, x1
         for i in range(n):
             args, kwargs = plan.args_for(i, arg_tensors)
             copies = _plain_copies(plan, i)
-            reseed(plan.seed_of(i))
-            with _buffers_kept([plan.layers[i]]):  # the replay starts from the forward's state, as the backward's
+            with as_in_the_forward(i, copies, replay=False):
                 y1 = _forward_layer(plan, i, a0, a1, args, kwargs, copies)
-            reseed(plan.seed_of(i))
-            fn_out = _call_block(plan, i, _to_compute(a1, plan), args, kwargs, copies)
+            with as_in_the_forward(i, copies):  # the replay starts from the forward's state, as the backward's
+                fn_out = _call_block(plan, i, _to_compute(a1, plan), args, kwargs, copies)
             wrapper = plan.wrappers[i]
             scale = _magnitude(a0, y1)
             replays.append(_relative_error(wrapper.couple(a0, fn_out).to(y1.dtype), y1, scale))
@@ -1226,11 +1258,14 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
             a0, a1 = a1, y1
         for i in reversed(range(n)):  # as the backward does: from the output alone, through every layer
             args, kwargs = plan.args_for(i, arg_tensors)
-            reseed(plan.seed_of(i))
-            a0, a1 = _inverse_layer(plan, i, a0, a1, args, kwargs, _plain_copies(plan, i)), a0
+            copies = _plain_copies(plan, i)
+            with as_in_the_forward(i, copies):
+                a0, a1 = _inverse_layer(plan, i, a0, a1, args, kwargs, copies), a0
         scale = _magnitude(x0, x1)
         end = torch.maximum(_relative_error(a0, x0, scale), _relative_error(a1, x1, scale))
-        values = torch.stack([*replays, *locals_, end]).cpu().tolist()
+    finally:
+        rewind(generators)  # the blocks' own generators as they were
+    values = torch.stack([*replays, *locals_, end]).cpu().tolist()
     replays, locals_, end = values[:n], values[n:2 * n], values[-1]
     for i in range(n):
         if not replays[i] <= tol:
@@ -1238,9 +1273,9 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 f"{plan.describe(i)} gave a different output when run again on the same input, arguments and random "
                 f"seed (relative difference {replays[i]:.3g}; tolerance {tol:.1g}), so the backward, which runs every "
                 f"block again, would not rebuild the forward's activations. The block keeps state between calls: a "
-                f"cache it appends to (a transformers KV cache: pass use_cache=False when training), Python's random "
-                f"or a torch.Generator of its own. Make its output depend only on its input, arguments, parameters, "
-                f"buffers and torch's random state, or use memory_mode=MemoryModes.no_savings."
+                f"cache it appends to (a transformers KV cache: pass use_cache=False when training) or Python's "
+                f"random. Make its output depend only on its input, arguments, parameters, buffers and torch's random "
+                f"numbers (a torch.Generator of its own included), or use memory_mode=MemoryModes.no_savings."
                 + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else ""))
         if not locals_[i] <= tol:
             raise ReversibleError(

@@ -54,3 +54,25 @@ def max_rel_err(a, b):
     if denom == 0:
         return float(diff)
     return float(diff / denom)
+
+
+class SeededUnits(torch.nn.Module):
+    """The plain modules ``units`` run in turn, unit ``i`` drawing its random numbers as unit ``i`` of an engine
+    call does (``Checkpointable``'s stages, ``OffloadModel``'s checkpointed slices; see revlib_xla.recompute): from
+    generators seeded with ``derive_seed(seed, i)``, ``seed`` drawn once per forward from torch's global generator.
+    With plain autograd, this is the reference with the masks the engine draws."""
+
+    def __init__(self, units):
+        super().__init__()
+        self.units = torch.nn.ModuleList(units)
+
+    def forward(self, x):
+        from revlib_xla.recompute import rng_scope
+
+        seed = backend.draw_seed()
+        device = next(iter(backend.tensors_in(x))).device
+        for i, unit in enumerate(self.units):
+            with rng_scope(device) as reseed:
+                reseed(backend.derive_seed(seed, i))
+                x = unit(x)
+        return x

@@ -14,7 +14,7 @@ from revlib_xla.memory import eager_peak
 from revlib_xla.models import TransformerConfig, gpt, resnet18
 from revlib_xla.planner import Chain, InfeasibleBudget, min_memory, no_checkpoint_memory, solve
 
-from conftest import max_rel_err
+from conftest import SeededUnits, max_rel_err
 
 BUDGET_FRACTIONS = (0.02, 0.3, 0.6, 1.0)  # of the way from the smallest budget to the no-checkpoint peak
 
@@ -54,8 +54,8 @@ def test_schedules_match_plain_gradients_within_budget(build):
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     checkpointed.measure(x)
     low, high = checkpointed.min_memory(), checkpointed.no_checkpoint_memory()
     recomputed = []
@@ -63,7 +63,7 @@ def test_schedules_match_plain_gradients_within_budget(build):
         budget = low + fraction * (high - low)
         schedule = checkpointed.compute_sequence(budget)
         assert checkpointed.get_expected_memory() <= budget
-        got = gradients(model, step, x)
+        got = gradients(checkpointed, step, x)
         for g, r in zip(got, reference):
             assert max_rel_err(g, r) <= 1e-10
         step(checkpointed, x)  # gradients exist, as in training: the measured peak counts no new gradient
@@ -89,8 +89,8 @@ def test_hybrid_plan_is_faster_and_exact():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)
     chain = _priced_by_parameters(checkpointed, checkpointed.measure(x))
     assert sum(chain.reversible) == 8
     rotor_chain = chain.replace(reversible=[False] * chain.length)
@@ -100,7 +100,7 @@ def test_hybrid_plan_is_faster_and_exact():
     checkpointed.sequence = hybrid
     assert hybrid.makespan < rotor_only.makespan
     assert hybrid.counts().get("Br", 0) > 0
-    for g, r in zip(gradients(model, step, x), reference):
+    for g, r in zip(gradients(checkpointed, step, x), reference):
         assert max_rel_err(g, r) <= 1e-10
 
 
@@ -114,8 +114,8 @@ def test_rebuilt_inputs_run_at_every_budget():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, reversible=True)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     checkpointed.chain = _priced_by_parameters(checkpointed, checkpointed.measure(x))
     high = checkpointed.no_checkpoint_memory()
     rebuilt = 0
@@ -173,9 +173,9 @@ def test_parameters_get_gradients_without_input_grad_and_eval_is_plain():
 def test_running_statistics_are_updated_once():
     model, x = small_resnet()
     reference = [b.clone() for b in model.buffers()]
-    plain = nn.Sequential(*[m for m in model])
     plain_state = {k: v.clone() for k, v in model.state_dict().items()}
     checkpointed = revlib.Checkpointable(model, input=x)
+    plain = SeededUnits(checkpointed.stages)  # the plain model, with the masks Checkpointable draws
     for b, r in zip(model.buffers(), reference):
         assert torch.equal(b, r)  # measuring did not move them
     checkpointed.compute_sequence(checkpointed.min_memory() * 1.05)
@@ -275,8 +275,8 @@ def test_cuda_peak_within_budget():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, input=x)
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     for fraction in BUDGET_FRACTIONS:
         budget = checkpointed.min_memory() + fraction * (checkpointed.no_checkpoint_memory() -
                                                          checkpointed.min_memory())
@@ -285,7 +285,7 @@ def test_cuda_peak_within_budget():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         start = torch.cuda.memory_allocated(device)
-        for g, r in zip(gradients(model, step, x), reference):
+        for g, r in zip(gradients(checkpointed, step, x), reference):
             assert max_rel_err(g, r) <= 1e-10
         peak = torch.cuda.max_memory_allocated(device) - start
         assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())
@@ -302,8 +302,8 @@ def test_stage_options_are_planned_and_run():
     def step(m, inp):
         (m(inp) * weights).sum().backward()
 
-    reference = gradients(model, step, x)
     checkpointed = revlib.Checkpointable(model, saved_dtypes=(torch.float32,))
+    reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     chain = checkpointed.measure(x)
     for i in range(1, 7):  # the residual blocks: their floating saved tensors halve (bool dropout masks do not;
         option = chain.options[i][0]  # the output is kept at full size)
@@ -327,7 +327,7 @@ def test_stage_options_are_planned_and_run():
             chosen.append(with_options)
     assert chosen
     checkpointed.sequence = chosen[0]
-    for g, r in zip(gradients(model, step, x), reference):
+    for g, r in zip(gradients(checkpointed, step, x), reference):
         assert max_rel_err(g, r) <= 1e-6
 
 
@@ -512,8 +512,9 @@ def test_double_backward_gives_the_plain_gradients_of_gradients():
         sum(g.square().sum() for g in grads).backward()
         return [p.grad for p in model.parameters()]
 
-    want = step(model) + penalty_on_parameter_gradients(model)
     checkpointed = revlib.Checkpointable(model, input=x)
+    plain = SeededUnits(checkpointed.stages)  # the plain model, with the masks Checkpointable draws
+    want = step(plain) + penalty_on_parameter_gradients(plain)
     _tight(checkpointed)
     with pytest.warns(UserWarning, match="create_graph=True.*memory plan does not apply"):
         got = step(checkpointed) + penalty_on_parameter_gradients(checkpointed)
@@ -540,8 +541,8 @@ def test_second_backward_through_a_retained_graph():
         loss.backward()
         return loss, first, [p.grad.clone() for p in model.parameters()], copy.deepcopy(model.state_dict())
 
-    _, want_first, want, want_state = step(model)
     checkpointed = revlib.Checkpointable(model, input=x)
+    _, want_first, want, want_state = step(SeededUnits(checkpointed.stages))  # the plain model, the same masks
     _tight(checkpointed)
     loss, first, got, got_state = step(checkpointed)
     for g1, w1, g, w in zip(first, want_first, got, want):
@@ -568,8 +569,8 @@ def test_frozen_first_stage(budget):
         m(x).square().sum().backward()
         return [p.grad for p in model.parameters()]
 
-    want = step(model)
     checkpointed = revlib.Checkpointable(model, input=x)
+    want = step(SeededUnits(checkpointed.stages))  # the plain model, with the masks Checkpointable draws
     if budget == "tight":
         _tight(checkpointed)
     got = step(checkpointed)
@@ -641,7 +642,7 @@ def test_multi_tensor_gradient_hooks_on_stage_outputs_complete():
     checkpointed = revlib.Checkpointable(model, input=x)  # the plain plan: stage 5 runs with autograd at once
     handle = model[5].register_forward_hook(hook)
     try:
-        gradients(model, lambda m, inp: m(inp).square().sum().backward(), x)
+        gradients(SeededUnits(checkpointed.stages), lambda m, inp: m(inp).square().sum().backward(), x)
         want, seen[:] = list(seen), []
         gradients(checkpointed, lambda m, inp: m(inp).square().sum().backward(), x)
     finally:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backend
+from ..recompute import rng_scope
 
 Tensor = torch.Tensor
 
@@ -31,7 +32,7 @@ SKETCHES = ("gaussian", "rademacher")
 
 def _sketch(kind: str, rows: int, cols: int, seed: int, like: Tensor) -> Tensor:
     """The k x N sketch matrix drawn from ``seed`` on ``like``'s device (the caller's random state is kept)."""
-    with backend.rng_scope(like.device) as reseed:
+    with rng_scope(like.device) as reseed:
         reseed(seed)
         if kind == "gaussian":
             s = torch.randn(rows, cols, device=like.device, dtype=like.dtype)

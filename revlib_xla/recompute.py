@@ -1,0 +1,501 @@
+"""What a recomputed forward must see again: one place for the engines that run a forward a second time in the
+backward pass (the reversible core, ``Checkpointable``'s executor, ``OffloadModel``'s checkpointed slices).
+
+A unit (a reversible layer, a planned stage, an offloaded slice) that is recomputed must compute what its first run
+computed. Three things can differ between the two runs, and each is handled here:
+
+* **Random numbers.** A call draws one seed from torch's global generator (:func:`backend.draw_seed`, one atomic
+  draw), and unit ``i`` runs under ``derive_seed(seed, i)``, in its first run and in every recomputation. Within
+  :func:`rng_scope` the random operators of the running thread are handed generators that the scope owns (a
+  dispatch rule that only that thread sees, below autograd), so nothing seeds, saves or restores the process-global
+  generators: another thread, using this library or plain torch, may draw from them meanwhile without changing this
+  thread's numbers or having its own changed. On xla, whose random ops draw from a per-device seed inside the graph,
+  the unit seeds that device instead, which is process-global: two threads must not share an xla device. A
+  block's own ``torch.Generator`` is started again where the forward found it and left where the
+  forward left it. Python's ``random`` cannot be replayed: an engine reports a block that draws from it at its
+  first training call (:meth:`RecomputeState.python_random_check`).
+* **Autocast** (:class:`backend.AutocastState`): captured with the seed and replayed (:class:`CallReplay`).
+* **Buffers the forward changes** (running statistics, ``spectral_norm``'s power iteration, counters).
+  :class:`RecomputeState` learns which buffers a unit changes, keeps their values from before each forward
+  (:class:`SavedBuffers`), gives them back to the recomputation, and puts the forward's results back once the
+  recomputation's gradient has been taken, so gradients and buffers after a step are those of the plain model.
+  Putting back waits for the gradient because normalization layers save their running statistics for their
+  backward, and autograd refuses a saved tensor changed in between. Buffers replaced by assignment rather than
+  changed in place are not tracked.
+
+Cost: a unit without buffers and random operators pays one seeding per run; each random operator pays one Python
+call (a few microseconds); a unit with buffers pays a version check per buffer and a copy of the changed ones.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import backend
+
+__all__ = ["rng_scope", "CallReplay", "RecomputeState", "SavedBuffers", "owned_buffers", "preserved", "probe"]
+
+Tensor = torch.Tensor
+Reseed = Callable[[Optional[int]], None]
+#: Per call, per unit seed: the generators a unit was handed by the user's code (not by the scope) and their state
+#: at the unit's first draw from each in the forward, ``{seed: {id(generator): (generator, state)}}``.
+GeneratorRecord = Dict[int, Dict[int, Tuple[torch.Generator, Tensor]]]
+
+_NOTHING = contextlib.nullcontext()
+_KEY_NAME = "DeferredInit"  # a dispatch key above autograd that torch leaves unused (torchdistx had it)
+_local = threading.local()
+_install_lock = threading.Lock()
+_installed: List[Any] = []  # [dispatch key or None, libraries kept alive]
+
+
+def _ignore(seed: Optional[int]) -> None:
+    pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random numbers: a thread-local rule that hands random operators the scope's generators
+
+class _Frame:
+    """One active :func:`rng_scope` of a thread: its generators (one per device, made at the first draw there),
+    the current unit's seed, and the user's generators it has started again for a recomputation."""
+
+    __slots__ = ("gens", "owned", "device_seed", "seed", "record", "replay", "moved", "forks")
+
+    def __init__(self, device: torch.device, record: Optional[GeneratorRecord], replay: bool) -> None:
+        self.gens: Dict[torch.device, Optional[torch.Generator]] = {}
+        self.owned: set = set()
+        self.device_seed = backend.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
+        self.seed: Optional[int] = None
+        self.record, self.replay = record, replay
+        self.moved: List[Tuple[torch.Generator, Tensor]] = []
+        self.forks = 0
+
+    def reseed(self, seed: Optional[int]) -> None:
+        if seed is None:
+            return
+        if self.moved:
+            self._put_back()
+        self.seed, self.forks = seed, 0
+        for g in self.gens.values():
+            if g is not None:
+                g.manual_seed(seed)
+        if self.device_seed is not None:
+            self.device_seed.seed(seed)
+
+    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+        """The scope's generator for ``device`` (``None``: leave the operator as it is)."""
+        if self.seed is None:
+            return None
+        if device in self.gens:
+            return self.gens[device]
+        g = self.gens[device] = backend.owned_generator(device)
+        if g is not None:
+            self.owned.add(id(g))
+            g.manual_seed(self.seed)
+        return g
+
+    def users_generator(self, g: torch.Generator) -> None:
+        """A random operator was handed ``g`` by the block: note its state at the unit's first draw (forward), or
+        start it there again (recomputation)."""
+        if self.record is None or self.seed is None or id(g) in self.owned:
+            return
+        if not self.replay:
+            first = self.record.setdefault(self.seed, {})
+            if id(g) not in first:
+                first[id(g)] = (g, g.get_state())
+        elif all(m is not g for m, _ in self.moved):
+            first = self.record.get(self.seed, {}).get(id(g))
+            if first is not None:
+                self.moved.append((g, g.get_state()))
+                g.set_state(first[1])
+
+    def _put_back(self) -> None:
+        for g, state in reversed(self.moved):
+            g.set_state(state)
+        self.moved = []
+
+    def close(self) -> None:
+        self._put_back()
+        if self.device_seed is not None:
+            self.device_seed.restore()
+
+
+def _frames() -> List[_Frame]:
+    frames = getattr(_local, "frames", None)
+    if frames is None:
+        frames = _local.frames = []
+    return frames
+
+
+def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.device:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            return a.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _handing(op: Any, position: int, kwarg_only: bool, key: Any) -> Callable:
+    """The rule for an operator with a ``generator`` argument: hand it the scope's generator when it has none."""
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        frames = getattr(_local, "frames", None)
+        if frames:
+            frame = frames[-1]
+            given = kwargs.get("generator") if kwarg_only or len(args) <= position else args[position]
+            if given is None:
+                own = frame.generator(_device_of(args, kwargs))
+                if own is not None:
+                    kwargs["generator"] = own  # a positional None is left out of args (defaults are dropped)
+            else:
+                frame.users_generator(given)
+        return op.redispatch(keyset.remove(key), *args, **kwargs)
+
+    return kernel
+
+
+def _native_dropout(key: Any) -> Callable:
+    """``native_dropout`` has no generator argument (cuda's fused kernel reads the device's global generator):
+    within a scope it runs as the same computation from a Bernoulli mask drawn from the scope's generator."""
+    op = torch.ops.aten.native_dropout.default
+
+    def kernel(keyset: Any, input: Tensor, p: float, train: Optional[bool]) -> Any:
+        frames = getattr(_local, "frames", None)
+        own = frames[-1].generator(input.device) if frames and train is not False and input.numel() else None
+        if own is None:
+            return op.redispatch(keyset.remove(key), input, p, train)
+        keep = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p, generator=own)
+        return input * keep * (1.0 / (1 - p) if p < 1 else 0.0), keep
+
+    return kernel
+
+
+def _forking(op: Any, position: int, key: Any) -> Callable:
+    """Fused attention kernels with dropout (cuda) read the device's global generator and take none: they run with
+    that generator seeded from the unit's seed and put back right after. Not race-free: another thread drawing on
+    the same device during the kernel shares its numbers."""
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        frames = getattr(_local, "frames", None)
+        p = kwargs.get("dropout_p", args[position] if len(args) > position else 0.0)
+        device = _device_of(args, kwargs)
+        glob = backend.default_generator(device) if frames and p and frames[-1].generator(device) else None
+        if glob is None:
+            return op.redispatch(keyset.remove(key), *args, **kwargs)
+        frame = frames[-1]
+        frame.forks += 1
+        state = glob.get_state()
+        glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
+        try:
+            return op.redispatch(keyset.remove(key), *args, **kwargs)
+        finally:
+            glob.set_state(state)
+
+    return kernel
+
+
+def _install() -> Any:
+    """Register the thread-local rule (once per process): a fallthrough for every operator at an unused dispatch
+    key, and a Python kernel there for each random operator. Returns the key, or ``None`` where this torch cannot
+    (then scopes reseed the global generators, as torch's own checkpointing does, and warn that it is not
+    thread-safe)."""
+    if _installed:
+        return _installed[0]
+    with _install_lock:
+        if _installed:
+            return _installed[0]
+        try:
+            key = torch._C._parse_dispatch_key(_KEY_NAME)
+            passthrough = torch.library.Library("_", "IMPL")
+            passthrough.fallback(torch.library.fallthrough_kernel, dispatch_key=_KEY_NAME)
+            rules = torch.library.Library("aten", "IMPL")
+            routed = {str(op) for op in _register_rules(rules, key)}
+            missing = {"aten.bernoulli_.float", "aten.uniform_.default", "aten.normal_.default"} - routed
+            if missing:
+                raise RuntimeError(f"no rule for {sorted(missing)}")
+            rules.impl(torch.ops.aten.native_dropout.default, _native_dropout(key), _KEY_NAME, with_keyset=True)
+            _installed[:] = [key, (passthrough, rules)]
+        except Exception as exc:  # a torch without these internals: fall back, loudly
+            warnings.warn(f"revlib_xla: cannot hand random operators their own generators on torch "
+                          f"{torch.__version__} ({type(exc).__name__}: {exc}); recomputations replay random numbers "
+                          f"by reseeding torch's global generators, which is not safe while another thread draws "
+                          f"from them", RuntimeWarning, stacklevel=3)
+            _installed[:] = [None, ()]
+    return _installed[0]
+
+
+def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
+    """Register the rule of every aten operator with a ``generator`` argument, and of the fused attention kernels
+    with dropout; yields the operators. An operator this torch cannot resolve is skipped."""
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        base, _, overload = name.partition(".")
+        try:
+            arguments = torch._C._get_schema(base, overload).arguments
+            names = [a.name for a in arguments]
+            if "generator" not in names and ("dropout_p" not in names or base.endswith("_backward")
+                                             or torch._C._dispatch_has_kernel_for_dispatch_key(
+                                                 name, "CompositeImplicitAutograd")):
+                continue
+            op = getattr(getattr(torch.ops.aten, base[len("aten::"):]), overload or "default")
+            if "generator" in names:
+                k = names.index("generator")
+                rules.impl(op, _handing(op, k, arguments[k].kwarg_only, key), _KEY_NAME, with_keyset=True)
+            elif torch.Tag.nondeterministic_seeded in op.tags:
+                rules.impl(op, _forking(op, names.index("dropout_p"), key), _KEY_NAME, with_keyset=True)
+            else:
+                continue
+        except Exception:  # noqa: BLE001 - an operator of this build that cannot be resolved is left as it is
+            continue
+        yield op
+
+
+@contextlib.contextmanager
+def rng_scope(device: backend.DeviceLike, active: bool = True, record: Optional[GeneratorRecord] = None,
+              replay: bool = False) -> Iterator[Reseed]:
+    """Yield ``reseed(seed)``: from then on, random operators of this thread draw from generators owned by the
+    scope and seeded with ``seed``. One ``reseed`` per unit; given ``None``, or with ``active=False``, it does
+    nothing.
+
+    ``record``: note the state of generators the block hands its operators itself, at each unit's first draw
+    from them; with ``replay=True``, start them there again for the unit and put them back after it.
+
+    A device whose random operators cannot be handed generators (xla: a per-device seed inside the graph) is
+    seeded by ``reseed`` itself, and its state put back at exit: replayed, but process-global, so two threads must
+    not share such a device.
+    """
+    if not active:
+        yield _ignore
+        return
+    dev = device.device if isinstance(device, Tensor) else torch.device(device)
+    key = _install()
+    if key is None:
+        saved = backend.RngState.capture(dev)
+        try:
+            yield lambda seed: None if seed is None else backend.manual_seed(dev, seed)
+        finally:
+            saved.restore()
+        return
+    frame = _Frame(dev, record, replay)
+    frames = _frames()
+    frames.append(frame)
+    try:
+        with torch._C._IncludeDispatchKeyGuard(key):
+            yield frame.reseed
+    finally:
+        frames.remove(frame)  # the last one, unless scopes were left out of order
+        frame.close()
+
+
+def rewind(record: GeneratorRecord) -> None:
+    """Put the user's generators noted in ``record`` back where the first unit found them."""
+    for states in reversed(list(record.values())):
+        for g, state in states.values():
+            g.set_state(state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One call's capture, for engines that enter a scope per unit
+
+class CallReplay:
+    """What one engine call's forward captured for its recomputations: one seed (unit ``i`` runs under
+    ``derive_seed(seed, i)``; ``None`` with ``preserve_rng=False``, then units draw from the global generators
+    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit."""
+
+    def __init__(self, device: backend.DeviceLike, preserve_rng: bool = True) -> None:
+        self.device = device
+        self.seed = backend.draw_seed() if preserve_rng else None
+        self.autocast = backend.AutocastState.capture(device)
+        self.record: GeneratorRecord = {}
+
+    def _unit_seed(self, unit: int) -> Optional[int]:
+        return None if self.seed is None else backend.derive_seed(self.seed, unit)
+
+    @contextlib.contextmanager
+    def first_run(self, unit: int) -> Iterator[None]:
+        with rng_scope(self.device, self.seed is not None, self.record) as reseed:
+            reseed(self._unit_seed(unit))
+            yield
+
+    @contextlib.contextmanager
+    def rerun(self, unit: int) -> Iterator[None]:
+        """The unit's random numbers and the forward's autocast state, for a recomputation."""
+        with rng_scope(self.device, self.seed is not None, self.record, replay=True) as reseed, \
+                self.autocast.replay():
+            reseed(self._unit_seed(unit))
+            yield
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Buffers a forward changes
+
+class SavedBuffers:
+    """The buffers of a unit that its forward changed, by position in the unit's buffer list, with their values
+    from before that forward."""
+
+    __slots__ = ("positions", "before")
+
+    def __init__(self, positions: List[int], before: List[Tensor]) -> None:
+        self.positions, self.before = positions, before
+
+    def swap_in(self, tensors: Sequence[Tensor]) -> List[Tensor]:
+        """Give ``tensors`` (the unit's buffers, or the device copies standing for them) their values from before
+        the forward; returns their current values, for :meth:`put_back`."""
+        current = []
+        with torch.no_grad():
+            for k, before in zip(self.positions, self.before):
+                current.append(tensors[k].clone())
+                tensors[k].copy_(before)
+        return current
+
+    def put_back(self, tensors: Sequence[Tensor], current: Sequence[Tensor]) -> None:
+        with torch.no_grad():
+            for k, value in zip(self.positions, current):
+                tensors[k].copy_(value)
+
+    @contextlib.contextmanager
+    def replayed(self, tensors: Sequence[Tensor]) -> Iterator[None]:
+        """Within the block, ``tensors`` hold their values from before the forward; at exit, their current ones
+        again. Exit only after the gradient of what was computed within (see the module docstring)."""
+        current = self.swap_in(tensors)
+        try:
+            yield
+        finally:
+            self.put_back(tensors, current)
+
+
+class _Watch:
+    __slots__ = ("keys", "tensors", "versions", "copies", "fresh")
+
+    def __init__(self, keys: List[Any], tensors: Sequence[Tensor], copies: List[Optional[Tensor]],
+                 fresh: List[bool]) -> None:
+        self.keys, self.tensors, self.copies, self.fresh = keys, tensors, copies, fresh
+        self.versions = [t._version for t in tensors]
+
+
+def owned_buffers(modules: Iterable[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Tensor]]:
+    """Each buffer of ``modules`` (e.g. ``unit.modules()``) once, with the module that owns it."""
+    seen: Dict[int, Tuple[torch.nn.Module, Tensor]] = {}
+    for owner in modules:
+        for b in owner._buffers.values():
+            if b is not None and id(b) not in seen:
+                seen[id(b)] = (owner, b)
+    return list(seen.values())
+
+
+class RecomputeState:
+    """What an engine learns about its units across calls: which buffers their forward changes, and whether they
+    draw from Python's ``random``.
+
+    A buffer is known by the buffer object and whether its module is in training mode. The first forward that meets
+    it copies it and afterwards compares (its version counter, and its values: kernels such as batch norm's update
+    their running statistics without bumping the counter); from then on only the buffers known to change are
+    copied, and the others are watched through their version counter. A buffer that starts changing in place later
+    cannot be given back to that call's recomputation: that is reported with a warning, and it is copied from the
+    next call on."""
+
+    def __init__(self) -> None:
+        self._changing: set = set()
+        self._seen: set = set()
+        self._random_checked = False
+
+    @classmethod
+    def of(cls, engine: torch.nn.Module) -> "RecomputeState":
+        """The state of ``engine`` (an engine module), made at its first use (so also for models pickled before
+        it existed)."""
+        state = engine.__dict__.get("_recompute")
+        if state is None:
+            state = engine.__dict__["_recompute"] = cls()
+        return state
+
+    def watch(self, buffers: Sequence[Tuple[torch.nn.Module, Tensor]],
+              tensors: Optional[Sequence[Tensor]] = None) -> Optional[_Watch]:
+        """Before a unit's first run: note the state of its ``buffers`` (``(owner, buffer)`` pairs, see
+        :func:`owned_buffers`), or of the device copies ``tensors`` standing for them. ``None`` when it has none."""
+        if not buffers:
+            return None
+        tensors = [b for _, b in buffers] if tensors is None else tensors
+        keys = [(id(b), owner.training) for owner, b in buffers]
+        fresh = [k not in self._seen for k in keys]
+        with torch.no_grad():
+            copies = [t.clone() if new or k in self._changing else None for k, t, new in zip(keys, tensors, fresh)]
+        return _Watch(keys, tensors, copies, fresh)
+
+    def changed(self, watch: Optional[_Watch], where: str) -> Optional[SavedBuffers]:
+        """After the unit's first run: the buffers it changed, with their values from before (``None``: none)."""
+        if watch is None:
+            return None
+        saved, missing = [], 0
+        for k, t in enumerate(watch.tensors):
+            key, copy = watch.keys[k], watch.copies[k]
+            if watch.fresh[k]:
+                self._seen.add(key)
+                if t._version == watch.versions[k] and torch.equal(t, copy):
+                    continue
+                self._changing.add(key)
+            elif key not in self._changing:
+                if t._version == watch.versions[k]:
+                    continue
+                self._changing.add(key)
+                missing += 1
+                continue
+            saved.append(k)
+        if missing:
+            warnings.warn(f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
+                          f"earlier values were not kept, so this call's recomputation starts from the changed values "
+                          f"(its gradients may differ from the plain model's). They are kept from the next call on.",
+                          RuntimeWarning, stacklevel=4)
+        return SavedBuffers(saved, [watch.copies[k] for k in saved]) if saved else None
+
+    def python_random_check(self, where: str) -> Any:
+        """A context for an engine's training call: at the first one, report a block that draws from Python's
+        ``random`` (its recomputation would draw other numbers; neither threads nor this library can replay
+        it)."""
+        if self._random_checked:
+            return _NOTHING
+        self._random_checked = True
+        return _python_random_guard(where)
+
+
+@contextlib.contextmanager
+def _python_random_guard(where: str) -> Iterator[None]:
+    before = random.getstate()
+    yield
+    if random.getstate() != before:
+        warnings.warn(f"{where}: a block drew from Python's random module during the forward. Its recomputation in "
+                      f"the backward draws the next numbers, not the same ones, so the gradients are not those of "
+                      f"the forward that was run. Draw with torch (torch.rand, or a torch.Generator the block owns), "
+                      f"which is replayed. (If another thread used random meanwhile, this is a false alarm.)",
+                      RuntimeWarning, stacklevel=4)
+
+
+@contextlib.contextmanager
+def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Within the block ``tensors`` may change; at exit they hold their values from entry again."""
+    with torch.no_grad():
+        copies = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, c in zip(tensors, copies):
+                t.copy_(c)
+
+
+@contextlib.contextmanager
+def probe(device: backend.DeviceLike, buffers: Sequence[Tensor], seed: int) -> Iterator[None]:
+    """Run blocks without leaving a trace (measuring them, checking an inverse): random numbers from generators
+    seeded with ``seed``, and the buffers and the blocks' own generators put back at exit."""
+    record: GeneratorRecord = {}
+    try:
+        with preserved(buffers), rng_scope(device, record=record) as reseed:
+            reseed(seed)
+            yield
+    finally:
+        rewind(record)
