@@ -53,6 +53,8 @@ CONFIGS: Dict[str, Dict[str, Any]] = {
             "mlp": {"kind": "mlp", "width": 128, "hidden": 512, "batch": 1, "seq": 128, "depth": 32},
             "transformer": {"kind": "transformer", "width": 128, "hidden": 512, "heads": 4, "batch": 1, "seq": 128,
                             "depth": 32},
+            # compute-bound: issue 15's shape (matmuls dominate; the halves of the split input are not contiguous)
+            "mlp512": {"kind": "mlp", "width": 512, "hidden": 512, "batch": 256, "seq": 1, "depth": 16},
         },
         "warmup": 3, "repeats": 41,
         "xla_models": ["mlp"], "xla_warmup": 2, "xla_repeats": 7,

@@ -658,7 +658,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
     replaced = _NOTHING
-    if off is None and used:
+    if off is None and used and any(layer_params[j]._backward_hooks for j in used):
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
         # would run their tensor hooks, which run again when the engine accumulates the gradients returned here.
         aliases = {j: layer_params[j].detach().requires_grad_() for j in used}
