@@ -2,10 +2,13 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test
+EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test,lint
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv lint test test-fast demo bench clean
+
+# What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
+LINT_PATHS := revlib_xla tests bench kernels
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
@@ -15,7 +18,11 @@ $(VENV)/.installed: setup.cfg constraints.txt
 
 venv: $(VENV)/.installed
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+
+test: lint
 	$(PY) -m pytest -n 2 --dist loadfile -q tests
 
 test-fast: venv

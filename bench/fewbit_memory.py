@@ -14,6 +14,7 @@ TPU run). Results go to ``bench/results/fewbit_memory-<device>.json`` and ``.md`
 
 Usage: ``python bench/fewbit_memory.py [--quick] [--no-tpu] [--out-dir DIR]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import json
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from revlib_xla import backend, fewbit, memory  # noqa: E402
+from revlib_xla import backend, fewbit, memory
 
 CONFIGS = {
     "full": dict(vocab=1000, width=256, heads=4, hidden=1024, layers=4, seq=128, batch=16),
@@ -79,8 +80,9 @@ def variant(model: nn.Module, name: str) -> nn.Module:
     if name in ("gelu-3bit", "both"):
         model = fewbit.map_module(model, lambda m: fewbit.convert_activation(m, bits=3))
     if name in ("randomized", "both"):
-        model = fewbit.map_module(model, lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear,
-                                                                         proj_dim_ratio=0.2), patt=r"layers\..*")
+        model = fewbit.map_module(
+            model, lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=0.2), patt=r"layers\..*"
+        )
     return model
 
 
@@ -104,7 +106,7 @@ def main() -> None:
     base = Encoder(**cfg)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
     labels = torch.randint(0, 2, (cfg["batch"],))
-    rows: Dict[str, Dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name in VARIANTS:
         eager = memory.eager_peak(step, variant(base, name), tokens, labels)
         rows[name] = {"eager_peak": eager.total, "eager_activations": eager.activations}
@@ -113,21 +115,38 @@ def main() -> None:
         for name, mem in zip(VARIANTS, memory.tpu_memory_many(texts, "v5e")):
             rows[name]["tpu_v5e_hbm_peak"] = mem.hbm_peak_bytes
     device = "cpu-" + "".join(c if c.isalnum() else "-" for c in (platform.processor() or platform.machine())).lower()
-    result = {"config": cfg, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-              "device": device, "rows": rows}
-    lines = [f"# FewBit memory table, scaled-down RoBERTa ({cfg['layers']} layers, width {cfg['width']}, "
-             f"FFN {cfg['hidden']}, batch {cfg['batch']} x {cfg['seq']} tokens, fp32)", "",
-             "Peak of one training step (forward, loss, backward). Eager: CPU, PyTorch MemTracker. TPU v5e: HBM peak "
-             "planned by the TPU compiler for the same step (deviceless compile, not a TPU run).", "",
-             "| variant | eager peak | saving | activations at the peak | TPU v5e HBM peak | saving |",
-             "|---|---|---|---|---|---|"]
+    result = {
+        "config": cfg,
+        "torch": torch.__version__,
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "rows": rows,
+    }
+    lines = [
+        f"# FewBit memory table, scaled-down RoBERTa ({cfg['layers']} layers, width {cfg['width']}, "
+        f"FFN {cfg['hidden']}, batch {cfg['batch']} x {cfg['seq']} tokens, fp32)",
+        "",
+        "Peak of one training step (forward, loss, backward). Eager: CPU, PyTorch MemTracker. TPU v5e: HBM peak "
+        "planned by the TPU compiler for the same step (deviceless compile, not a TPU run).",
+        "",
+        "| variant | eager peak | saving | activations at the peak | TPU v5e HBM peak | saving |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in VARIANTS:
         r, v = rows[name], rows["vanilla"]
-        tpu_cells = (f"{memory.format_bytes(r['tpu_v5e_hbm_peak'])} | "
-                     f"{100 * (1 - r['tpu_v5e_hbm_peak'] / v['tpu_v5e_hbm_peak']):.1f} %") if tpu else "- | -"
-        lines.append(f"| {name} | {memory.format_bytes(r['eager_peak'])} | "
-                     f"{100 * (1 - r['eager_peak'] / v['eager_peak']):.1f} % | "
-                     f"{memory.format_bytes(r['eager_activations'])} | {tpu_cells} |")
+        tpu_cells = (
+            (
+                f"{memory.format_bytes(r['tpu_v5e_hbm_peak'])} | "
+                f"{100 * (1 - r['tpu_v5e_hbm_peak'] / v['tpu_v5e_hbm_peak']):.1f} %"
+            )
+            if tpu
+            else "- | -"
+        )
+        lines.append(
+            f"| {name} | {memory.format_bytes(r['eager_peak'])} | "
+            f"{100 * (1 - r['eager_peak'] / v['eager_peak']):.1f} % | "
+            f"{memory.format_bytes(r['eager_activations'])} | {tpu_cells} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out_dir)

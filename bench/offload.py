@@ -21,6 +21,7 @@ from it the share of transfer time hidden behind compute:
 Timings are interleaved round-robin over the variants. Results go to ``bench/results/offload-<device>.json/.md``
 with the device's name. Usage: ``python bench/offload.py [--device cpu|xla|cuda] [--quick] [--revlib-dir DIR]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,15 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import revlib_xla  # noqa: E402
-from revlib_xla import backend  # noqa: E402
+import revlib_xla
+from revlib_xla import backend
 
 CONFIGS = {
     "full": {"width": 256, "depth": 16, "batch": 64, "repeats": 9, "warmup": 2},
@@ -76,13 +76,20 @@ def slug(text: str) -> str:
 class Variant:
     """A model, its optimizer and its step on ``device``."""
 
-    def __init__(self, name: str, model: nn.Module, opt: Optional[torch.optim.Optimizer], device: torch.device,
-                 in_width: int, batch: int):
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        opt: torch.optim.Optimizer | None,
+        device: torch.device,
+        in_width: int,
+        batch: int,
+    ):
         self.name, self.model, self.opt, self.device = name, model, opt, device
         gen = torch.Generator().manual_seed(0)
         # RevLib 1.7.2 gives its parameters no gradient unless the input needs one: all variants get such an input
         self.x = torch.randn(batch, in_width, generator=gen).to(device).requires_grad_()
-        self.times: List[float] = []
+        self.times: list[float] = []
 
     def step(self) -> None:
         loss = (self.model(self.x) - self.x.detach()).square().mean()
@@ -98,12 +105,12 @@ class Variant:
         self.times.append(time.perf_counter() - start)
 
 
-def import_revlib(revlib_dir: Optional[str]):
+def import_revlib(revlib_dir: str | None):
     if not revlib_dir:
         return None
     sys.path.insert(0, str(Path(revlib_dir).resolve()))
     try:
-        import revlib  # noqa: F401
+        import revlib
 
         return revlib
     except Exception as exc:  # not installed there
@@ -111,12 +118,12 @@ def import_revlib(revlib_dir: Optional[str]):
         return None
 
 
-def build(cfg: Dict, device: torch.device, revlib_dir: Optional[str]) -> Dict[str, Variant]:
+def build(cfg: dict, device: torch.device, revlib_dir: str | None) -> dict[str, Variant]:
     width, depth, batch = cfg["width"], cfg["depth"], cfg["batch"]
     torch.manual_seed(0)
     blocks = [block(width) for _ in range(depth)]
-    sgd = lambda params: torch.optim.SGD(params, lr=1e-3)  # noqa: E731
-    out: Dict[str, Variant] = {}
+    sgd = lambda params: torch.optim.SGD(params, lr=1e-3)
+    out: dict[str, Variant] = {}
 
     def rev(**kw):
         return revlib_xla.ReversibleSequential(*copy.deepcopy(blocks), split_dim=-1, **kw)
@@ -132,8 +139,7 @@ def build(cfg: Dict, device: torch.device, revlib_dir: Optional[str]) -> Dict[st
         m = revlib.ReversibleSequential(*copy.deepcopy(blocks), split_dim=-1).to(device)
         out["revlib-1.7.2"] = Variant("revlib-1.7.2", m, sgd(m.parameters()), device, 2 * width, batch)
         m = revlib.ReversibleSequential(*copy.deepcopy(blocks), split_dim=-1, target_device=str(device))
-        out["revlib-1.7.2+offload"] = Variant("revlib-1.7.2+offload", m, sgd(m.parameters()), device, 2 * width,
-                                              batch)
+        out["revlib-1.7.2+offload"] = Variant("revlib-1.7.2+offload", m, sgd(m.parameters()), device, 2 * width, batch)
     seq = nn.Sequential(*[nn.Sequential(copy.deepcopy(b), nn.Tanh()) for b in blocks])
     m = copy.deepcopy(seq).to(device)
     out["sequential"] = Variant("sequential", m, sgd(m.parameters()), device, width, batch)
@@ -171,7 +177,7 @@ def transfer_time(variant: Variant, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "xla", "cuda"])
     parser.add_argument("--quick", action="store_true")
@@ -193,31 +199,51 @@ def main(argv: Optional[List[str]] = None) -> int:
     hidden = (med["reversible"] + transfers - med["reversible+offload"]) / transfers if transfers > 0 else 0.0
     name = device_name(device)
     result = {
-        "device": name, "device_kind": device.type, "config": cfg, "torch": torch.__version__,
+        "device": name,
+        "device_kind": device.type,
+        "config": cfg,
+        "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "median_step_s": med, "transfer_s": transfers, "transfer_hidden_share": max(0.0, min(1.0, hidden)),
+        "median_step_s": med,
+        "transfer_s": transfers,
+        "transfer_hidden_share": max(0.0, min(1.0, hidden)),
         "transfer_hidden_share_raw": hidden,
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"offload-{device.type}-{slug(name)}" + ("-quick" if args.quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
-    lines = [f"# Offload and fused optimizer: {name} ({device.type})", "",
-             f"{result['date']}, torch {torch.__version__}, one thread, {cfg['depth']} blocks of width "
-             f"{cfg['width']} (Linear-GELU-Linear), batch {cfg['batch']}, SGD; median of {cfg['repeats']} "
-             f"interleaved steps.", "",
-             "| variant | step (ms) | vs its baseline |", "|---|---|---|"]
-    base = {"reversible+offload": "reversible", "reversible+fused": "reversible",
-            "revlib-1.7.2+offload": "revlib-1.7.2", "offload_model": "sequential", "fairscale-0.4.13": "sequential"}
+    lines = [
+        f"# Offload and fused optimizer: {name} ({device.type})",
+        "",
+        f"{result['date']}, torch {torch.__version__}, one thread, {cfg['depth']} blocks of width "
+        f"{cfg['width']} (Linear-GELU-Linear), batch {cfg['batch']}, SGD; median of {cfg['repeats']} "
+        f"interleaved steps.",
+        "",
+        "| variant | step (ms) | vs its baseline |",
+        "|---|---|---|",
+    ]
+    base = {
+        "reversible+offload": "reversible",
+        "reversible+fused": "reversible",
+        "revlib-1.7.2+offload": "revlib-1.7.2",
+        "offload_model": "sequential",
+        "fairscale-0.4.13": "sequential",
+    }
     for k, t in med.items():
         ratio = f"{t / med[base[k]]:.2f}x {base[k]}" if k in base and base[k] in med else ""
         lines.append(f"| {k} | {t * 1e3:.1f} | {ratio} |")
-    lines += ["", f"Parameter transfers alone (every layer to the device, forward and backward): "
-                  f"{transfers * 1e3:.1f} ms; share hidden behind compute: {result['transfer_hidden_share']:.0%} "
-                  f"(raw {hidden:.2f})."]
+    lines += [
+        "",
+        f"Parameter transfers alone (every layer to the device, forward and backward): "
+        f"{transfers * 1e3:.1f} ms; share hidden behind compute: {result['transfer_hidden_share']:.0%} "
+        f"(raw {hidden:.2f}).",
+    ]
     if device.type != "cuda":
-        lines.append("Copies are synchronous on this device (no side stream), so no transfer can be hidden here; "
-                     "the overlap exists only on cuda.")
+        lines.append(
+            "Copies are synchronous on this device (no side stream), so no transfer can be hidden here; "
+            "the overlap exists only on cuda."
+        )
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

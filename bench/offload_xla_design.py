@@ -13,6 +13,7 @@ compiler (``revlib_xla.memory.tpu_memory``; nothing is executed):
 Prints and records the HBM peak, host bytes and argument bytes of each. Results:
 ``bench/results/offload_xla_design-tpu-v5e.md/.json``. Usage: ``python bench/offload_xla_design.py``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -20,17 +21,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import revlib_xla as revlib  # noqa: E402
-from revlib_xla import backend, memory  # noqa: E402
+import revlib_xla as revlib
+from revlib_xla import backend, memory
 
 
 class HostAnnotatedLinear(nn.Linear):
@@ -39,8 +39,9 @@ class HostAnnotatedLinear(nn.Linear):
     def forward(self, x):
         from torch_xla.experimental.stablehlo_custom_call import place_to_device, place_to_host
 
-        return nn.functional.linear(x, place_to_device(place_to_host(self.weight)),
-                                    place_to_device(place_to_host(self.bias)))
+        return nn.functional.linear(
+            x, place_to_device(place_to_host(self.weight)), place_to_device(place_to_host(self.bias))
+        )
 
 
 def step(model, x):
@@ -49,7 +50,7 @@ def step(model, x):
     return loss
 
 
-def graphs(width: int, depth: int, batch: int) -> Dict[str, str]:
+def graphs(width: int, depth: int, batch: int) -> dict[str, str]:
     """StableHLO of the three graphs (see the module docstring)."""
     backend.device_for("xla")
 
@@ -66,32 +67,47 @@ def graphs(width: int, depth: int, batch: int) -> Dict[str, str]:
     }
 
 
-def measure(width: int = 512, depth: int = 8, batch: int = 64) -> Dict[str, Dict[str, float]]:
+def measure(width: int = 512, depth: int = 8, batch: int = 64) -> dict[str, dict[str, float]]:
     texts = graphs(width, depth, batch)
     results = memory.tpu_memory_many(list(texts.values()), "v5e", cache=False)
-    return {name: {"hbm_peak_bytes": r.hbm_peak_bytes, "host_bytes": r.host_bytes,
-                   "argument_bytes": r.argument_bytes,
-                   "host_annotations": texts[name].count("annotate_device_placement")}
-            for name, r in zip(texts, results)}
+    return {
+        name: {
+            "hbm_peak_bytes": r.hbm_peak_bytes,
+            "host_bytes": r.host_bytes,
+            "argument_bytes": r.argument_bytes,
+            "host_annotations": texts[name].count("annotate_device_placement"),
+        }
+        for name, r in zip(texts, results)
+    }
 
 
 def main() -> int:
     width, depth, batch = 512, 8, 64
     out = measure(width, depth, batch)
-    lines = ["# Parameters off the TPU's HBM: per-layer graphs vs in-graph host annotations", "",
-             f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}: TPU v5e (one chip), "
-             f"deviceless compile with libtpu (nothing executed, no TPU used); {depth} reversible layers "
-             f"Linear({width})-GELU-Linear, batch {batch}, float32, forward + backward.", "",
-             "| graph | HBM peak (MiB) | host buffers (MiB) | arguments (MiB) | host annotations |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "# Parameters off the TPU's HBM: per-layer graphs vs in-graph host annotations",
+        "",
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}: TPU v5e (one chip), "
+        f"deviceless compile with libtpu (nothing executed, no TPU used); {depth} reversible layers "
+        f"Linear({width})-GELU-Linear, batch {batch}, float32, forward + backward.",
+        "",
+        "| graph | HBM peak (MiB) | host buffers (MiB) | arguments (MiB) | host annotations |",
+        "|---|---|---|---|---|",
+    ]
     for name, r in out.items():
-        lines.append(f"| {name} | {r['hbm_peak_bytes'] / 2**20:.1f} | {r['host_bytes'] / 2**20:.1f} | "
-                     f"{r['argument_bytes'] / 2**20:.1f} | {r['host_annotations']} |")
-    lines += ["", "Host annotations move copies of the parameters to host memory inside the graph, but the "
-                  "parameters still arrive as HBM arguments; a per-layer graph holds one layer's parameters."]
+        lines.append(
+            f"| {name} | {r['hbm_peak_bytes'] / 2**20:.1f} | {r['host_bytes'] / 2**20:.1f} | "
+            f"{r['argument_bytes'] / 2**20:.1f} | {r['host_annotations']} |"
+        )
+    lines += [
+        "",
+        "Host annotations move copies of the parameters to host memory inside the graph, but the "
+        "parameters still arrive as HBM arguments; a per-layer graph holds one layer's parameters.",
+    ]
     results = ROOT / "bench" / "results"
-    (results / "offload_xla_design-tpu-v5e.json").write_text(json.dumps(
-        {"config": {"width": width, "depth": depth, "batch": batch}, "results": out}, indent=2) + "\n")
+    (results / "offload_xla_design-tpu-v5e.json").write_text(
+        json.dumps({"config": {"width": width, "depth": depth, "batch": batch}, "results": out}, indent=2) + "\n"
+    )
     (results / "offload_xla_design-tpu-v5e.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

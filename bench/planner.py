@@ -39,6 +39,7 @@ Writes ``bench/results/planner-<device>.{json,md,png}``.
 Usage: ``python bench/planner.py [--device cpu|cuda] [--quick]``. On cpu, inductor needs setuptools (the
 ``[bench]`` extra) and a C++ compiler.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,19 +51,20 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import revlib_xla as revlib  # noqa: E402
-from revlib_xla.memory import SavedTensorCounter, allocator_peak, eager_peak  # noqa: E402
-from revlib_xla.models import TransformerConfig, gpt  # noqa: E402
-from revlib_xla.planner import Chain, InfeasibleBudget, no_checkpoint_memory, solve  # noqa: E402
+import revlib_xla as revlib
+from revlib_xla.memory import SavedTensorCounter, allocator_peak, eager_peak
+from revlib_xla.models import TransformerConfig, gpt
+from revlib_xla.planner import Chain, InfeasibleBudget, no_checkpoint_memory, solve
 
 #: activation_memory_budget values of the compiled rows (1.0: save what the partitioner would anyway; 0.0:
 #: recompute everything it may).
@@ -70,10 +72,11 @@ COMPILE_BUDGETS = (1.0, 0.8, 0.6, 0.4, 0.2, 0.1, 0.0)
 #: Relative gradient error (per parameter, in norm) a compiled step may have against eager float32: reductions are
 #: reordered by fusion, nothing more.
 GRAD_TOLERANCE = 1e-4
-MiB = 2 ** 20
+MiB = 2**20
 
 
 REV_ROTOR = "rotor (reversible-block model)"
+
 
 def device_name(device: torch.device) -> str:
     """The name results are filed under: the GPU's name on cuda, ``cpu-<processor>`` on cpu."""
@@ -82,12 +85,17 @@ def device_name(device: torch.device) -> str:
     return "cpu-" + (platform.processor() or platform.machine()).lower().replace(" ", "-")
 
 
-def solver_speed(length: int = 100, slots: int = 500) -> Dict[str, float]:
+def solver_speed(length: int = 100, slots: int = 500) -> dict[str, float]:
     """Median seconds (of 3) to solve a random chain, with rotor's recurrence and with the extensions on."""
     rng = random.Random(0)
-    chain = Chain([rng.random() for _ in range(length)], [rng.random() for _ in range(length + 1)],
-                  [rng.randint(1, 10) for _ in range(length + 1)], [0] + [rng.randint(10, 30) for _ in range(length)],
-                  [rng.randint(0, 5) for _ in range(length)], [rng.randint(0, 5) for _ in range(length + 1)])
+    chain = Chain(
+        [rng.random() for _ in range(length)],
+        [rng.random() for _ in range(length + 1)],
+        [rng.randint(1, 10) for _ in range(length + 1)],
+        [0] + [rng.randint(10, 30) for _ in range(length)],
+        [rng.randint(0, 5) for _ in range(length)],
+        [rng.randint(0, 5) for _ in range(length + 1)],
+    )
     extended = chain.replace(reversible=[True] * length).with_bandwidth(20.0)
     out = {}
     for name, c in (("rotor", chain), ("extended", extended)):
@@ -110,7 +118,7 @@ def compiled_forward(model: torch.nn.Module, budget: float) -> Callable[[torch.T
     under :func:`compiling`. The budget is also in AOTAutograd's cache key, so a warm disk cache hands back the
     graph of the right budget.
     """
-    namespace: Dict[str, Any] = {}
+    namespace: dict[str, Any] = {}
     exec(f"def forward_budget_{round(budget * 100)}(x):\n    return model(x)\n", {"model": model}, namespace)
     return torch.compile(next(iter(namespace.values())), fullgraph=True)
 
@@ -128,8 +136,9 @@ def loss_of(forward: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tenso
     return forward(tokens).float().square().mean()
 
 
-def gradients(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Module, tokens: torch.Tensor,
-              seed: int = 1) -> List[torch.Tensor]:
+def gradients(
+    forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Module, tokens: torch.Tensor, seed: int = 1
+) -> list[torch.Tensor]:
     """The parameter gradients of one step from fresh (``None``) gradients, under a fixed seed."""
     for param in model.parameters():
         param.grad = None
@@ -138,12 +147,12 @@ def gradients(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.M
     return [param.grad.detach().clone() for param in model.parameters()]
 
 
-def relative_error(got: List[torch.Tensor], want: List[torch.Tensor]) -> float:
+def relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     """The largest per-parameter ``|got - want| / |want|`` (Frobenius norms)."""
     return max(((g - w).norm() / w.norm().clamp_min(1e-30)).item() for g, w in zip(got, want))
 
 
-def dropout_check(device: torch.device) -> List[Dict[str, Any]]:
+def dropout_check(device: torch.device) -> list[dict[str, Any]]:
     """Gradients of a compiled small decoder *with* dropout against eager, at a few budgets.
 
     Inductor draws its random numbers as eager does here (``fallback_random``), so at budget 1.0 the compiled
@@ -165,8 +174,14 @@ def dropout_check(device: torch.device) -> List[Dict[str, Any]]:
         torch.manual_seed(1)
         loss = loss_of(forward, tokens).item()
         error = relative_error(gradients(forward, model, tokens), eager)
-        out.append({"budget": budget, "loss_matches": abs(loss - eager_loss) <= 1e-5 * abs(eager_loss),
-                    "grad_rel_err": error, "grads_match": error <= GRAD_TOLERANCE})
+        out.append(
+            {
+                "budget": budget,
+                "loss_matches": abs(loss - eager_loss) <= 1e-5 * abs(eager_loss),
+                "grad_rel_err": error,
+                "grads_match": error <= GRAD_TOLERANCE,
+            }
+        )
         print("dropout check:", out[-1])
     torch._dynamo.reset()
     return out
@@ -179,21 +194,21 @@ class Variant:
     method: str
     run: Callable[[], None]
     reference: str  # the method of the row its ratios are taken against
-    module: Optional[torch.nn.Module] = None  # for MemTracker (eager rows)
-    fraction: Optional[float] = None  # Checkpointable budget / no-checkpoint peak, or activation_memory_budget
-    budget: Optional[float] = None  # Checkpointable budget in bytes
+    module: torch.nn.Module | None = None  # for MemTracker (eager rows)
+    fraction: float | None = None  # Checkpointable budget / no-checkpoint peak, or activation_memory_budget
+    budget: float | None = None  # Checkpointable budget in bytes
     schedule: Any = None
-    saved_of: Optional[Callable[[], torch.Tensor]] = None  # a forward whose saved bytes are counted
-    params: List[torch.Tensor] = field(default_factory=list)
-    times: List[float] = field(default_factory=list)
-    row: Dict[str, Any] = field(default_factory=dict)
+    saved_of: Callable[[], torch.Tensor] | None = None  # a forward whose saved bytes are counted
+    params: list[torch.Tensor] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    row: dict[str, Any] = field(default_factory=dict)
 
     def select(self) -> None:
         if self.schedule is not None:
             self.module.sequence = self.schedule
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--quick", action="store_true", help="depth 2, 2 repeats, compile budgets 1.0 and 0.0")
@@ -210,10 +225,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     assert budgets[0] == 1.0, "the compiled rows' reference is the budget-1.0 step, compiled first"
     config = TransformerConfig(width=128, depth=depth, heads=4, seq_len=128, dropout=0.1, vocab_size=256)
     tokens = torch.randint(0, 256, (4, 128), device=device)
-    results: Dict[str, Any] = {
-        "device": device_name(device), "torch": torch.__version__, "solver_s": solver_speed(),
+    results: dict[str, Any] = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "solver_s": solver_speed(),
         "config": {"width": 128, "depth": depth, "seq": 128, "batch": 4, "dropout": 0.1},
-        "compile_budgets": list(budgets), "rows": []}
+        "compile_budgets": list(budgets),
+        "rows": [],
+    }
     print("solver:", results["solver_s"])
     results["dropout_check"] = dropout_check(device)
 
@@ -227,6 +246,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     def stepper(forward: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
             loss_of(forward, tokens).backward()
+
         return run
 
     def peak_of(module: torch.nn.Module) -> int:
@@ -243,19 +263,38 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             first = self.seq[0](x)  # integer tokens cannot enter checkpoint_sequential (no grad)
-            return torch.utils.checkpoint.checkpoint_sequential(torch.nn.Sequential(*stages[1:]), segments, first,
-                                                                use_reentrant=False)
+            return torch.utils.checkpoint.checkpoint_sequential(
+                torch.nn.Sequential(*stages[1:]), segments, first, use_reentrant=False
+            )
 
     sqrt_model = Sqrt()
     base_peak, rev_peak = peak_of(plain), peak_of(rev)
     variants = [
-        Variant("no checkpoint", stepper(plain), "no checkpoint", plain, saved_of=lambda: loss_of(plain, tokens),
-                params=list(plain.parameters())),
+        Variant(
+            "no checkpoint",
+            stepper(plain),
+            "no checkpoint",
+            plain,
+            saved_of=lambda: loss_of(plain, tokens),
+            params=list(plain.parameters()),
+        ),
         Variant(f"checkpoint_sequential ({segments} segments)", stepper(sqrt_model), "no checkpoint", sqrt_model),
-        Variant("no checkpoint (reversible-block model)", stepper(rev), "no checkpoint (reversible-block model)", rev,
-                saved_of=lambda: loss_of(rev, tokens), params=list(rev.parameters())),
-        Variant("no checkpoint (dropout 0)", stepper(quiet), "no checkpoint (dropout 0)", quiet,
-                saved_of=lambda: loss_of(quiet, tokens), params=list(quiet.parameters())),
+        Variant(
+            "no checkpoint (reversible-block model)",
+            stepper(rev),
+            "no checkpoint (reversible-block model)",
+            rev,
+            saved_of=lambda: loss_of(rev, tokens),
+            params=list(rev.parameters()),
+        ),
+        Variant(
+            "no checkpoint (dropout 0)",
+            stepper(quiet),
+            "no checkpoint (dropout 0)",
+            quiet,
+            saved_of=lambda: loss_of(quiet, tokens),
+            params=list(quiet.parameters()),
+        ),
     ]
     for method, model in (("rotor", plain), (REV_ROTOR, rev), ("hybrid", rev)):
         planned = revlib.Checkpointable(model, reversible=(method == "hybrid"))
@@ -267,8 +306,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 schedule = planned.compute_sequence(fraction * peak)
             except InfeasibleBudget:
                 continue
-            variants.append(Variant(method, stepper(planned), reference, planned, fraction, fraction * peak,
-                                    schedule))
+            variants.append(Variant(method, stepper(planned), reference, planned, fraction, fraction * peak, schedule))
 
     # Compile every budget (each its own graph), then check its gradients against the eager dropout-free model.
     torch._dynamo.reset()
@@ -281,13 +319,21 @@ def main(argv: Optional[List[str]] = None) -> None:
             stepper(forward)()
         sync()
         compile_s[budget] = time.perf_counter() - start
-        variant = Variant("torch.compile", stepper(forward), "torch.compile", fraction=budget,
-                          saved_of=lambda f=forward: loss_of(f, tokens), params=list(quiet.parameters()))
+        variant = Variant(
+            "torch.compile",
+            stepper(forward),
+            "torch.compile",
+            fraction=budget,
+            saved_of=lambda f=forward: loss_of(f, tokens),
+            params=list(quiet.parameters()),
+        )
         variant.row["compile_s"] = compile_s[budget]
         variant.row["grad_rel_err"] = relative_error(gradients(forward, quiet, tokens), eager_grads)
         variant.row["grads_match"] = variant.row["grad_rel_err"] <= GRAD_TOLERANCE
-        print(f"torch.compile, activation_memory_budget={budget}: compiled in {compile_s[budget]:.1f} s, gradient "
-              f"error against eager {variant.row['grad_rel_err']:.2e}")
+        print(
+            f"torch.compile, activation_memory_budget={budget}: compiled in {compile_s[budget]:.1f} s, gradient "
+            f"error against eager {variant.row['grad_rel_err']:.2e}"
+        )
         variants.append(variant)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -304,8 +350,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     for variant in variants:  # every .grad exists now: each step below accumulates into it
         variant.select()
         row = variant.row
-        row.update(method=variant.method, fraction=variant.fraction, budget=variant.budget,
-                   reference=variant.reference, time_s=statistics.median(variant.times[1:]))
+        row.update(
+            method=variant.method,
+            fraction=variant.fraction,
+            budget=variant.budget,
+            reference=variant.reference,
+            time_s=statistics.median(variant.times[1:]),
+        )
         row["peak"] = peak_of(variant.module) if variant.module is not None else None
         row["allocator_peak"] = allocator_peak(variant.run, device=device).increase
         if variant.saved_of is not None:
@@ -317,7 +368,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             row["planned_ratio"] = variant.schedule.makespan / solve(variant.module.chain, 1e18).makespan
     torch._dynamo.config.error_on_recompile = False
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    rows: Dict[str, Dict[str, Any]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for variant in variants:  # the first row of a method is its reference (torch.compile: budget 1.0)
         rows.setdefault(variant.method, variant.row)
     first_compiled = rows["torch.compile"]
@@ -332,15 +383,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         results["rows"].append(row)
         print({k: v for k, v in row.items() if k != "budget"})
     quiet_row = rows["no checkpoint (dropout 0)"]
-    results["compiled_vs_eager"] = {"time_ratio": first_compiled["time_s"] / quiet_row["time_s"],
-                                    "allocator_ratio": first_compiled["allocator_peak"] / quiet_row["allocator_peak"],
-                                    "saved_ratio": first_compiled["saved"] / quiet_row["saved"]}
+    results["compiled_vs_eager"] = {
+        "time_ratio": first_compiled["time_s"] / quiet_row["time_s"],
+        "allocator_ratio": first_compiled["allocator_peak"] / quiet_row["allocator_peak"],
+        "saved_ratio": first_compiled["saved"] / quiet_row["saved"],
+    }
     results["grads_match"] = all(v.row["grads_match"] for v in variants if v.method == "torch.compile")
     results["wall_s"] = time.perf_counter() - started
     write(results, depth, repeats, quick=args.quick)
 
 
-def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> None:
+def write(results: dict[str, Any], depth: int, repeats: int, quick: bool) -> None:
     """``bench/results/planner-<device>.{json,md,png}`` from the measured rows (``-quick`` after the device
     name for a ``--quick`` run, so that it never replaces the recorded results)."""
     out_dir = ROOT / "bench" / "results"
@@ -350,12 +403,15 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
     vs = results["compiled_vs_eager"]
     check = results["dropout_check"]
     lines = [
-        f"# Planner benchmark on {results['device']} (torch {results['torch']})", "",
+        f"# Planner benchmark on {results['device']} (torch {results['torch']})",
+        "",
         f"Solver, 100 stages x 500 slots: rotor {results['solver_s']['rotor']:.2f} s, with reversible stages and "
-        f"offload {results['solver_s']['extended']:.2f} s (median of 3).", "",
+        f"offload {results['solver_s']['extended']:.2f} s (median of 3).",
+        "",
         f"GPT decoder, width 128, depth {depth} (x2 blocks), seq 128, batch 4, dropout 0.1, float32; step = "
         f"forward + loss + backward; step time = median of {repeats}, all rows interleaved in one run "
-        f"({results['wall_s'] / 60:.0f} min in all). Ratios are against the row named in `against`:", "",
+        f"({results['wall_s'] / 60:.0f} min in all). Ratios are against the row named in `against`:",
+        "",
         "* `peak` (MemTracker): activations, their gradients, temporaries and the input, parameters and gradients "
         "excluded; what `Checkpointable`'s budget counts. Eager rows only: MemTracker cannot see inside compiled "
         "kernels.",
@@ -377,12 +433,14 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
         "per-parameter relative gradient error against the eager dropout-free model "
         f"(tolerance {GRAD_TOLERANCE:g}): {'all match' if results['grads_match'] else 'SOME DO NOT MATCH'}. The "
         f"compiled budget-1.0 step against the eager dropout-free step: time {vs['time_ratio']:.2f}x, allocator "
-        f"peak {vs['allocator_ratio']:.2f}x, saved {vs['saved_ratio']:.2f}x.", "",
+        f"peak {vs['allocator_ratio']:.2f}x, saved {vs['saved_ratio']:.2f}x.",
+        "",
         "| method | budget | against | peak MiB (ratio) | allocator MiB (ratio) | saved MiB (ratio) | step time "
         "ratio | planned | grad err | compile s |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
-    def cell(row: Dict[str, Any], key: str) -> str:
+    def cell(row: dict[str, Any], key: str) -> str:
         if row.get(key) is None:
             return "-"
         ratio = row.get(key + "_ratio" if key != "allocator_peak" else "allocator_ratio")
@@ -402,15 +460,22 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
             against = "itself" if row["fraction"] == 1.0 else "torch.compile 1.0"
         else:
             against = "itself" if row["reference"] == row["method"] else row["reference"]
-        lines.append(f"| {row['method']} | {budget} | {against} | {cell(row, 'peak')} | "
-                     f"{cell(row, 'allocator_peak')} | {cell(row, 'saved')} | {row['time_ratio']:.2f} | {planned} | "
-                     f"{err} | {comp} |")
-    lines += ["", "Dropout check (GPT width 64, depth 1, seq 32, batch 2, dropout 0.1; inductor with "
-              "`fallback_random`, so it draws eager's random numbers; gradients against eager with the same seed):",
-              "", "| activation_memory_budget | loss equals eager | gradient rel. error | gradients match |",
-              "|---|---|---|---|"]
-    lines += [f"| {c['budget']:g} | {c['loss_matches']} | {c['grad_rel_err']:.1e} | {c['grads_match']} |"
-              for c in check]
+        lines.append(
+            f"| {row['method']} | {budget} | {against} | {cell(row, 'peak')} | "
+            f"{cell(row, 'allocator_peak')} | {cell(row, 'saved')} | {row['time_ratio']:.2f} | {planned} | "
+            f"{err} | {comp} |"
+        )
+    lines += [
+        "",
+        "Dropout check (GPT width 64, depth 1, seq 32, batch 2, dropout 0.1; inductor with "
+        "`fallback_random`, so it draws eager's random numbers; gradients against eager with the same seed):",
+        "",
+        "| activation_memory_budget | loss equals eager | gradient rel. error | gradients match |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {c['budget']:g} | {c['loss_matches']} | {c['grad_rel_err']:.1e} | {c['grads_match']} |" for c in check
+    ]
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -426,22 +491,40 @@ def write(results: Dict[str, Any], depth: int, repeats: int, quick: bool) -> Non
     styles = (("rotor", "o-", "C0"), (REV_ROTOR, "o--", "C4"), ("hybrid", "s-", "C1"))
     for method, style, colour in styles:
         chosen = [r for r in rows if r["method"] == method]
-        left.plot([r["peak_ratio"] for r in chosen], [r["time_ratio"] for r in chosen], style, color=colour,
-                  label=method)
-        right.plot([r["allocator_ratio"] for r in chosen], [r["time_ratio"] for r in chosen], style, color=colour,
-                   label=method)
+        left.plot(
+            [r["peak_ratio"] for r in chosen], [r["time_ratio"] for r in chosen], style, color=colour, label=method
+        )
+        right.plot(
+            [r["allocator_ratio"] for r in chosen], [r["time_ratio"] for r in chosen], style, color=colour, label=method
+        )
     for r in rows:
         if r["method"].startswith("checkpoint_sequential"):
             left.plot([r["peak_ratio"]], [r["time_ratio"]], "k^", label=r["method"])
             right.plot([r["allocator_ratio"]], [r["time_ratio"]], "k^", label=r["method"])
     compiled = [r for r in rows if r["method"] == "torch.compile"]
-    right.plot([r["allocator_ratio"] for r in compiled], [r["time_ratio"] for r in compiled], "D-", color="C2",
-               label="torch.compile budget (allocator peak)")
-    right.plot([r["saved_ratio"] for r in compiled], [r["time_ratio"] for r in compiled], "D:", color="C2",
-               mfc="none", label="torch.compile budget (saved bytes)")
+    right.plot(
+        [r["allocator_ratio"] for r in compiled],
+        [r["time_ratio"] for r in compiled],
+        "D-",
+        color="C2",
+        label="torch.compile budget (allocator peak)",
+    )
+    right.plot(
+        [r["saved_ratio"] for r in compiled],
+        [r["time_ratio"] for r in compiled],
+        "D:",
+        color="C2",
+        mfc="none",
+        label="torch.compile budget (saved bytes)",
+    )
     for r in compiled:
-        right.annotate(f"{r['fraction']:g}", (r["allocator_ratio"], r["time_ratio"]), fontsize=7,
-                       textcoords="offset points", xytext=(4, 3))
+        right.annotate(
+            f"{r['fraction']:g}",
+            (r["allocator_ratio"], r["time_ratio"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, 3),
+        )
     for ax in (left, right):
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.legend(fontsize=7)

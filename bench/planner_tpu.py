@@ -18,6 +18,7 @@ Columns, per budget:
 Asserts, for every model, that live and planned agree within 15 % at five or more of the six budgets (issue 3).
 Writes ``bench/results/planner_tpu-v5e-deviceless.{json,md}``. Usage: ``PJRT_DEVICE=CPU python bench/planner_tpu.py``.
 """
+
 import json
 import os
 import sys
@@ -27,14 +28,14 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-from revlib_xla import backend, memory  # noqa: E402
-from revlib_xla.models import TransformerConfig, gpt  # noqa: E402
+from revlib_xla import backend, memory
+from revlib_xla.models import TransformerConfig, gpt
 
 DEVICE = backend.device_for("xla")
-import revlib_xla as revlib  # noqa: E402
+import revlib_xla as revlib
 
 WIDTH, HIDDEN, DEPTH = 256, 1024, 8
 FRACTIONS = (0.0, 0.15, 0.3, 0.5, 0.75, 1.0)
@@ -59,8 +60,7 @@ def sweep(model, x):
     rows, texts = [], []
     for fraction in FRACTIONS:
         planned.compute_sequence(low * 1.02 + fraction * (high - low * 1.02))
-        rows.append({"fraction": fraction, "planned": planned.get_expected_memory(),
-                     "ops": planned.sequence.counts()})
+        rows.append({"fraction": fraction, "planned": planned.get_expected_memory(), "ops": planned.sequence.counts()})
         texts.append(memory.step_stablehlo(lambda m, inp: loss_of(planned(inp)).backward(), model, x))
     inputs = memory.tensor_bytes(x)
     exact = memory.tpu_memory_many(texts, "v5e", hbm_only=True, liveness=True, cache=False)
@@ -86,8 +86,8 @@ def small_gpt():
 
 
 CASES = {
-    f"MLP, 1024 tokens": lambda: mlp(1024),
-    f"MLP, 4096 tokens": lambda: mlp(4096),
+    "MLP, 1024 tokens": lambda: mlp(1024),
+    "MLP, 4096 tokens": lambda: mlp(4096),
     "GPT (width 128, depth 4, 8 x 128 tokens)": small_gpt,
 }
 
@@ -96,31 +96,43 @@ def main():
     results = {name: sweep(*build()) for name, build in CASES.items()}
     out = ROOT / "bench" / "results" / "planner_tpu-v5e-deviceless"
     out.with_suffix(".json").write_text(json.dumps(results, indent=2))
-    lines = ["# Planned peak vs what the TPU v5e compiler keeps (deviceless compile, no TPU run)", "",
-             f"MLP: {DEPTH} blocks x -> x + Linear({HIDDEN}->{WIDTH})(tanh(Linear({WIDTH}->{HIDDEN})(x))), fp32. "
-             f"GPT: revlib_xla.models.gpt. Loss: mean of the squared output. Budget position 0 is the smallest "
-             f"budget, 1 the no-checkpoint peak.", "",
-             "- **planned**: the plan's activation peak (`get_expected_memory()`, input included). The planner's "
-             "stage sizes come from each stage's programs compiled deviceless for v5e: what the compiled stage keeps "
-             "live from its forward into its backward (liveness over the buffer assignment of `y = f(x)`, an "
-             "optimization barrier on y and its gradient, then the backward), and its forward and backward "
-             "temporaries; not from what autograd saves.",
-             "- **live**: peak of the values the compiled step keeps besides its arguments and outputs, every "
-             "buffer in HBM (VMEM assignment off), from liveness over the compiler's buffer assignment, + input.",
-             "- **reserved**: HBM peak - arguments - outputs + input of the same compile (smaller than live where "
-             "the compiler parks activations in parameter-gradient buffers that are written later).",
-             "- **default**: the same subtraction on the default compile (VMEM assignment on): the number this bench "
-             "reported before. The compiler then puts whole buffers in VMEM (about 112 MiB on v5e) and its "
-             "peak counts the VMEM allocation whenever that exceeds the HBM temporaries, so for these small steps "
-             "it measures VMEM use, capped near 112 MiB (the 4096-token rows), not what the step keeps.", ""]
+    lines = [
+        "# Planned peak vs what the TPU v5e compiler keeps (deviceless compile, no TPU run)",
+        "",
+        f"MLP: {DEPTH} blocks x -> x + Linear({HIDDEN}->{WIDTH})(tanh(Linear({WIDTH}->{HIDDEN})(x))), fp32. "
+        f"GPT: revlib_xla.models.gpt. Loss: mean of the squared output. Budget position 0 is the smallest "
+        f"budget, 1 the no-checkpoint peak.",
+        "",
+        "- **planned**: the plan's activation peak (`get_expected_memory()`, input included). The planner's "
+        "stage sizes come from each stage's programs compiled deviceless for v5e: what the compiled stage keeps "
+        "live from its forward into its backward (liveness over the buffer assignment of `y = f(x)`, an "
+        "optimization barrier on y and its gradient, then the backward), and its forward and backward "
+        "temporaries; not from what autograd saves.",
+        "- **live**: peak of the values the compiled step keeps besides its arguments and outputs, every "
+        "buffer in HBM (VMEM assignment off), from liveness over the compiler's buffer assignment, + input.",
+        "- **reserved**: HBM peak - arguments - outputs + input of the same compile (smaller than live where "
+        "the compiler parks activations in parameter-gradient buffers that are written later).",
+        "- **default**: the same subtraction on the default compile (VMEM assignment on): the number this bench "
+        "reported before. The compiler then puts whole buffers in VMEM (about 112 MiB on v5e) and its "
+        "peak counts the VMEM allocation whenever that exceeds the HBM temporaries, so for these small steps "
+        "it measures VMEM use, capped near 112 MiB (the 4096-token rows), not what the step keeps.",
+        "",
+    ]
     for name, rows in results.items():
-        lines += ["", f"## {name}", "",
-                  "| budget position | planned (MiB) | live (MiB) | live / planned | reserved (MiB) | default (MiB) "
-                  "| operations |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            "| budget position | planned (MiB) | live (MiB) | live / planned | reserved (MiB) | default (MiB) "
+            "| operations |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for row in rows:
-            lines.append(f"| {row['fraction']:.2f} | {row['planned'] / 2**20:.2f} | {row['live'] / 2**20:.2f} | "
-                         f"{row['ratio']:.3f} | {row['reserved'] / 2**20:.2f} | {row['default'] / 2**20:.2f} | "
-                         f"{row['ops']} |")
+            lines.append(
+                f"| {row['fraction']:.2f} | {row['planned'] / 2**20:.2f} | {row['live'] / 2**20:.2f} | "
+                f"{row['ratio']:.3f} | {row['reserved'] / 2**20:.2f} | {row['default'] / 2**20:.2f} | "
+                f"{row['ops']} |"
+            )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     for name, rows in results.items():

@@ -18,6 +18,7 @@ Timings are interleaved round-robin across the workers to spread machine drift e
 
 Usage: ``python bench/reversible_vs_peers.py [--quick] [--device auto|cpu|xla|cuda[,..]] [--out-dir DIR]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -47,22 +48,35 @@ VARIANTS = ("no_savings", "checkpoint", "revlib_xla", "revlib")
 # Sizes: a step of the full configuration takes ~50-200 ms per variant on one CPU thread (compute-bound enough that
 # per-op Python overhead is a minor part), and the whole run stays under ~8 minutes on a 2-core machine. 41 repeats:
 # on a shared machine the spread of one variant's step times (p25-p75) is +-15 %, the size of the margins judged.
-CONFIGS: Dict[str, Dict[str, Any]] = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "full": {
         "models": {
             "mlp": {"kind": "mlp", "width": 128, "hidden": 512, "batch": 1, "seq": 128, "depth": 32},
-            "transformer": {"kind": "transformer", "width": 128, "hidden": 512, "heads": 4, "batch": 1, "seq": 128,
-                            "depth": 32},
+            "transformer": {
+                "kind": "transformer",
+                "width": 128,
+                "hidden": 512,
+                "heads": 4,
+                "batch": 1,
+                "seq": 128,
+                "depth": 32,
+            },
             # compute-bound: issue 15's shape (matmuls dominate; the halves of the split input are not contiguous)
             "mlp512": {"kind": "mlp", "width": 512, "hidden": 512, "batch": 256, "seq": 1, "depth": 16},
         },
-        "warmup": 3, "repeats": 41,
-        "xla_models": ["mlp"], "xla_warmup": 2, "xla_repeats": 7,
+        "warmup": 3,
+        "repeats": 41,
+        "xla_models": ["mlp"],
+        "xla_warmup": 2,
+        "xla_repeats": 7,
     },
     "quick": {
         "models": {"mlp": {"kind": "mlp", "width": 16, "hidden": 32, "batch": 1, "seq": 16, "depth": 4}},
-        "warmup": 1, "repeats": 3,
-        "xla_models": ["mlp"], "xla_warmup": 1, "xla_repeats": 2,
+        "warmup": 1,
+        "repeats": 3,
+        "xla_models": ["mlp"],
+        "xla_warmup": 1,
+        "xla_repeats": 2,
     },
 }
 
@@ -74,11 +88,12 @@ TARGET_TIME_VS_NO_SAVINGS_CPU = 1.4
 # =================================================================================================================
 # The model (pure torch: built identically in every worker, whichever library wraps it)
 
-def build_blocks(cfg: Dict[str, Any]):
+
+def build_blocks(cfg: dict[str, Any]):
     """The blocks of the reversible stack, one per reversible layer (``depth`` of them), seeded."""
     import torch
-    from torch import nn
     import torch.nn.functional as F
+    from torch import nn
 
     class MLP(nn.Module):
         """Linear -> GELU -> Linear, on channels-last (batch, seq, width)."""
@@ -114,25 +129,31 @@ def build_blocks(cfg: Dict[str, Any]):
         if cfg["kind"] == "mlp":
             blocks.append(MLP(cfg["width"], cfg["hidden"]))
         elif cfg["kind"] == "transformer":  # RevNet-style transformer: F = attention, G = MLP
-            blocks.append(Attention(cfg["width"], cfg["heads"]) if i % 2 == 0
-                          else MLP(cfg["width"], cfg["hidden"], norm=True))
+            blocks.append(
+                Attention(cfg["width"], cfg["heads"]) if i % 2 == 0 else MLP(cfg["width"], cfg["hidden"], norm=True)
+            )
         else:
             raise ValueError(f"unknown model kind {cfg['kind']!r}")
     return blocks
 
 
-def describe_model(cfg: Dict[str, Any]) -> str:
+def describe_model(cfg: dict[str, Any]) -> str:
     if cfg["kind"] == "mlp":
         block = f"Linear({cfg['width']},{cfg['hidden']})-GELU-Linear({cfg['hidden']},{cfg['width']})"
     else:
-        block = (f"alternating pre-LN causal attention ({cfg['heads']} heads) / pre-LN MLP "
-                 f"({cfg['width']}->{cfg['hidden']}->{cfg['width']})")
-    return (f"{cfg['depth']} reversible layers of {block}; input ({cfg['batch']}, {cfg['seq']}, {2 * cfg['width']}) "
-            f"split into two streams of width {cfg['width']} along the last dim; fp32; loss = mean(out^2)")
+        block = (
+            f"alternating pre-LN causal attention ({cfg['heads']} heads) / pre-LN MLP "
+            f"({cfg['width']}->{cfg['hidden']}->{cfg['width']})"
+        )
+    return (
+        f"{cfg['depth']} reversible layers of {block}; input ({cfg['batch']}, {cfg['seq']}, {2 * cfg['width']}) "
+        f"split into two streams of width {cfg['width']} along the last dim; fp32; loss = mean(out^2)"
+    )
 
 
 # =================================================================================================================
 # Peak memory of an eager step: live bytes of the storages allocated during the step
+
 
 class StorageTracker:
     """TorchDispatchMode that follows every storage created by an op while it is active.
@@ -152,7 +173,7 @@ class StorageTracker:
         tracker = self
         self.live = 0
         self.peak = 0
-        self._seen: Dict[int, Any] = {}
+        self._seen: dict[int, Any] = {}
 
         def storage_ids(tensors):
             ids = set()
@@ -208,6 +229,7 @@ def _torch():
 # =================================================================================================================
 # Worker process: one variant on one device
 
+
 class _Device:
     """The device a worker runs on, and how a step is finished there."""
 
@@ -255,7 +277,7 @@ def _import_lib(name: str, revlib_dir: str):
 class _Runner:
     """One variant: its own copy of the model (identical weights), the input, and the step."""
 
-    def __init__(self, variant: str, lib_name: str, dev: _Device, spec: Dict[str, Any]):
+    def __init__(self, variant: str, lib_name: str, dev: _Device, spec: dict[str, Any]):
         torch = dev.torch
         self.variant, self.dev, self.torch = variant, dev, torch
         lib, self.lib_version = _import_lib(lib_name, spec.get("revlib_dir", ""))
@@ -317,8 +339,14 @@ class _Runner:
 
     # -- commands -------------------------------------------------------------------------------------------------
     def cmd_info(self):
-        return {"lib_version": self.lib_version, "lib_file": self.lib_file, "device": str(self.dev.device),
-                "threads": self.torch.get_num_threads(), "torch": self.torch.__version__, "pid": os.getpid()}
+        return {
+            "lib_version": self.lib_version,
+            "lib_file": self.lib_file,
+            "device": str(self.dev.device),
+            "threads": self.torch.get_num_threads(),
+            "torch": self.torch.__version__,
+            "pid": os.getpid(),
+        }
 
     def cmd_time(self, n: int = 1):
         """Step times on the primary clock (eager CPU: CPU time of this single-threaded worker, which other load on
@@ -351,8 +379,7 @@ class _Runner:
     def cmd_grads(self, path: str):
         loss = self._loss_backward()
         self.dev.finish()
-        grads = {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters()
-                 if p.grad is not None}
+        grads = {name: p.grad.detach().cpu().clone() for name, p in self.model.named_parameters() if p.grad is not None}
         grads["<input>"] = self.x.grad.detach().cpu().clone()
         missing = [name for name, p in self.model.named_parameters() if p.grad is None]
         self.torch.save({"grads": grads, "loss": float(loss.detach().cpu()), "missing": missing}, path)
@@ -374,10 +401,10 @@ class _Runner:
 class _Worker:
     """The variants of one library on one device (one process per library, so RevLib never meets revlib_xla)."""
 
-    def __init__(self, spec: Dict[str, Any]):
+    def __init__(self, spec: dict[str, Any]):
         self.dev = _Device(spec["device"], spec["threads"])
-        self.runners: Dict[str, Any] = {}
-        self.failed: Dict[str, str] = {}
+        self.runners: dict[str, Any] = {}
+        self.failed: dict[str, str] = {}
         for v in spec["variants"]:
             try:
                 self.runners[v] = _Runner(v, spec["lib"], self.dev, spec)
@@ -423,10 +450,11 @@ def worker_main(spec_json: str) -> int:
 # =================================================================================================================
 # XLA memory from the compiled program (own process: libtpu must be set up before it loads)
 
+
 def compile_main(request_json: str) -> int:
     request = json.loads(request_json)
     sys.path.insert(0, str(ROOT))
-    out: Dict[str, Any] = {"results": {}}
+    out: dict[str, Any] = {"results": {}}
     try:
         from revlib_xla import tpu_compile
     except Exception as exc:
@@ -437,17 +465,20 @@ def compile_main(request_json: str) -> int:
     dot = re.compile(r"\b(dot|convolution)\(")
     for name, path in request["modules"].items():
         text = Path(path).read_text()
-        entry: Dict[str, Any] = {}
-        for target, fn in (("xla_cpu", tpu_compile.compile_for_cpu),
-                           ("tpu_" + request["generation"], lambda t: tpu_compile.compile_for_tpu(
-                               t, request["topology"], 0))):
+        entry: dict[str, Any] = {}
+        for target, fn in (
+            ("xla_cpu", tpu_compile.compile_for_cpu),
+            ("tpu_" + request["generation"], lambda t: tpu_compile.compile_for_tpu(t, request["topology"], 0)),
+        ):
             try:
                 res = fn(text)
             except Exception as exc:
                 entry[target] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 continue
-            host = sum(res.get(k, 0) for k in ("host_argument_size_in_bytes", "host_temp_size_in_bytes",
-                                                "host_output_size_in_bytes"))
+            host = sum(
+                res.get(k, 0)
+                for k in ("host_argument_size_in_bytes", "host_temp_size_in_bytes", "host_output_size_in_bytes")
+            )
             entry[target] = {
                 "peak_bytes": res["peak_memory_in_bytes"] - host,
                 "temp_bytes": res["temp_size_in_bytes"],
@@ -465,19 +496,26 @@ def compile_main(request_json: str) -> int:
 # =================================================================================================================
 # Orchestrator
 
+
 class WorkerProcess:
     """A worker in its own process, driven by JSON lines over its stdin/stdout."""
 
-    def __init__(self, spec: Dict[str, Any], env: Dict[str, str], log_path: Path):
+    def __init__(self, spec: dict[str, Any], env: dict[str, str], log_path: Path):
         self.log_path = log_path
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, str(SCRIPT), "--worker", json.dumps(spec)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     cwd=str(ROOT))
-        self.error: Optional[str] = None  # the whole worker is unusable
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--worker", json.dumps(spec)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=str(ROOT),
+        )
+        self.error: str | None = None  # the whole worker is unusable
         self._ready = False
 
-    def _read(self) -> Dict[str, Any]:
+    def _read(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()
         if not line:
             self.proc.wait()
@@ -494,7 +532,7 @@ class WorkerProcess:
                 self.error = msg["error"]
             self._ready = True
 
-    def call(self, cmd: str, variant: str, **kw) -> Dict[str, Any]:
+    def call(self, cmd: str, variant: str, **kw) -> dict[str, Any]:
         """{"ok": result} or {"error": text}."""
         self.wait_ready()
         if self.error:
@@ -522,8 +560,8 @@ class WorkerProcess:
 class InProcessWorker:
     """The same interface, running in this process (``--inprocess``: saves a process start in smoke runs)."""
 
-    def __init__(self, spec: Dict[str, Any]):
-        self.error: Optional[str] = None
+    def __init__(self, spec: dict[str, Any]):
+        self.error: str | None = None
         try:
             self.worker = _Worker(spec)
         except Exception:
@@ -532,7 +570,7 @@ class InProcessWorker:
     def wait_ready(self) -> None:
         pass
 
-    def call(self, cmd: str, variant: str, **kw) -> Dict[str, Any]:
+    def call(self, cmd: str, variant: str, **kw) -> dict[str, Any]:
         if self.error:
             return {"error": self.error}
         try:
@@ -544,21 +582,37 @@ class InProcessWorker:
         self.worker = None
 
 
-def ensure_revlib(revlib_dir: Path, install: bool) -> Dict[str, Any]:
+def ensure_revlib(revlib_dir: Path, install: bool) -> dict[str, Any]:
     """Make sure revlib==1.7.2 sits in ``revlib_dir`` (a throwaway --target directory, never the project venv)."""
     if (revlib_dir / "revlib" / "core.py").exists():
         return {"available": True, "dir": str(revlib_dir), "installed_now": False}
     if not install:
-        return {"available": False, "reason": f"revlib {REVLIB_VERSION} is not cached in {revlib_dir} and "
-                                               f"installing was disabled (--no-install)"}
+        return {
+            "available": False,
+            "reason": f"revlib {REVLIB_VERSION} is not cached in {revlib_dir} and "
+            f"installing was disabled (--no-install)",
+        }
     revlib_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="revlib-", dir=revlib_dir.parent))
     commands = []
     if shutil.which("uv"):
-        commands.append(["uv", "pip", "install", "-q", "--no-deps", "--target", str(tmp), "-p", sys.executable,
-                         f"revlib=={REVLIB_VERSION}"])
-    commands.append([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp),
-                     f"revlib=={REVLIB_VERSION}"])
+        commands.append(
+            [
+                "uv",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--target",
+                str(tmp),
+                "-p",
+                sys.executable,
+                f"revlib=={REVLIB_VERSION}",
+            ]
+        )
+    commands.append(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp), f"revlib=={REVLIB_VERSION}"]
+    )
     errors = []
     for command in commands:
         try:
@@ -573,8 +627,10 @@ def ensure_revlib(revlib_dir: Path, install: bool) -> Dict[str, Any]:
             return {"available": True, "dir": str(revlib_dir), "installed_now": True}
         errors.append(f"{' '.join(command[:3])}: exit {res.returncode}: {(res.stderr or res.stdout).strip()[-300:]}")
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"available": False, "reason": f"could not install revlib=={REVLIB_VERSION} from PyPI: "
-                                           + " | ".join(errors)}
+    return {
+        "available": False,
+        "reason": f"could not install revlib=={REVLIB_VERSION} from PyPI: " + " | ".join(errors),
+    }
 
 
 def slug(text: str) -> str:
@@ -591,7 +647,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def device_name(devices: List[str]) -> str:
+def device_name(devices: list[str]) -> str:
     import torch
 
     if "cuda" in devices:
@@ -601,22 +657,27 @@ def device_name(devices: List[str]) -> str:
     return "cpu-" + slug(cpu_model())
 
 
-def xla_importable() -> Optional[str]:
+def xla_importable() -> str | None:
     """None if torch_xla imports (checked in a child, so this process never loads it), else the reason."""
     try:
-        res = subprocess.run([sys.executable, "-c", "import torch_xla"], capture_output=True, text=True, timeout=180,
-                             env={**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")})
+        res = subprocess.run(
+            [sys.executable, "-c", "import torch_xla"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")},
+        )
     except Exception as exc:
         return str(exc)
     return None if res.returncode == 0 else (res.stderr.strip().splitlines() or ["import failed"])[-1]
 
 
-def resolve_devices(arg: str, quick: bool) -> Dict[str, Optional[str]]:
+def resolve_devices(arg: str, quick: bool) -> dict[str, str | None]:
     """Device kind -> None (run it) or the reason it is skipped."""
     import torch
 
     wanted = ["cpu"] if (arg == "auto" and quick) else (["cpu", "xla", "cuda"] if arg == "auto" else arg.split(","))
-    out: Dict[str, Optional[str]] = {}
+    out: dict[str, str | None] = {}
     for kind in wanted:
         kind = kind.strip()
         if kind == "cpu":
@@ -631,13 +692,13 @@ def resolve_devices(arg: str, quick: bool) -> Dict[str, Optional[str]]:
     return out
 
 
-def summarize(times: List[float]) -> Dict[str, float]:
+def summarize(times: list[float]) -> dict[str, float]:
     ms = sorted(t * 1e3 for t in times)
     q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) >= 2 else [ms[0]] * 3
     return {"median_ms": statistics.median(ms), "p25_ms": q[0], "p75_ms": q[2], "min_ms": ms[0], "n": len(ms)}
 
 
-def grad_error(grads: Dict[str, Any], ref: Dict[str, Any]) -> Dict[str, Any]:
+def grad_error(grads: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """max over tensors of max|g - ref| / max|ref| (the worst tensor is named)."""
     worst, worst_name = 0.0, None
     missing = sorted(set(ref) - set(grads))
@@ -653,20 +714,39 @@ def grad_error(grads: Dict[str, Any], ref: Dict[str, Any]) -> Dict[str, Any]:
     return {"max_rel_err": worst, "worst_tensor": worst_name, "missing": missing}
 
 
-def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[str], files: Dict[str, str],
-              revlib_info: Dict[str, Any], args, workdir: Path, bar, warmup: int, repeats: int) -> Dict[str, Any]:
+def run_group(
+    device: str,
+    model_name: str,
+    cfg: dict[str, Any],
+    variants: list[str],
+    files: dict[str, str],
+    revlib_info: dict[str, Any],
+    args,
+    workdir: Path,
+    bar,
+    warmup: int,
+    repeats: int,
+) -> dict[str, Any]:
     """Start one worker per library, time the variants round-robin, then measure memory and gradients."""
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PJRT_DEVICE": os.environ.get("PJRT_DEVICE", "CPU")}
     base_env.pop("PYTHONPATH", None)
-    libs: Dict[str, List[str]] = {}
+    libs: dict[str, list[str]] = {}
     for variant in variants:
         libs.setdefault("revlib" if variant == "revlib" else "revlib_xla", []).append(variant)
-    workers: Dict[str, Any] = {}
-    rows: Dict[str, Dict[str, Any]] = {}
-    errors: Dict[str, str] = {}
+    workers: dict[str, Any] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
     for lib, lib_variants in sorted(libs.items(), key=lambda kv: kv[0] != "revlib"):  # processes start first
-        spec = {"lib": lib, "variants": lib_variants, "device": device, "model": cfg, "threads": args.threads,
-                "weights": files["weights"], "input": files["input"], "revlib_dir": revlib_info.get("dir", "")}
+        spec = {
+            "lib": lib,
+            "variants": lib_variants,
+            "device": device,
+            "model": cfg,
+            "threads": args.threads,
+            "weights": files["weights"],
+            "input": files["input"],
+            "revlib_dir": revlib_info.get("dir", ""),
+        }
         if lib == "revlib_xla" and args.inprocess:
             worker = InProcessWorker(spec)
         else:
@@ -687,7 +767,7 @@ def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[
             return None
         return res["ok"]
 
-    hlo_files: Dict[str, str] = {}
+    hlo_files: dict[str, str] = {}
     try:
         for variant in variants:
             info = call(variant, "info")
@@ -696,10 +776,10 @@ def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[
         for variant in variants:  # warm-up (XLA: this is where the step graph gets compiled)
             call(variant, "time", n=warmup)
             bar.update(warmup)
-        times: Dict[str, List[float]] = {v: [] for v in variants}
-        wall: Dict[str, List[float]] = {v: [] for v in variants}
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        wall: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(repeats):  # round-robin, rotating the order every round
-            order = variants[r % len(variants):] + variants[:r % len(variants)]
+            order = variants[r % len(variants) :] + variants[: r % len(variants)]
             for variant in order:
                 res = call(variant, "time", n=1)
                 if res:
@@ -736,17 +816,29 @@ def run_group(device: str, model_name: str, cfg: Dict[str, Any], variants: List[
     return {"rows": rows, "hlo_files": hlo_files}
 
 
-def run_compile(hlo: Dict[str, str], args) -> Dict[str, Any]:
+def run_compile(hlo: dict[str, str], args) -> dict[str, Any]:
     if not hlo:
         return {"error": "no StableHLO was exported"}
     topology, accel = {"v5e": ("v5e:2x2", "v5litepod-4"), "v6e": ("v6e:2x2", "v6e-4")}[args.tpu]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": accel, "TPU_WORKER_HOSTNAMES": "localhost",
-           "TPU_SKIP_MDS_QUERY": "1", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "TPU_ACCELERATOR_TYPE": accel,
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_SKIP_MDS_QUERY": "1",
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
     env.pop("PYTHONPATH", None)
     request = {"modules": hlo, "generation": args.tpu, "topology": topology}
     try:
-        res = subprocess.run([sys.executable, str(SCRIPT), "--compile", json.dumps(request)], env=env,
-                             capture_output=True, text=True, timeout=900, cwd=str(ROOT))
+        res = subprocess.run(
+            [sys.executable, str(SCRIPT), "--compile", json.dumps(request)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=str(ROOT),
+        )
     except Exception as exc:
         return {"error": f"compile process failed: {exc}"}
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
@@ -755,9 +847,9 @@ def run_compile(hlo: Dict[str, str], args) -> Dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def add_ratios_and_verdicts(results: Dict[str, Any]) -> None:
+def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
     verdicts = []
-    groups: Dict[tuple, Dict[str, Dict[str, Any]]] = {}
+    groups: dict[tuple, dict[str, dict[str, Any]]] = {}
     for row in results["rows"]:
         groups.setdefault((row["device"], row["model"]), {})[row["variant"]] = row
     for (device, model), rows in groups.items():
@@ -785,10 +877,22 @@ def add_ratios_and_verdicts(results: Dict[str, Any]) -> None:
             continue
         if revlib is None or revlib.get("error") or "time" not in revlib:
             why = (revlib or {}).get("error") or results["revlib"].get("reason") or "not run"
-            verdicts.append({"target": "memory <= revlib", "where": where, "status": "not measured",
-                             "detail": f"revlib not measured: {why}"})
-            verdicts.append({"target": f"time <= {TARGET_TIME_VS_REVLIB}x revlib", "where": where,
-                             "status": "not measured", "detail": f"revlib not measured: {why}"})
+            verdicts.append(
+                {
+                    "target": "memory <= revlib",
+                    "where": where,
+                    "status": "not measured",
+                    "detail": f"revlib not measured: {why}",
+                }
+            )
+            verdicts.append(
+                {
+                    "target": f"time <= {TARGET_TIME_VS_REVLIB}x revlib",
+                    "where": where,
+                    "status": "not measured",
+                    "detail": f"revlib not measured: {why}",
+                }
+            )
         else:
             if device == "xla":
                 tpu = f"tpu_{results['config']['tpu']}"
@@ -796,52 +900,87 @@ def add_ratios_and_verdicts(results: Dict[str, Any]) -> None:
                     a = (ours.get("compiled") or {}).get(target, {}).get("peak_bytes")
                     b = (revlib.get("compiled") or {}).get(target, {}).get("peak_bytes")
                     if a is None or b is None:
-                        verdicts.append({"target": f"memory <= revlib ({target} compiled peak)", "where": where,
-                                         "status": "not measured", "detail": "compile failed or unavailable"})
+                        verdicts.append(
+                            {
+                                "target": f"memory <= revlib ({target} compiled peak)",
+                                "where": where,
+                                "status": "not measured",
+                                "detail": "compile failed or unavailable",
+                            }
+                        )
                     else:
-                        verdicts.append({"target": f"memory <= revlib ({target} compiled peak)", "where": where,
-                                         "status": "met" if a <= b else "not met",
-                                         "detail": f"{a / 2**20:.2f} MiB vs {b / 2**20:.2f} MiB ({a / b:.3f}x)"})
+                        verdicts.append(
+                            {
+                                "target": f"memory <= revlib ({target} compiled peak)",
+                                "where": where,
+                                "status": "met" if a <= b else "not met",
+                                "detail": f"{a / 2**20:.2f} MiB vs {b / 2**20:.2f} MiB ({a / b:.3f}x)",
+                            }
+                        )
             elif ours.get("peak_bytes") is not None and revlib.get("peak_bytes") is not None:
                 a, b = ours["peak_bytes"], revlib["peak_bytes"]
-                verdicts.append({"target": "memory <= revlib", "where": where,
-                                 "status": "met" if a <= b else "not met",
-                                 "detail": f"{a / 2**20:.2f} MiB vs {b / 2**20:.2f} MiB ({a / b:.3f}x)"})
+                verdicts.append(
+                    {
+                        "target": "memory <= revlib",
+                        "where": where,
+                        "status": "met" if a <= b else "not met",
+                        "detail": f"{a / 2**20:.2f} MiB vs {b / 2**20:.2f} MiB ({a / b:.3f}x)",
+                    }
+                )
             if "time" in ours:
                 a, b = ours["time"]["median_ms"], revlib["time"]["median_ms"]
                 note = " (XLA:CPU timing, indicative only)" if device == "xla" else ""
-                verdicts.append({"target": f"time <= {TARGET_TIME_VS_REVLIB}x revlib", "where": where,
-                                 "status": "met" if a <= TARGET_TIME_VS_REVLIB * b else "not met",
-                                 "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x){note}"})
+                verdicts.append(
+                    {
+                        "target": f"time <= {TARGET_TIME_VS_REVLIB}x revlib",
+                        "where": where,
+                        "status": "met" if a <= TARGET_TIME_VS_REVLIB * b else "not met",
+                        "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x){note}",
+                    }
+                )
         if device == "cpu" and plain and "time" in plain and "time" in ours:
             a, b = ours["time"]["median_ms"], plain["time"]["median_ms"]
-            verdicts.append({"target": f"time <= {TARGET_TIME_VS_NO_SAVINGS_CPU}x no_savings (eager CPU)",
-                             "where": where,
-                             "status": "met" if a <= TARGET_TIME_VS_NO_SAVINGS_CPU * b else "not met",
-                             "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x)"})
+            verdicts.append(
+                {
+                    "target": f"time <= {TARGET_TIME_VS_NO_SAVINGS_CPU}x no_savings (eager CPU)",
+                    "where": where,
+                    "status": "met" if a <= TARGET_TIME_VS_NO_SAVINGS_CPU * b else "not met",
+                    "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x)",
+                }
+            )
         ge = ours.get("grad_error", {}).get("max_rel_err")
         if ge is not None:
-            verdicts.append({"target": "gradients agree with no_savings (max rel err <= 1e-4)", "where": where,
-                             "status": "met" if ge <= 1e-4 else "not met", "detail": f"{ge:.2e}"})
+            verdicts.append(
+                {
+                    "target": "gradients agree with no_savings (max rel err <= 1e-4)",
+                    "where": where,
+                    "status": "met" if ge <= 1e-4 else "not met",
+                    "detail": f"{ge:.2e}",
+                }
+            )
     results["verdicts"] = verdicts
 
 
-def _fmt_bytes(b: Optional[int]) -> str:
+def _fmt_bytes(b: int | None) -> str:
     return "—" if b is None else f"{b / 2**20:.2f}"
 
 
-def _fmt_ratio(r: Optional[float]) -> str:
+def _fmt_ratio(r: float | None) -> str:
     return "—" if r is None else f"{r:.2f}x"
 
 
-def write_markdown(results: Dict[str, Any], path: Path) -> None:
+def write_markdown(results: dict[str, Any], path: Path) -> None:
     meta, cfgs = results["meta"], results["config"]
-    lines = [f"# Reversible core vs peers — {results['device_name']}", "",
-             f"Generated by `bench/reversible_vs_peers.py{' --quick' if cfgs['quick'] else ''}` on {meta['date']} "
-             f"({meta['wall_s']:.0f} s). torch {meta['torch']}, torch_xla {meta.get('torch_xla') or '—'}, "
-             f"revlib_xla {meta['revlib_xla']}, revlib {results['revlib'].get('version', '—')}, "
-             f"Python {meta['python']}; CPU: {meta['cpu']} ({meta['cpu_count']} cores), "
-             f"torch threads per worker: {cfgs['threads']}.", ""]
+    lines = [
+        f"# Reversible core vs peers — {results['device_name']}",
+        "",
+        f"Generated by `bench/reversible_vs_peers.py{' --quick' if cfgs['quick'] else ''}` on {meta['date']} "
+        f"({meta['wall_s']:.0f} s). torch {meta['torch']}, torch_xla {meta.get('torch_xla') or '—'}, "
+        f"revlib_xla {meta['revlib_xla']}, revlib {results['revlib'].get('version', '—')}, "
+        f"Python {meta['python']}; CPU: {meta['cpu']} ({meta['cpu_count']} cores), "
+        f"torch threads per worker: {cfgs['threads']}.",
+        "",
+    ]
     if not results["revlib"].get("available"):
         lines += [f"**revlib not measured**: {results['revlib'].get('reason')}", ""]
     for dev, reason in results["devices"].items():
@@ -851,33 +990,45 @@ def write_markdown(results: Dict[str, Any], path: Path) -> None:
     for v in results["verdicts"]:
         mark = {"met": "met", "not met": "**NOT MET**"}.get(v["status"], v["status"])
         lines.append(f"- {v['where']}: {v['target']}: {mark} — {v['detail']}")
-    groups: Dict[tuple, List[Dict[str, Any]]] = {}
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for row in results["rows"]:
         groups.setdefault((row["device"], row["model"]), []).append(row)
     tpu = f"tpu_{cfgs['tpu']}"
     for (device, model), rows in groups.items():
         lines += ["", f"## {device} / {model}", "", describe_model(cfgs["models"][model]), ""]
         if device == "xla":
-            lines += [f"Step time: XLA:CPU execution + tracing, median of {cfgs['xla_repeats']} (indicative only: "
-                      f"XLA:CPU is not a TPU). Memory: compiled peak of the whole step's program (arguments + outputs "
-                      f"+ temporaries), from a deviceless TPU {cfgs['tpu']} compile and from XLA:CPU; XLA:CPU expands "
-                      f"optimization barriers early and CSEs recomputation, so only the TPU column judges memory "
-                      f"policies. Dots = dot/convolution ops after optimization (recomputation shows up here).", "",
-                      f"| variant | step ms (median) | p25–p75 | vs revlib | vs no_savings | {cfgs['tpu']} peak MiB | "
-                      f"vs revlib | XLA:CPU peak MiB (temp) | dots {cfgs['tpu']} / CPU | grad err vs no_savings |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+            lines += [
+                f"Step time: XLA:CPU execution + tracing, median of {cfgs['xla_repeats']} (indicative only: "
+                f"XLA:CPU is not a TPU). Memory: compiled peak of the whole step's program (arguments + outputs "
+                f"+ temporaries), from a deviceless TPU {cfgs['tpu']} compile and from XLA:CPU; XLA:CPU expands "
+                f"optimization barriers early and CSEs recomputation, so only the TPU column judges memory "
+                f"policies. Dots = dot/convolution ops after optimization (recomputation shows up here).",
+                "",
+                f"| variant | step ms (median) | p25–p75 | vs revlib | vs no_savings | {cfgs['tpu']} peak MiB | "
+                f"vs revlib | XLA:CPU peak MiB (temp) | dots {cfgs['tpu']} / CPU | grad err vs no_savings |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
         else:
-            method = ("CUDA allocator: max_memory_allocated during the step minus allocated before it"
-                      if device == "cuda" else
-                      "storage tracker: peak live bytes of storages allocated during the step (activations, saved "
-                      "tensors, temporaries, gradients; parameters and input excluded)")
-            clock = ("CPU time of the single-threaded worker process (other load on a shared machine barely moves "
-                     "it; wall-clock medians in the last column)" if device == "cpu" else "wall-clock")
-            lines += [f"Step time: forward + loss + backward + zero grads, {clock}, median of {cfgs['repeats']} "
-                      f"interleaved repeats after {cfgs['warmup']} warm-up steps. Peak memory: {method}.", "",
-                      "| variant | step ms (median) | p25–p75 | vs revlib | vs no_savings | peak MiB | vs revlib | "
-                      "vs no_savings | grad err vs no_savings | wall ms (median) |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+            method = (
+                "CUDA allocator: max_memory_allocated during the step minus allocated before it"
+                if device == "cuda"
+                else "storage tracker: peak live bytes of storages allocated during the step (activations, saved "
+                "tensors, temporaries, gradients; parameters and input excluded)"
+            )
+            clock = (
+                "CPU time of the single-threaded worker process (other load on a shared machine barely moves "
+                "it; wall-clock medians in the last column)"
+                if device == "cpu"
+                else "wall-clock"
+            )
+            lines += [
+                f"Step time: forward + loss + backward + zero grads, {clock}, median of {cfgs['repeats']} "
+                f"interleaved repeats after {cfgs['warmup']} warm-up steps. Peak memory: {method}.",
+                "",
+                "| variant | step ms (median) | p25–p75 | vs revlib | vs no_savings | peak MiB | vs revlib | "
+                "vs no_savings | grad err vs no_savings | wall ms (median) |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+            ]
         for row in rows:
             r = row.get("ratios", {})
             t = row.get("time")
@@ -896,40 +1047,54 @@ def write_markdown(results: Dict[str, Any], path: Path) -> None:
                     f"{_fmt_ratio(r.get('time_vs_no_savings'))} | {_fmt_bytes(tp.get('peak_bytes'))} | "
                     f"{_fmt_ratio(r.get(tpu + '_memory_vs_revlib'))} | {_fmt_bytes(cp.get('peak_bytes'))} "
                     f"({_fmt_bytes(cp.get('temp_bytes'))}) | {tp.get('dots_optimized', '—')} / "
-                    f"{cp.get('dots_optimized', '—')} | {ge_s} |")
+                    f"{cp.get('dots_optimized', '—')} | {ge_s} |"
+                )
             else:
                 lines.append(
                     f"| {name} | {tm} | {iq} | {_fmt_ratio(r.get('time_vs_revlib'))} | "
                     f"{_fmt_ratio(r.get('time_vs_no_savings'))} | {_fmt_bytes(row.get('peak_bytes'))} | "
                     f"{_fmt_ratio(r.get('memory_vs_revlib'))} | {_fmt_ratio(r.get('memory_vs_no_savings'))} | "
-                    f"{ge_s} | {wall_ms} |")
-    lines += ["", "Variants: `no_savings` = revlib_xla `MemoryModes.no_savings` (plain autograd, the reference); "
-              "`checkpoint` = the same model with `torch.utils.checkpoint(use_reentrant=False)` per reversible "
-              "layer (XLA: `torch_xla.utils.checkpoint`); `revlib_xla` = revlib_xla's default reversible mode; "
-              "`revlib` = revlib 1.7.2 from PyPI, default `autograd_function`, in its own process. All variants run "
-              "in separate worker processes with identical weights and input.", ""]
+                    f"{ge_s} | {wall_ms} |"
+                )
+    lines += [
+        "",
+        "Variants: `no_savings` = revlib_xla `MemoryModes.no_savings` (plain autograd, the reference); "
+        "`checkpoint` = the same model with `torch.utils.checkpoint(use_reentrant=False)` per reversible "
+        "layer (XLA: `torch_xla.utils.checkpoint`); `revlib_xla` = revlib_xla's default reversible mode; "
+        "`revlib` = revlib 1.7.2 from PyPI, default `autograd_function`, in its own process. All variants run "
+        "in separate worker processes with identical weights and input.",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, few repeats: a smoke run in seconds")
-    parser.add_argument("--device", default="auto",
-                        help="comma-separated cpu,xla,cuda or 'auto' (all available; --quick: cpu only)")
+    parser.add_argument(
+        "--device", default="auto", help="comma-separated cpu,xla,cuda or 'auto' (all available; --quick: cpu only)"
+    )
     parser.add_argument("--out-dir", default=str(DEFAULT_OUT_DIR), help="where the .json/.md results go")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in every worker (default 1)")
     parser.add_argument("--repeats", type=int, help="timed steps per variant (default 41; quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed steps per variant first (default 3; quick 1)")
     parser.add_argument("--models", help="comma-separated subset of the configuration's models")
-    parser.add_argument("--revlib-dir", default=str(DEFAULT_REVLIB_DIR),
-                        help="throwaway --target directory holding revlib 1.7.2 (installed there if missing)")
+    parser.add_argument(
+        "--revlib-dir",
+        default=str(DEFAULT_REVLIB_DIR),
+        help="throwaway --target directory holding revlib 1.7.2 (installed there if missing)",
+    )
     parser.add_argument("--no-install", action="store_true", help="never install revlib; skip it if not cached")
     parser.add_argument("--no-revlib", action="store_true", help="skip the revlib rows")
     parser.add_argument("--tpu", default="v5e", choices=("v5e", "v6e"), help="TPU generation for XLA memory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--inprocess", action="store_true",
-                        help="run the revlib_xla variants in this process (revlib always gets its own process)")
+    parser.add_argument(
+        "--inprocess",
+        action="store_true",
+        help="run the revlib_xla variants in this process (revlib always gets its own process)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--compile", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -960,7 +1125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     variants = [v for v in VARIANTS if v != "revlib" or revlib_info.get("available")]
 
     workdir = Path(tempfile.mkdtemp(prefix="revbench-"))
-    files: Dict[str, Dict[str, str]] = {}
+    files: dict[str, dict[str, str]] = {}
     for name, cfg in models.items():  # seeded weights and input, saved once, loaded by every worker
         blocks = build_blocks(cfg)
         torch.save([b.state_dict() for b in blocks], workdir / f"{name}.weights.pt")
@@ -977,19 +1142,29 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in names:
             plan.append((device, name, w, r))
     total = sum(len(variants) * (w + r + 2) for _, _, w, r in plan)
-    results: Dict[str, Any] = {
-        "benchmark": "reversible_vs_peers", "device_name": device_name(run_devices), "devices": devices,
-        "revlib": revlib_info, "rows": [],
-        "config": {"quick": args.quick, "threads": args.threads, "warmup": warmup, "repeats": repeats,
-                   "xla_warmup": conf["xla_warmup"], "xla_repeats": (args.repeats or conf["xla_repeats"]),
-                   "models": models, "tpu": args.tpu, "variants": variants},
+    results: dict[str, Any] = {
+        "benchmark": "reversible_vs_peers",
+        "device_name": device_name(run_devices),
+        "devices": devices,
+        "revlib": revlib_info,
+        "rows": [],
+        "config": {
+            "quick": args.quick,
+            "threads": args.threads,
+            "warmup": warmup,
+            "repeats": repeats,
+            "xla_warmup": conf["xla_warmup"],
+            "xla_repeats": (args.repeats or conf["xla_repeats"]),
+            "models": models,
+            "tpu": args.tpu,
+            "variants": variants,
+        },
     }
-    compiled: Dict[str, Any] = {}
+    compiled: dict[str, Any] = {}
     with tqdm(total=total, desc="benchmark", unit="step", disable=args.no_progress, file=sys.stderr) as bar:
         for device, name, w, r in plan:
             bar.set_postfix_str(f"{device}/{name}")
-            group = run_group(device, name, models[name], variants, files[name], revlib_info, args, workdir, bar,
-                              w, r)
+            group = run_group(device, name, models[name], variants, files[name], revlib_info, args, workdir, bar, w, r)
             rows = group["rows"]
             ref = rows.get("no_savings", {}).get("grads_file")
             ref_grads = torch.load(ref)["grads"] if ref else None
@@ -1023,10 +1198,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     results["meta"] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "wall_s": round(time.time() - start, 1), "torch": torch.__version__, "torch_xla": version("torch_xla"),
-        "jax": version("jax"), "libtpu": version("libtpu"), "revlib_xla": _revlib_xla_version(),
-        "python": platform.python_version(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "wall_s": round(time.time() - start, 1),
+        "torch": torch.__version__,
+        "torch_xla": version("torch_xla"),
+        "jax": version("jax"),
+        "libtpu": version("libtpu"),
+        "revlib_xla": _revlib_xla_version(),
+        "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "load_avg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     add_ratios_and_verdicts(results)

@@ -5,12 +5,13 @@ thread, on small and on real-size layers (momentum coupling, beta 0.9, float32).
 
 Usage: ``python bench/verify_inverse_cost.py [--out bench/results/verify_inverse_cost-cpu.md]``.
 """
+
 from __future__ import annotations
 
 import argparse
 import platform
 import time
-from typing import Callable, List
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,8 +40,12 @@ def mlp(width: int, hidden: int) -> nn.Module:
 CASES = [  # name, blocks, input shape (two streams along the last dim), repetitions
     ("MLP 16-16-16, batch 8, 8 layers", lambda: [mlp(16, 16) for _ in range(8)], (8, 32), 20),
     ("MLP 1024-4096-1024, 2x128 tokens, 4 layers", lambda: [mlp(1024, 4096) for _ in range(4)], (2, 128, 2048), 3),
-    ("attention width 512, 8 heads, 2x256 tokens, 4 layers", lambda: [Attention(512, 8) for _ in range(4)],
-     (2, 256, 1024), 3),
+    (
+        "attention width 512, 8 heads, 2x256 tokens, 4 layers",
+        lambda: [Attention(512, 8) for _ in range(4)],
+        (2, 256, 1024),
+        3,
+    ),
 ]
 
 
@@ -57,12 +62,17 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the table to this markdown file")
     out = parser.parse_args().out
     torch.set_num_threads(1)
-    rows: List[str] = []
+    rows: list[str] = []
     for name, make, shape, reps in CASES:
         torch.manual_seed(0)
         pair = revlib.momentum_coupling(0.9)
-        model = revlib.ReversibleSequential(*make(), split_dim=-1, coupling_forward=[pair.forward],
-                                            coupling_inverse=[pair.inverse], verify_inverse=False)
+        model = revlib.ReversibleSequential(
+            *make(),
+            split_dim=-1,
+            coupling_forward=[pair.forward],
+            coupling_inverse=[pair.inverse],
+            verify_inverse=False,
+        )
         x = torch.randn(*shape, requires_grad=True)
 
         def step() -> None:
@@ -75,16 +85,20 @@ def main() -> None:
 
         t_step, t_forward = process_time(step, reps), process_time(forward, reps)
         t_check = process_time(lambda: revlib.check_invertible(model, x.detach()), reps)
-        rows.append(f"| {name} | {t_step * 1e3:.1f} | {t_forward * 1e3:.1f} | {t_check * 1e3:.1f} | "
-                    f"{t_check / t_step:.2f} | {t_check / t_forward:.2f} |")
-    table = "\n".join([
-        f"verify_inverse's check against a training step: CPU process time, 1 thread, torch {torch.__version__}, "
-        f"{platform.processor() or platform.machine()}",
-        "",
-        "| layers | training step (ms) | no-grad forward (ms) | check (ms) | check / step | check / forward |",
-        "|---|---|---|---|---|---|",
-        *rows,
-    ])
+        rows.append(
+            f"| {name} | {t_step * 1e3:.1f} | {t_forward * 1e3:.1f} | {t_check * 1e3:.1f} | "
+            f"{t_check / t_step:.2f} | {t_check / t_forward:.2f} |"
+        )
+    table = "\n".join(
+        [
+            f"verify_inverse's check against a training step: CPU process time, 1 thread, torch {torch.__version__}, "
+            f"{platform.processor() or platform.machine()}",
+            "",
+            "| layers | training step (ms) | no-grad forward (ms) | check (ms) | check / step | check / forward |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     print(table)
     if out:
         with open(out, "w") as f:

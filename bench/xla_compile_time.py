@@ -19,6 +19,7 @@ should be compared with. Results go to ``bench/results/xla_compile_time-xla-<pla
 
 Usage: ``PJRT_DEVICE=CPU python bench/xla_compile_time.py [--depths 4 8 16 32 64] [--width 128] [--modes ...]``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,16 @@ from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+import torch
+from torch import nn
+from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import revlib_xla as revlib  # noqa: E402
+import itertools
+
+import revlib_xla as revlib
 
 
 class Attention(nn.Module):
@@ -63,8 +66,9 @@ class Attention(nn.Module):
 
 
 def mlp(width: int, p: float) -> nn.Module:
-    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width),
-                         nn.Dropout(p))
+    return nn.Sequential(
+        nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(p)
+    )
 
 
 def build(depth: int, width: int, heads: int, p: float, mode: str) -> nn.Module:
@@ -81,8 +85,13 @@ def measure(depth: int, mode: str, args) -> dict:
     model = build(depth, args.width, args.heads, args.dropout, mode).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(args.batch, args.seq, 2 * args.width, generator=gen),
-                torch.randn(args.batch, args.seq, 2 * args.width, generator=gen)) for _ in range(args.steps)]
+    batches = [
+        (
+            torch.randn(args.batch, args.seq, 2 * args.width, generator=gen),
+            torch.randn(args.batch, args.seq, 2 * args.width, generator=gen),
+        )
+        for _ in range(args.steps)
+    ]
     # Create AdamW's state with a separate (elementwise-only) graph, so that step 0 already compiles the
     # steady-state step graph and steps 1.. must all hit the cache.
     for p in model.parameters():
@@ -113,24 +122,34 @@ def measure(depth: int, mode: str, args) -> dict:
         c1 = time.process_time()
         compile_data = met.metric_data("CompileTime")
         execute_data = met.metric_data("ExecuteTime")
-        rows.append({
-            "trace_s": t1 - t0, "trace_cpu_s": tc1 - tc0, "sync_s": t2 - t1, "sync_cpu_s": c1 - c0,
-            "compiles": 0 if compile_data is None else compile_data[0],
-            "compile_s": 0.0 if compile_data is None else compile_data[1] / 1e9,
-            "execute_ms": None if execute_data is None else execute_data[1] / 1e6 / max(execute_data[0], 1),
-            "loss": loss_value, **info,
-        })
+        rows.append(
+            {
+                "trace_s": t1 - t0,
+                "trace_cpu_s": tc1 - tc0,
+                "sync_s": t2 - t1,
+                "sync_cpu_s": c1 - c0,
+                "compiles": 0 if compile_data is None else compile_data[0],
+                "compile_s": 0.0 if compile_data is None else compile_data[1] / 1e9,
+                "execute_ms": None if execute_data is None else execute_data[1] / 1e6 / max(execute_data[0], 1),
+                "loss": loss_value,
+                **info,
+            }
+        )
     steady = rows[1:]
     return {
-        "depth": depth, "mode": mode,
-        "trace_s": rows[0]["trace_s"], "trace_cpu_s": rows[0]["trace_cpu_s"],
+        "depth": depth,
+        "mode": mode,
+        "trace_s": rows[0]["trace_s"],
+        "trace_cpu_s": rows[0]["trace_cpu_s"],
         "steady_trace_cpu_s": statistics.median(r["trace_cpu_s"] for r in rows[1:]) if len(rows) > 1 else None,
-        "compiles_step0": rows[0]["compiles"], "compile_s": rows[0]["compile_s"],
+        "compiles_step0": rows[0]["compiles"],
+        "compile_s": rows[0]["compile_s"],
         "compile_cpu_s": rows[0]["sync_cpu_s"],
         "new_compiles_after_warmup": sum(r["compiles"] for r in steady),
         "steady_trace_s": statistics.median(r["trace_s"] for r in steady) if steady else None,
         "execute_ms": statistics.median(r["execute_ms"] for r in steady if r["execute_ms"] is not None)
-        if steady else None,
+        if steady
+        else None,
         "hlo_lines": rows[0].get("hlo_lines"),
         "loss_finite": all(math.isfinite(r["loss"]) for r in rows),
         "load_avg_1m": os.getloadavg()[0],
@@ -153,7 +172,7 @@ def fit_linear(rows, key):
 def marginal(rows, key):
     """Per-layer cost between consecutive depths: (key[d2] - key[d1]) / (d2 - d1); constant when growth is linear."""
     rows = sorted(rows, key=lambda r: r["depth"])
-    return {r2["depth"]: (r2[key] - r1[key]) / (r2["depth"] - r1["depth"]) for r1, r2 in zip(rows, rows[1:])}
+    return {r2["depth"]: (r2[key] - r1[key]) / (r2["depth"] - r1["depth"]) for r1, r2 in itertools.pairwise(rows)}
 
 
 def markdown(result) -> str:
@@ -176,13 +195,16 @@ def markdown(result) -> str:
             f"| {r['mode']} | {r['depth']} | {r['steady_trace_cpu_s']:.2f} | {r['trace_s']:.2f} "
             f"| {r['compile_cpu_s']:.2f} | {r['compile_cpu_s'] / r['depth']:.3f} | {r['compile_s']:.2f} "
             f"| {r['hlo_lines']} "
-            f"| {r['new_compiles_after_warmup']} | {r['execute_ms']:.1f} | {r['load_avg_1m']:.1f} |")
+            f"| {r['new_compiles_after_warmup']} | {r['execute_ms']:.1f} | {r['load_avg_1m']:.1f} |"
+        )
     lines.append("")
     for mode, fit in result["compile_cpu_fit"].items():
         if fit is not None:
             steps = ", ".join(f"{v:.2f} (to {d})" for d, v in result["compile_cpu_marginal_s_per_layer"][mode].items())
-            lines.append(f"- `{mode}`: compile CPU ~ {fit[0]:.1f} s + {fit[1]:.2f} s x depth (least squares); "
-                         f"marginal s/layer between consecutive depths: {steps}.")
+            lines.append(
+                f"- `{mode}`: compile CPU ~ {fit[0]:.1f} s + {fit[1]:.2f} s x depth (least squares); "
+                f"marginal s/layer between consecutive depths: {steps}."
+            )
     lines += [
         "- compile = torch_xla's `CompileTime` metric (wall time of the XLA compile of the steady-state step graph; "
         "AdamW's state is created beforehand by a separate elementwise graph); compile CPU = process CPU seconds in "
@@ -196,8 +218,9 @@ def markdown(result) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    ap.add_argument("--modes", nargs="+", default=["autograd_function", "no_savings"],
-                    choices=["autograd_function", "no_savings"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["autograd_function", "no_savings"], choices=["autograd_function", "no_savings"]
+    )
     ap.add_argument("--width", type=int, default=128, help="stream width (the input has twice as many features)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--batch", type=int, default=2)
@@ -207,7 +230,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args(argv)
 
-    import torch_xla
     import torch_xla.runtime as xr
 
     device = f"xla-{xr.device_type().lower()}"
@@ -216,9 +238,12 @@ def main(argv=None) -> int:
         for depth in args.depths:
             row = measure(depth, mode, args)
             rows.append(row)
-            print(f"{mode:18s} depth {depth:3d}: trace {row['trace_s']:.2f}s compile {row['compile_s']:.2f}s "
-                  f"(cpu {row['compile_cpu_s']:.2f}s), hlo {row['hlo_lines']} lines, "
-                  f"new compiles {row['new_compiles_after_warmup']}, load {row['load_avg_1m']:.1f}", flush=True)
+            print(
+                f"{mode:18s} depth {depth:3d}: trace {row['trace_s']:.2f}s compile {row['compile_s']:.2f}s "
+                f"(cpu {row['compile_cpu_s']:.2f}s), hlo {row['hlo_lines']} lines, "
+                f"new compiles {row['new_compiles_after_warmup']}, load {row['load_avg_1m']:.1f}",
+                flush=True,
+            )
             write(rows, args, device)
     return 0 if all(r["new_compiles_after_warmup"] == 0 and r["loss_finite"] for r in rows) else 1
 
@@ -228,14 +253,17 @@ def write(rows, args, device) -> None:
     import torch_xla
 
     result = {
-        "device": device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "torch": torch.__version__,
-        "torch_xla": torch_xla.__version__, "config": {k: getattr(args, k) for k in
-                                                       ("width", "heads", "batch", "seq", "dropout", "steps")},
+        "device": device,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "torch": torch.__version__,
+        "torch_xla": torch_xla.__version__,
+        "config": {k: getattr(args, k) for k in ("width", "heads", "batch", "seq", "dropout", "steps")},
         "rows": rows,
         "compile_cpu_fit": {m: fit_linear([r for r in rows if r["mode"] == m], "compile_cpu_s") for m in args.modes},
-        "compile_cpu_marginal_s_per_layer": {m: marginal([r for r in rows if r["mode"] == m], "compile_cpu_s")
-                                             for m in args.modes},
+        "compile_cpu_marginal_s_per_layer": {
+            m: marginal([r for r in rows if r["mode"] == m], "compile_cpu_s") for m in args.modes
+        },
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"xla_compile_time-{device}"

@@ -7,6 +7,7 @@ end a step (``torch_xla.sync()``). Features call these functions and never branc
 
 torch_xla is optional: it is imported lazily, only when an XLA tensor or device is seen or asked for.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,19 +15,51 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-DeviceLike = Union[str, torch.device, torch.Tensor, None]
+DeviceLike = str | torch.device | torch.Tensor | None
 
 __all__ = [
-    "DeviceLike", "device_kind", "xla_available", "cuda_available", "device_available", "available_kinds",
-    "default_device", "device_for", "RngState", "draw_seed", "derive_seed", "manual_seed", "takes_generators",
-    "owned_generator", "default_generator", "DeviceSeed", "AutocastState",
-    "optimization_barrier_", "sync", "holds_data", "is_tracing_lazily", "checkpoint", "pin_host_tensor_", "Transfer", "DeviceCopier", "to_host_blocking",
-    "cut_graph", "host_placement_executes", "place_on_host", "place_on_device", "kernel_platform",
-    "xla_runtime_type", "HostCopy", "to_host", "prefetch_to_device", "to_device", "host_annotations",
+    "DeviceLike",
+    "device_kind",
+    "xla_available",
+    "cuda_available",
+    "device_available",
+    "available_kinds",
+    "default_device",
+    "device_for",
+    "RngState",
+    "draw_seed",
+    "derive_seed",
+    "manual_seed",
+    "takes_generators",
+    "owned_generator",
+    "default_generator",
+    "DeviceSeed",
+    "AutocastState",
+    "optimization_barrier_",
+    "sync",
+    "holds_data",
+    "is_tracing_lazily",
+    "checkpoint",
+    "pin_host_tensor_",
+    "Transfer",
+    "DeviceCopier",
+    "to_host_blocking",
+    "cut_graph",
+    "host_placement_executes",
+    "place_on_host",
+    "place_on_device",
+    "kernel_platform",
+    "xla_runtime_type",
+    "HostCopy",
+    "to_host",
+    "prefetch_to_device",
+    "to_device",
+    "host_annotations",
 ]
 
 
@@ -43,7 +76,7 @@ def device_kind(device: DeviceLike) -> str:
     return _as_device(device).type
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def xla_available() -> bool:
     """True when torch_xla is installed and imports (it needs torch 2.9.x)."""
     if importlib.util.find_spec("torch_xla") is None:
@@ -81,7 +114,7 @@ def _xla():
     return xm
 
 
-def available_kinds() -> List[str]:
+def available_kinds() -> list[str]:
     """Device kinds present on this machine, in the order tests run them."""
     kinds = ["cpu"]
     if xla_available():
@@ -165,7 +198,7 @@ def optimization_barrier_(tensors: Sequence[torch.Tensor]) -> None:
         _xla().optimization_barrier_(xla_tensors)
 
 
-def after(x: Any, token: Optional[torch.Tensor]) -> Any:
+def after(x: Any, token: torch.Tensor | None) -> Any:
     """``x`` (a tensor, or tensors nested in lists and tuples) made to depend on ``token`` as data, on XLA: each XLA
     tensor ``t`` becomes ``t + 0 * sum(token)`` (exactly ``t`` for a finite token; the compiler does not fold
     ``0 * y`` in floating point). On eager devices, ``x`` itself.
@@ -213,11 +246,11 @@ class RngState:
     """The random-number state of one device (and of the CPU generator), to put back later."""
 
     device: torch.device
-    cpu: Optional[torch.Tensor]
+    cpu: torch.Tensor | None
     accel: Any
 
     @classmethod
-    def capture(cls, device: DeviceLike) -> "RngState":
+    def capture(cls, device: DeviceLike) -> RngState:
         dev = _as_device(device)
         accel = None
         if dev.type == "cuda":
@@ -235,7 +268,7 @@ class RngState:
             _xla().set_rng_state(self.accel, str(self.device))
 
 
-_SEED_RANGE = 2 ** 62
+_SEED_RANGE = 2**62
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -268,8 +301,9 @@ def manual_seed(device: DeviceLike, seed: int) -> None:
     dev = _as_device(device)
     torch.default_generator.manual_seed(seed)
     if dev.type == "cuda":
-        torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()] \
-            .manual_seed(seed)
+        torch.cuda.default_generators[dev.index if dev.index is not None else torch.cuda.current_device()].manual_seed(
+            seed
+        )
     elif dev.type == "xla":
         _xla().set_rng_state(seed, str(dev))
 
@@ -280,14 +314,14 @@ def takes_generators(device: DeviceLike) -> bool:
     return device_kind(device) in ("cpu", "cuda")
 
 
-def owned_generator(device: DeviceLike) -> Optional[torch.Generator]:
+def owned_generator(device: DeviceLike) -> torch.Generator | None:
     """A new generator for ``device`` that random ops on it can be handed, so that a computation draws from a
     stream it owns instead of the process-global one (see :mod:`revlib_xla.recompute`); ``None`` where
     :func:`takes_generators` says no."""
     return torch.Generator(device=_as_device(device)) if takes_generators(device) else None
 
 
-def default_generator(device: DeviceLike) -> Optional[torch.Generator]:
+def default_generator(device: DeviceLike) -> torch.Generator | None:
     """The process-global generator that random ops on ``device`` draw from when handed none (cpu, cuda), else
     ``None``."""
     dev = _as_device(device)
@@ -308,7 +342,7 @@ class DeviceSeed:
     state: Any
 
     @classmethod
-    def capture(cls, device: DeviceLike) -> Optional["DeviceSeed"]:
+    def capture(cls, device: DeviceLike) -> DeviceSeed | None:
         """The device's state, or ``None`` for a device whose random ops can be handed a generator."""
         dev = _as_device(device)
         if dev.type != "xla":
@@ -328,13 +362,13 @@ class AutocastState:
 
     device_type: str
     enabled: bool
-    dtype: Optional[torch.dtype]
+    dtype: torch.dtype | None
     cpu_enabled: bool
-    cpu_dtype: Optional[torch.dtype]
+    cpu_dtype: torch.dtype | None
     cache_enabled: bool
 
     @classmethod
-    def capture(cls, device: DeviceLike) -> "AutocastState":
+    def capture(cls, device: DeviceLike) -> AutocastState:
         kind = device_kind(device)
         enabled, dtype = _autocast_of(kind)
         cpu_enabled, cpu_dtype = _autocast_of("cpu")
@@ -345,7 +379,7 @@ class AutocastState:
         return bool(self.enabled or self.cpu_enabled or _autocast_of(self.device_type)[0] or _autocast_of("cpu")[0])
 
     @contextlib.contextmanager
-    def replay(self, cache_enabled: Optional[bool] = False) -> Iterator[None]:
+    def replay(self, cache_enabled: bool | None = False) -> Iterator[None]:
         """Enter exactly this autocast state (switching autocast off if it was off at forward time).
 
         The weight-cast cache is off by default: casts made under ``no_grad`` in a forward would otherwise be cached
@@ -357,10 +391,12 @@ class AutocastState:
         cache = self.cache_enabled if cache_enabled is None else cache_enabled
         with contextlib.ExitStack() as stack:
             if self.device_type != "cpu" and _autocast_supported(self.device_type):
-                stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled,
-                                                   cache_enabled=cache))
-            stack.enter_context(torch.autocast("cpu", dtype=self.cpu_dtype, enabled=self.cpu_enabled,
-                                               cache_enabled=cache))
+                stack.enter_context(
+                    torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=cache)
+                )
+            stack.enter_context(
+                torch.autocast("cpu", dtype=self.cpu_dtype, enabled=self.cpu_enabled, cache_enabled=cache)
+            )
             yield
 
 
@@ -404,6 +440,7 @@ def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:
 # counterpart on the device and is ordered against the compute stream by events; elsewhere a copy is synchronous
 # (cpu), or a host-to-device upload that becomes graph data (xla), so there is nothing to order.
 
+
 def pin_host_tensor_(tensor: torch.Tensor, target: DeviceLike) -> None:
     """Move ``tensor``'s data (a parameter or buffer on the cpu) to page-locked memory when ``target`` is a cuda
     device, so copies to it can run asynchronously. In place (the Python object, and so an optimizer's reference to
@@ -416,7 +453,7 @@ def pin_host_tensor_(tensor: torch.Tensor, target: DeviceLike) -> None:
 class Transfer:
     """A started host-to-device copy: ``tensors`` may be used on the compute stream after :meth:`DeviceCopier.wait`."""
 
-    def __init__(self, tensors: List[torch.Tensor], event: Any = None):
+    def __init__(self, tensors: list[torch.Tensor], event: Any = None):
         self.tensors = tensors
         self.event = event
 
@@ -436,8 +473,9 @@ class DeviceCopier:
         self.asynchronous = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(device=self.device) if self.asynchronous else None
 
-    def start(self, host: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None,
-              after: Any = None) -> Transfer:
+    def start(
+        self, host: Sequence[torch.Tensor], into: Sequence[torch.Tensor] | None = None, after: Any = None
+    ) -> Transfer:
         """Start copying ``host`` to the device, into the tensors ``into`` when given (persistent buffers), after
         the event ``after`` (the compute stream's last use of ``into``) when given."""
         if not self.asynchronous:
@@ -458,7 +496,7 @@ class DeviceCopier:
                 t.record_stream(torch.cuda.current_stream(self.device))
         return Transfer(out, event)
 
-    def wait(self, transfer: Transfer, host_too: bool = False) -> List[torch.Tensor]:
+    def wait(self, transfer: Transfer, host_too: bool = False) -> list[torch.Tensor]:
         """The copied tensors, once the compute stream may read them. ``host_too``: also block the host until the
         copy is done, so the host tensors it reads from may be changed (an optimizer step) right after."""
         if transfer.event is not None:
@@ -502,7 +540,7 @@ def host_placement_executes() -> bool:
     return xla_runtime_type() not in (None, "CPU")
 
 
-def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+def place_on_host(tensor: torch.Tensor, annotate: bool | None = None) -> torch.Tensor:
     """XLA: ``tensor`` annotated to live in pinned host memory inside the graph (``place_to_host``), e.g. an
     activation saved for the backward. Other devices, and XLA where the annotation cannot execute (PJRT CPU), get
     ``tensor`` unchanged unless ``annotate=True`` (to inspect the HLO or compile it for TPU without running it)."""
@@ -513,7 +551,7 @@ def place_on_host(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torc
     return place_to_host(tensor)
 
 
-def place_on_device(tensor: torch.Tensor, annotate: Optional[bool] = None) -> torch.Tensor:
+def place_on_device(tensor: torch.Tensor, annotate: bool | None = None) -> torch.Tensor:
     """The counterpart of :func:`place_on_host` (``place_to_device``): bring an annotated tensor back to HBM."""
     if device_kind(tensor) != "xla" or not (_annotate_on_xla() if annotate is None else annotate):
         return tensor
@@ -521,7 +559,8 @@ def place_on_device(tensor: torch.Tensor, annotate: Optional[bool] = None) -> to
 
     return place_to_device(tensor)
 
-def xla_runtime_type() -> Optional[str]:
+
+def xla_runtime_type() -> str | None:
     """The PJRT device type torch_xla runs on (``'TPU'``, ``'CPU'``, ...), or None without torch_xla."""
     if not xla_available():
         return None
@@ -547,7 +586,7 @@ def kernel_platform(tensor: torch.Tensor) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Keeping tensors in host memory between the forward and the backward pass (activation offload).
 
-_FORCE_HOST_ANNOTATIONS: List[Optional[bool]] = [None]
+_FORCE_HOST_ANNOTATIONS: list[bool | None] = [None]
 
 
 @contextlib.contextmanager
@@ -577,11 +616,11 @@ class HostCopy:
     memory (``place_to_host``), placed back with ``place_to_device``; the TPU compiler schedules both transfers.
     """
 
-    __slots__ = ("tensor", "device", "event", "on_device", "ready", "__weakref__")
+    __slots__ = ("__weakref__", "device", "event", "on_device", "ready", "tensor")
 
     def __init__(self, tensor: torch.Tensor, device: torch.device, event: Any = None) -> None:
         self.tensor, self.device, self.event = tensor, device, event
-        self.on_device: Optional[torch.Tensor] = None
+        self.on_device: torch.Tensor | None = None
         self.ready: Any = None
 
 

@@ -24,9 +24,10 @@ gives what plain autograd gives for ``backward()`` (parameter gradients accumula
 a second ``backward()`` through a graph kept with ``retain_graph=True`` (the forward phase runs again, with the
 first run's random numbers), and ``create_graph=True`` (double backward: the whole model runs again with autograd,
 so that one backward holds what the plain model holds). Each stage runs with the random numbers, autocast state
-and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or under ``torch.no_grad()``, it is the plain
-model.
+and buffer values of its first run (:mod:`revlib_xla.recompute`). In eval mode, or under ``torch.no_grad()``, it is
+the plain model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -34,7 +35,8 @@ import dataclasses
 import inspect
 import logging
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,14 +44,22 @@ from torch.utils import _pytree as pytree
 
 from . import backend
 from .grad_destination import GradDestination, grad_destination
-from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, probe
-from .planner import (Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate,
-                      solve)
-from .planner.chain import StageOption
 from .memory import parse_bytes
-from .planner.measure import (InPlaceInput, StageMeasurement, StagePrograms, detached, grad_leaves, measure_stage,
-                              stage_programs, tensor_leaves, value_bytes)
+from .planner import Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate, solve
+from .planner.chain import StageOption
+from .planner.measure import (
+    InPlaceInput,
+    StageMeasurement,
+    StagePrograms,
+    detached,
+    grad_leaves,
+    measure_stage,
+    stage_programs,
+    tensor_leaves,
+    value_bytes,
+)
 from .planner.schedule import Op
+from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, probe
 
 __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
 
@@ -66,7 +76,7 @@ def _is_atomic(module: nn.Module) -> bool:
     return getattr(module, "_revlib_atomic", False) or getattr(module, "not_really_sequential", False)
 
 
-def flatten_sequential(model: nn.Module) -> List[nn.Module]:
+def flatten_sequential(model: nn.Module) -> list[nn.Module]:
     """The stages of ``model``: nested ``nn.Sequential`` containers are flattened (unless marked with
     :func:`atomic`), and a module that starts with an in-place operation on its input (``ReLU(inplace=True)``)
     is merged into the stage before it, so that no stage overwrites its own input, which may be a checkpoint."""
@@ -74,8 +84,9 @@ def flatten_sequential(model: nn.Module) -> List[nn.Module]:
         raise TypeError(
             f"Checkpointable needs an nn.Sequential, got {type(model).__name__}. Write the model as "
             f"nn.Sequential(stage_0, stage_1, ...) where each stage takes the previous stage's output (a tensor or a "
-            f"tuple of tensors); revlib_xla.models has ResNets and a GPT written this way.")
-    flat: List[nn.Module] = []
+            f"tuple of tensors); revlib_xla.models has ResNets and a GPT written this way."
+        )
+    flat: list[nn.Module] = []
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, nn.Sequential) and not _is_atomic(module):
@@ -92,11 +103,11 @@ def flatten_sequential(model: nn.Module) -> List[nn.Module]:
     return flat
 
 
-def _signature(x: Any) -> Tuple:
+def _signature(x: Any) -> tuple:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensor_leaves(x))
 
 
-def _input_grads(x: Any) -> Tuple[Optional[torch.Tensor], ...]:
+def _input_grads(x: Any) -> tuple[torch.Tensor | None, ...]:
     """The gradients of a stage's input leaves, taken off the leaves: autograd's graph may keep a leaf alive (its
     AccumulateGrad node) after the leaf is dropped, and the gradient must not live as long."""
     grads = []
@@ -127,31 +138,32 @@ class _Structure:
 class _Run:
     """One execution of a schedule: the live tensors between its forward phase and its backward phase."""
 
-    def __init__(self, owner: "Checkpointable", schedule: Schedule, device: torch.device,
-                 input_structure: _Structure) -> None:
+    def __init__(
+        self, owner: Checkpointable, schedule: Schedule, device: torch.device, input_structure: _Structure
+    ) -> None:
         self.owner = owner
         self.stages = owner.stages
         self.schedule = schedule
         self.loss_at = next(k for k, op in enumerate(schedule.ops) if op.kind == "L")
         self.device = device
         self.input_structure = input_structure
-        self.out_structure: Optional[_Structure] = None
-        self.input_needs_grad: List[bool] = []
-        self.x: Dict[int, Any] = {}
-        self.xbar: Dict[int, Tuple[Any, Any]] = {}
-        self.grad: Dict[int, Tuple[Optional[torch.Tensor], ...]] = {}
-        self.host: Dict[int, Any] = {}
+        self.out_structure: _Structure | None = None
+        self.input_needs_grad: list[bool] = []
+        self.x: dict[int, Any] = {}
+        self.xbar: dict[int, tuple[Any, Any]] = {}
+        self.grad: dict[int, tuple[torch.Tensor | None, ...]] = {}
+        self.host: dict[int, Any] = {}
         self.held: set = set()
         self.replay = CallReplay(device, owner.preserve_rng_state)
         self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
-        self.saved: Dict[int, Optional[SavedBuffers]] = {}  # per stage: the buffers its first run changed
-        self.to_put_back: Dict[int, List[torch.Tensor]] = {}  # per stage: their values to restore after its backward
+        self.saved: dict[int, SavedBuffers | None] = {}  # per stage: the buffers its first run changed
+        self.to_put_back: dict[int, list[torch.Tensor]] = {}  # per stage: their values to restore after its backward
         self.replaying = False  # the forward phase run again, for a second backward: every stage is a recomputation
         self.used = False  # its backward phase has run
         # Where the running backward sends parameter gradients (see route()).
-        self.accumulate: Optional[List[torch.Tensor]] = None
-        self.capture: List[torch.Tensor] = []
-        self.captured: List[Optional[torch.Tensor]] = []
+        self.accumulate: list[torch.Tensor] | None = None
+        self.capture: list[torch.Tensor] = []
+        self.captured: list[torch.Tensor | None] = []
 
     # -- running one stage, as its first run did ---------------------------------------------------------------
     def _call(self, i: int, x: Any, recompute: bool, inverse: bool = False, option: int = 0) -> Any:
@@ -212,10 +224,12 @@ class _Run:
             return self.x[i]
         if i in self.xbar:
             return self.xbar[i][1]
-        raise RuntimeError(f"Checkpointable: the schedule runs stage {i} but its input x_{i} is neither stored nor "
-                           f"kept at that point, so this schedule cannot run this model; check it with "
-                           f"revlib_xla.planner.simulate(checkpointable.chain, schedule.ops), or set "
-                           f"checkpointable.sequence = None to plan again")
+        raise RuntimeError(
+            f"Checkpointable: the schedule runs stage {i} but its input x_{i} is neither stored nor "
+            f"kept at that point, so this schedule cannot run this model; check it with "
+            f"revlib_xla.planner.simulate(checkpointable.chain, schedule.ops), or set "
+            f"checkpointable.sequence = None to plan again"
+        )
 
     def run(self, ops: Sequence[Op], backward: bool) -> None:
         recompute = backward or self.replaying
@@ -277,7 +291,7 @@ class _Run:
     def _pending_grad(self) -> int:
         return min(self.grad) if self.grad else -1
 
-    def _backward(self, out: Any, grads: Tuple[Optional[torch.Tensor], ...], inp: Any) -> None:
+    def _backward(self, out: Any, grads: tuple[torch.Tensor | None, ...], inp: Any) -> None:
         """The backward of one stage: the gradients of its input leaves (left on them for _input_grads) and of the
         parameters, sent where the running backward wants them (see :meth:`route`)."""
         pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads) if o.requires_grad and g is not None]
@@ -296,7 +310,7 @@ class _Run:
             got = torch.autograd.grad(roots, leaves + self.capture, seeds, allow_unused=True)
             for leaf, g in zip(leaves, got):
                 leaf.grad = g
-            for k, g in enumerate(got[len(leaves):]):
+            for k, g in enumerate(got[len(leaves) :]):
                 if g is not None:
                     self.captured[k] = g if self.captured[k] is None else self.captured[k] + g
         elif self.accumulate is None:
@@ -309,7 +323,7 @@ class _Run:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
         self.input_needs_grad = [t.requires_grad for t in inputs]
-        self.run(self.schedule.ops[:self.loss_at], backward=False)
+        self.run(self.schedule.ops[: self.loss_at], backward=False)
         return self._input(len(self.stages))
 
     def route(self, params: Sequence[torch.Tensor]) -> None:
@@ -323,14 +337,15 @@ class _Run:
         everything = all(d is GradDestination.ACCUMULATE for d in where)
         self.accumulate = None if everything else [p for p, d in zip(params, where) if d is GradDestination.ACCUMULATE]
 
-    def backward_phase(self, params: Sequence[torch.Tensor], grads: Sequence[Optional[torch.Tensor]]
-                       ) -> Tuple[Tuple[Optional[torch.Tensor], ...], List[Optional[torch.Tensor]]]:
+    def backward_phase(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[torch.Tensor | None]]:
         """Run the schedule after the loss; returns the gradients of the model's input tensors and those of
         ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
         self.route(params)
         self.grad[len(self.stages)] = tuple(grads)
         try:
-            self.run(self.schedule.ops[self.loss_at + 1:], backward=True)
+            self.run(self.schedule.ops[self.loss_at + 1 :], backward=True)
         finally:
             self._put_back_all()
         self.used = True
@@ -339,7 +354,7 @@ class _Run:
         captured = dict(zip(map(id, self.capture), self.captured))
         return input_grads, [captured.get(id(p)) for p in params]
 
-    def again(self, inputs: Sequence[torch.Tensor]) -> "_Run":
+    def again(self, inputs: Sequence[torch.Tensor]) -> _Run:
         """A run for another backward through the same forward (``retain_graph=True``): the forward phase runs
         again from the model's input, every stage as a recomputation (the first run's random numbers, running
         statistics untouched)."""
@@ -350,17 +365,20 @@ class _Run:
         fresh.forward_phase(inputs)
         return fresh
 
-    def differentiable_backward(self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                                grads: Sequence[Optional[torch.Tensor]]
-                                ) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+    def differentiable_backward(
+        self, inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """The backward with ``create_graph=True`` (double backward, gradient penalties): the gradients must be
         functions of the inputs and parameters that autograd can differentiate again, so the whole model runs
         again with autograd from its input (the first run's random numbers, running statistics untouched), as the
         plain model would, and its backward builds the graph. Exact, but this one backward holds what the plain
         model holds: the memory plan does not apply to it."""
-        warnings.warn("Checkpointable: a backward with create_graph=True (double backward) runs the whole model "
-                      "with autograd, holding what the plain model holds: the gradients are exact, the memory plan "
-                      "does not apply to that backward", stacklevel=3)
+        warnings.warn(
+            "Checkpointable: a backward with create_graph=True (double backward) runs the whole model "
+            "with autograd, holding what the plain model holds: the gradients are exact, the memory plan "
+            "does not apply to that backward",
+            stacklevel=3,
+        )
         for stored in (self.x, self.xbar, self.host):
             stored.clear()
         self.used = True
@@ -372,8 +390,15 @@ class _Run:
                     x = self._call(i, x, recompute=True)
                 pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
                 wrt = [t for t in inputs if t.requires_grad] + wanted
-                got = list(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True,
-                                               allow_unused=True)) if pairs and wrt else [None] * len(wrt)
+                got = (
+                    list(
+                        torch.autograd.grad(
+                            [o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True, allow_unused=True
+                        )
+                    )
+                    if pairs and wrt
+                    else [None] * len(wrt)
+                )
         finally:
             self._put_back_all()
         by_input = iter(got)
@@ -454,13 +479,21 @@ class Checkpointable(nn.Module):
             activations. The planner measures them and picks per stage.
     """
 
-    def __init__(self, model: nn.Module, input: Any = None, mem_limit: Union[float, str, None] = None,
-                 mem_slots: int = 500, verbosity: int = 0, preserve_rng_state: bool = True,
-                 reversible: bool = True, offload_bandwidth: Optional[float] = None,
-                 loss_tmp_memory_usage: int = 0,
-                 options: Optional[Dict[int, Sequence[Tuple[str, nn.Module]]]] = None,
-                 saved_dtypes: Sequence[torch.dtype] = (),
-                 tpu_generation: Optional[str] = "v5e") -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        input: Any = None,
+        mem_limit: float | str | None = None,
+        mem_slots: int = 500,
+        verbosity: int = 0,
+        preserve_rng_state: bool = True,
+        reversible: bool = True,
+        offload_bandwidth: float | None = None,
+        loss_tmp_memory_usage: int = 0,
+        options: dict[int, Sequence[tuple[str, nn.Module]]] | None = None,
+        saved_dtypes: Sequence[torch.dtype] = (),
+        tpu_generation: str | None = "v5e",
+    ) -> None:
         super().__init__()
         self.model = model
         self.stages = flatten_sequential(model)
@@ -477,19 +510,21 @@ class Checkpointable(nn.Module):
         self.stage_options = {int(k): list(v) for k, v in (options or {}).items()}
         for dtype in saved_dtypes:
             for index, stage in enumerate(self.stages):
-                self.stage_options.setdefault(index, []).append((f"saved as {dtype}".replace("torch.", ""),
-                                                                 SavedAs(stage, dtype)))
+                self.stage_options.setdefault(index, []).append(
+                    (f"saved as {dtype}".replace("torch.", ""), SavedAs(stage, dtype))
+                )
         for index in self.stage_options:
             if not 0 <= index < len(self.stages):
-                raise ValueError(f"Checkpointable: options given for stage {index}; the model has stages "
-                                 f"0..{len(self.stages) - 1}")
+                raise ValueError(
+                    f"Checkpointable: options given for stage {index}; the model has stages 0..{len(self.stages) - 1}"
+                )
         self._option_modules = nn.ModuleList([m for opts in self.stage_options.values() for _, m in opts])
-        self.chain: Optional[Chain] = None
-        self.sequence: Optional[Schedule] = None
-        self.measurements: List[StageMeasurement] = []
-        self._signature: Optional[Tuple] = None
+        self.chain: Chain | None = None
+        self.sequence: Schedule | None = None
+        self.measurements: list[StageMeasurement] = []
+        self._signature: tuple | None = None
         self._sample: Any = None
-        self._runnable: Optional[Schedule] = None  # the last schedule checked against the chain
+        self._runnable: Schedule | None = None  # the last schedule checked against the chain
         if input is not None:
             self.measure(input)
             self.compute_sequence()
@@ -499,17 +534,18 @@ class Checkpointable(nn.Module):
         """Measure every stage on ``sample_input`` (times on the device, sizes in bytes) and build the chain.
         Invalidates the current schedule."""
         x = detached(sample_input)
-        measured: List[StageMeasurement] = []
-        options: List[List[StageOption]] = []
+        measured: list[StageMeasurement] = []
+        options: list[list[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
         lazy = any(backend.is_tracing_lazily(t) for t in tensor_leaves(x))
-        programs: List[List[StagePrograms]] = []  # per stage: the plain stage, then its options
-        out_bytes: List[int] = []
+        programs: list[list[StagePrograms]] = []  # per stage: the plain stage, then its options
+        out_bytes: list[int] = []
         for i, stage in enumerate(self.stages):
             if lazy and self.tpu_generation:
                 backend.sync(tensor_leaves(x)[0].device)  # the stage's input as device data
-                programs.append([stage_programs(s, x) for s in
-                                 [stage] + [module for _, module in self.stage_options.get(i, [])]])
+                programs.append(
+                    [stage_programs(s, x) for s in [stage] + [module for _, module in self.stage_options.get(i, [])]]
+                )
             rev = self.reversible and callable(getattr(stage, "inverse", None))
             stage_opts = []
             # Measuring runs the stage (and its options) several times: it must leave no trace (buffers, the
@@ -521,16 +557,19 @@ class Checkpointable(nn.Module):
                     raise ValueError(
                         f"Checkpointable: stage {i} ({type(stage).__name__}) modifies its input in place; its "
                         f"input may be a checkpoint. Make its first operation out of place, or wrap it with the "
-                        f"stage before it in revlib_xla.atomic(nn.Sequential(...))") from None
+                        f"stage before it in revlib_xla.atomic(nn.Sequential(...))"
+                    ) from None
                 except ValueError:
                     raise
                 except Exception as exc:
-                    raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: "
-                                    f"{exc}") from exc
+                    raise type(exc)(
+                        f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}"
+                    ) from exc
                 for name, module in self.stage_options.get(i, []):
                     alt, _ = measure_stage(module, x)
-                    stage_opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, value_bytes(out)),
-                                                  alt.fwd_tmp, alt.bwd_tmp))
+                    stage_opts.append(
+                        StageOption(name, alt.fw, alt.bw, max(alt.cbw, value_bytes(out)), alt.fwd_tmp, alt.bwd_tmp)
+                    )
             options.append(stage_opts)
             measured.append(m)
             out_bytes.append(value_bytes(out))
@@ -546,14 +585,17 @@ class Checkpointable(nn.Module):
         names = [f"{type(s).__name__}" for s in self.stages]
         rev = [m.inverse_time is not None for m in measured]
         self.chain = Chain(
-            fw=[m.fw for m in measured], bw=[m.bw for m in measured] + [0.0],
+            fw=[m.fw for m in measured],
+            bw=[m.bw for m in measured] + [0.0],
             cw=[m.cw for m in measured] + [value_bytes(x)],
-            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else value_bytes(x)) for i, m in
-                       enumerate(measured)],
-            fwd_tmp=[m.fwd_tmp for m in measured], bwd_tmp=[m.bwd_tmp for m in measured] +
-            [self.loss_tmp_memory_usage],
-            reversible=rev, inverse_time=[m.inverse_time if m.inverse_time is not None else m.fw for m in measured],
-            options=options, names=names)
+            cbw=[0] + [max(m.cbw, measured[i + 1].cw if i + 1 < n else value_bytes(x)) for i, m in enumerate(measured)],
+            fwd_tmp=[m.fwd_tmp for m in measured],
+            bwd_tmp=[m.bwd_tmp for m in measured] + [self.loss_tmp_memory_usage],
+            reversible=rev,
+            inverse_time=[m.inverse_time if m.inverse_time is not None else m.fw for m in measured],
+            options=options,
+            names=names,
+        )
         if self.offload_bandwidth:
             self.chain = self.chain.with_bandwidth(self.offload_bandwidth, stages=range(1, n))
         self._signature = _signature(sample_input)
@@ -561,9 +603,13 @@ class Checkpointable(nn.Module):
         self.sequence = None
         return self.chain
 
-    def _with_compiled_sizes(self, measured: List[StageMeasurement], options: List[List[StageOption]],
-                             programs: List[List[StagePrograms]], out_bytes: List[int]
-                             ) -> Tuple[List[StageMeasurement], List[List[StageOption]]]:
+    def _with_compiled_sizes(
+        self,
+        measured: list[StageMeasurement],
+        options: list[list[StageOption]],
+        programs: list[list[StagePrograms]],
+        out_bytes: list[int],
+    ) -> tuple[list[StageMeasurement], list[list[StageOption]]]:
         """What each stage (and each option) keeps and its transient memory, from its programs compiled deviceless
         for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`),
         in the terms of the chain (rotor's model; ``y`` is the stage's output, x_{i+1}):
@@ -582,25 +628,36 @@ class Checkpointable(nn.Module):
 
         flat = [p for stage in programs for p in stage]
         try:
-            compiled = tpu_memory_many([text for p in flat for text in (p.forward, p.backward)], self.tpu_generation,
-                                       hbm_only=True, liveness=True)
+            compiled = tpu_memory_many(
+                [text for p in flat for text in (p.forward, p.backward)],
+                self.tpu_generation,
+                hbm_only=True,
+                liveness=True,
+            )
         except MissingDependencyError as exc:
-            warnings.warn(f"Checkpointable: {exc}; planning with what autograd saves and temporaries taken as 0",
-                          stacklevel=3)
+            warnings.warn(
+                f"Checkpointable: {exc}; planning with what autograd saves and temporaries taken as 0", stacklevel=3
+            )
             return measured, options
 
-        def sizes(k: int, y: int, cw: int) -> Tuple[int, int, int]:
+        def sizes(k: int, y: int, cw: int) -> tuple[int, int, int]:
             forward, backward, program = compiled[2 * k], compiled[2 * k + 1], flat[k]
             if not program.gradient_arguments:
                 return y, forward.live_peak_bytes, 0
             outputs = range(program.output_count)
             split = forward_backward_split(
-                backward.buffer_assignment, backward.optimized_hlo, program.gradient_arguments,
+                backward.buffer_assignment,
+                backward.optimized_hlo,
+                program.gradient_arguments,
                 counted_outputs=range(program.output_count, program.output_count + program.input_gradient_count),
-                read_outputs=outputs)
+                read_outputs=outputs,
+            )
             held_y = y if any(split.outputs_read) else 0
-            return (split.across + y, max(forward.live_peak_bytes, split.before - split.across),
-                    max(0, split.after_with_outputs + held_y - split.across - y - cw))
+            return (
+                split.across + y,
+                max(forward.live_peak_bytes, split.before - split.across),
+                max(0, split.after_with_outputs + held_y - split.across - y - cw),
+            )
 
         new_measured, new_options, k = [], [], 0
         for i, m in enumerate(measured):
@@ -615,21 +672,24 @@ class Checkpointable(nn.Module):
             new_options.append(stage_opts)
         return new_measured, new_options
 
-    def compute_sequence(self, mem_limit: Union[float, str, None] = None, mem_slots: Optional[int] = None
-                         ) -> Schedule:
+    def compute_sequence(self, mem_limit: float | str | None = None, mem_slots: int | None = None) -> Schedule:
         """Solve for the fastest schedule within ``mem_limit`` (bytes, or a string such as ``"1GB"``; default: the
         one given at construction, else the fastest plan: see the module docstring)."""
         if self.chain is None:
-            raise RuntimeError("Checkpointable.compute_sequence: call measure(sample_input) first (or pass input= "
-                               "to the constructor)")
+            raise RuntimeError(
+                "Checkpointable.compute_sequence: call measure(sample_input) first (or pass input= to the constructor)"
+            )
         if mem_limit is not None:
             limit = parse_bytes(mem_limit, "Checkpointable.compute_sequence: mem_limit")
         else:
             limit = self.mem_limit if self.mem_limit is not None else self._default_limit()
         held = self.held_during_backward()
         if limit <= held:
-            raise InfeasibleBudget(f"Checkpointable: mem_limit {limit:.6g} does not even hold the model's output and "
-                                   f"its gradient ({held:.6g} bytes)", held + min_memory(self.chain))
+            raise InfeasibleBudget(
+                f"Checkpointable: mem_limit {limit:.6g} does not even hold the model's output and "
+                f"its gradient ({held:.6g} bytes)",
+                held + min_memory(self.chain),
+            )
         try:
             self.sequence = solve(self.chain, limit - held, mem_slots or self.mem_slots)
         except InfeasibleBudget as exc:
@@ -637,12 +697,18 @@ class Checkpointable(nn.Module):
             if exc.unit is None:
                 why = f"the smallest budget for this model and input is {smallest:.6g} bytes"
             else:
-                why = (f"it is above the smallest budget for this model and input ({smallest:.6g} bytes), but the "
-                       f"planner rounds sizes up to multiples of {exc.unit:.6g} bytes and the rounded plan does not "
-                       f"fit")
-            raise InfeasibleBudget(f"Checkpointable: no schedule fits in mem_limit {limit:.6g} bytes: {why} "
-                                   f"(budgets include {held:.6g} bytes for the output and its gradient); pass a "
-                                   f"larger mem_limit", smallest, exc.unit) from None
+                why = (
+                    f"it is above the smallest budget for this model and input ({smallest:.6g} bytes), but the "
+                    f"planner rounds sizes up to multiples of {exc.unit:.6g} bytes and the rounded plan does not "
+                    f"fit"
+                )
+            raise InfeasibleBudget(
+                f"Checkpointable: no schedule fits in mem_limit {limit:.6g} bytes: {why} "
+                f"(budgets include {held:.6g} bytes for the output and its gradient); pass a "
+                f"larger mem_limit",
+                smallest,
+                exc.unit,
+            ) from None
         if self.verbosity >= 1:
             logger.info("%s", self.sequence.describe())
         return self.sequence
@@ -675,8 +741,9 @@ class Checkpointable(nn.Module):
             return min(plain, 0.9 * free)
         return plain
 
-    def fit_to_tpu(self, hbm_bytes: Union[float, str], loss_fn: Optional[Any] = None, generation: Optional[str] = None,
-                   probes: int = 6) -> Schedule:
+    def fit_to_tpu(
+        self, hbm_bytes: float | str, loss_fn: Any | None = None, generation: str | None = None, probes: int = 6
+    ) -> Schedule:
         """Plan for a TPU without one: the fastest schedule found whose training step, compiled deviceless for
         the TPU ``generation`` (default: ``tpu_generation``), fits ``hbm_bytes`` of HBM as the TPU compiler counts
         it (parameters, gradients, activations, temporaries and code: the whole step).
@@ -694,7 +761,7 @@ class Checkpointable(nn.Module):
         generation = generation or self.tpu_generation or "v5e"
         loss = loss_fn or (lambda out: sum(t.sum() for t in tensor_leaves(out)))
 
-        def compiled_peak(budget: float) -> Tuple[Schedule, int]:
+        def compiled_peak(budget: float) -> tuple[Schedule, int]:
             schedule = self.compute_sequence(budget)
             return schedule, tpu_memory(self._step_stablehlo(loss), generation).hbm_peak_bytes
 
@@ -705,9 +772,11 @@ class Checkpointable(nn.Module):
             return schedule
         schedule, peak = compiled_peak(low)
         if peak > hbm_bytes:
-            raise InfeasibleBudget(f"Checkpointable.fit_to_tpu: even the smallest plan needs {peak:.6g} bytes of "
-                                   f"TPU {generation} HBM (compiled deviceless), more than {hbm_bytes:.6g}",
-                                   float(peak))
+            raise InfeasibleBudget(
+                f"Checkpointable.fit_to_tpu: even the smallest plan needs {peak:.6g} bytes of "
+                f"TPU {generation} HBM (compiled deviceless), more than {hbm_bytes:.6g}",
+                float(peak),
+            )
         best = (low, schedule, peak)
         for _ in range(probes):
             middle = (low + high) / 2
@@ -720,7 +789,7 @@ class Checkpointable(nn.Module):
         self.tpu_hbm_bytes = best[2]
         return self.sequence
 
-    def tpu_activation_memory(self, loss_fn: Optional[Any] = None, generation: Optional[str] = None) -> int:
+    def tpu_activation_memory(self, loss_fn: Any | None = None, generation: str | None = None) -> int:
         """What the current schedule's training step keeps, as the TPU compiler plans it (deviceless compile of the
         whole step, no TPU): the peak of the live values other than the step's arguments and outputs (liveness over
         the compiled program, every buffer in HBM: ``tpu_memory(..., hbm_only=True, liveness=True)``) plus the
@@ -734,16 +803,20 @@ class Checkpointable(nn.Module):
 
         self._require_xla_sample("tpu_activation_memory")
         self._need_sequence()
-        loss = loss_fn or (lambda out: sum(t.float().pow(2).mean() for t in tensor_leaves(out)
-                                           if t.is_floating_point()))
-        compiled = tpu_memory(self._step_stablehlo(loss), generation or self.tpu_generation or "v5e", hbm_only=True,
-                              liveness=True)
+        loss = loss_fn or (
+            lambda out: sum(t.float().pow(2).mean() for t in tensor_leaves(out) if t.is_floating_point())
+        )
+        compiled = tpu_memory(
+            self._step_stablehlo(loss), generation or self.tpu_generation or "v5e", hbm_only=True, liveness=True
+        )
         return compiled.live_peak_bytes + value_bytes(self._sample)
 
     def _require_xla_sample(self, caller: str) -> None:
         if self._sample is None or self.chain is None:
-            raise RuntimeError(f"Checkpointable.{caller}: measure the model on an XLA input first "
-                               "(Checkpointable(model.to(xla_device), input=x_on_xla))")
+            raise RuntimeError(
+                f"Checkpointable.{caller}: measure the model on an XLA input first "
+                "(Checkpointable(model.to(xla_device), input=x_on_xla))"
+            )
 
     def _step_stablehlo(self, loss: Any) -> str:
         """The StableHLO of one training step of the current schedule on the measured XLA sample."""
@@ -772,14 +845,19 @@ class Checkpointable(nn.Module):
     # -- running -----------------------------------------------------------------------------------------------
     def forward(self, x: Any, *more: Any) -> Any:
         if more:
-            raise TypeError(f"Checkpointable takes the model's input as one argument, as nn.Sequential does; got "
-                            f"{1 + len(more)}. Pass several tensors as one tuple, checkpointed((a, b)): the first "
-                            f"stage receives the tuple as its one argument")
+            raise TypeError(
+                f"Checkpointable takes the model's input as one argument, as nn.Sequential does; got "
+                f"{1 + len(more)}. Pass several tensors as one tuple, checkpointed((a, b)): the first "
+                f"stage receives the tuple as its one argument"
+            )
         if not (self.training and torch.is_grad_enabled()):
             return self.model(x)
         if self._signature is not None and _signature(x) != self._signature:
-            warnings.warn(f"Checkpointable: input {_signature(x)} differs from the measured "
-                          f"{self._signature}; measuring and planning again", stacklevel=2)
+            warnings.warn(
+                f"Checkpointable: input {_signature(x)} differs from the measured "
+                f"{self._signature}; measuring and planning again",
+                stacklevel=2,
+            )
             self.chain = None
         if self.chain is None:
             self.measure(x)
@@ -803,8 +881,10 @@ class Checkpointable(nn.Module):
             try:
                 simulate(self.chain, schedule.ops)
             except ScheduleError as exc:
-                raise ValueError(f"Checkpointable: the schedule in .sequence cannot run this model: {exc}. Set "
-                                 f".sequence = None (or call compute_sequence()) to plan again") from None
+                raise ValueError(
+                    f"Checkpointable: the schedule in .sequence cannot run this model: {exc}. Set "
+                    f".sequence = None (or call compute_sequence()) to plan again"
+                ) from None
             self._runnable = schedule
         return schedule
 
@@ -822,7 +902,8 @@ def _check_one_input(index: int, stage: nn.Module) -> None:
             f"Checkpointable: stage {index} ({type(stage).__name__}) takes {len(names)} inputs ({', '.join(names)}); "
             f"each stage is called with one argument, the previous stage's output (a tensor, or a tuple, list or "
             f"dict of tensors), as nn.Sequential calls it. Give its forward one argument and unpack it "
-            f"(def forward(self, inputs): {', '.join(names)} = inputs), or let the stage before return that tuple")
+            f"(def forward(self, inputs): {', '.join(names)} = inputs), or let the stage before return that tuple"
+        )
 
 
 class _NoProgress:

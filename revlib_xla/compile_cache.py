@@ -13,6 +13,7 @@ One JSON file per result, named by a hash of what was compiled and how (the call
 Writes go through a temporary file and an atomic rename, so readers never see half a file; a full or read-only
 directory makes the cache silently do nothing (a warning on the ``revlib_xla.memory`` logger).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,20 +22,31 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, Optional, Union
+from typing import Any
 
 __all__ = ["DEFAULT_MAX_BYTES", "directory_for", "max_bytes", "load", "store"]
 
 logger = logging.getLogger("revlib_xla.memory")
 
 DEFAULT_MAX_BYTES = 1 << 30
-_SUFFIXES = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
-             "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_STALE_TEMPORARY_SECONDS = 3600.0   # a writer that died mid-write leaves its temporary file behind
+_SUFFIXES = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_STALE_TEMPORARY_SECONDS = 3600.0  # a writer that died mid-write leaves its temporary file behind
 
 
-def directory_for(disk_cache: Union[bool, str, "os.PathLike[str]", None]) -> Optional[Path]:
+def directory_for(disk_cache: bool | str | os.PathLike[str] | None) -> Path | None:
     """Where the cache lives: ``None`` (no disk cache) for ``False``, or for ``None`` without
     ``$REVLIB_XLA_CACHE``; the default directory for ``True``; else the given directory."""
     if disk_cache is False:
@@ -58,8 +70,10 @@ def max_bytes() -> int:
         return DEFAULT_MAX_BYTES
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", raw)
     if not match or match.group(2).lower() not in _SUFFIXES:
-        raise ValueError(f"REVLIB_XLA_CACHE_MAX_BYTES={raw!r} is not a size: give bytes (1073741824) or a number "
-                         f"with a unit ({', '.join(s for s in _SUFFIXES if s)}), e.g. 512MiB")
+        raise ValueError(
+            f"REVLIB_XLA_CACHE_MAX_BYTES={raw!r} is not a size: give bytes (1073741824) or a number "
+            f"with a unit ({', '.join(s for s in _SUFFIXES if s)}), e.g. 512MiB"
+        )
     return int(float(match.group(1)) * _SUFFIXES[match.group(2).lower()])
 
 
@@ -67,8 +81,7 @@ def _path(directory: Path, key: str) -> Path:
     return directory / f"{key}.json"
 
 
-def load(directory: Optional[Path], key: str, valid: Callable[[Mapping[str, Any]], bool]
-         ) -> Optional[Dict[str, Any]]:
+def load(directory: Path | None, key: str, valid: Callable[[Mapping[str, Any]], bool]) -> dict[str, Any] | None:
     """The entry stored for ``key``, or ``None`` (no directory, no entry, or an invalid one, which is deleted)."""
     if directory is None:
         return None
@@ -78,7 +91,7 @@ def load(directory: Optional[Path], key: str, valid: Callable[[Mapping[str, Any]
             entry = json.load(f)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:   # unreadable, truncated, not JSON, not UTF-8
+    except (OSError, ValueError) as exc:  # unreadable, truncated, not JSON, not UTF-8
         return _discard(path, f"{type(exc).__name__}: {exc}")
     if not isinstance(entry, dict) or entry.get("key") != key:
         return _discard(path, "written for another key")
@@ -91,7 +104,7 @@ def load(directory: Optional[Path], key: str, valid: Callable[[Mapping[str, Any]
     if not ok:
         return _discard(path, why)
     try:
-        os.utime(path)   # a use: the least recently used entries are evicted first
+        os.utime(path)  # a use: the least recently used entries are evicted first
     except OSError:
         pass
     return entry
@@ -106,7 +119,7 @@ def _discard(path: Path, why: str) -> None:
     return None
 
 
-def store(directory: Optional[Path], key: str, entry: Mapping[str, Any]) -> None:
+def store(directory: Path | None, key: str, entry: Mapping[str, Any]) -> None:
     """Write ``entry`` for ``key`` (atomically), then evict least recently used entries beyond :func:`max_bytes`."""
     if directory is None:
         return
@@ -119,8 +132,11 @@ def store(directory: Optional[Path], key: str, entry: Mapping[str, Any]) -> None
         size = os.path.getsize(tmp)
         if size > limit:
             os.unlink(tmp)
-            logger.warning("revlib_xla: a compile result of %d bytes exceeds REVLIB_XLA_CACHE_MAX_BYTES=%d; not "
-                           "cached on disk", size, limit)
+            logger.warning(
+                "revlib_xla: a compile result of %d bytes exceeds REVLIB_XLA_CACHE_MAX_BYTES=%d; not cached on disk",
+                size,
+                limit,
+            )
             return
         os.replace(tmp, _path(directory, key))
         _evict(directory, limit, keep=_path(directory, key))
@@ -135,10 +151,10 @@ def _evict(directory: Path, limit: int, keep: Path) -> None:
     for path in directory.iterdir():
         try:
             stat = path.stat()
-        except OSError:   # deleted meanwhile by another process
+        except OSError:  # deleted meanwhile by another process
             continue
         if path.suffix == ".tmp" and now - stat.st_mtime > _STALE_TEMPORARY_SECONDS:
-            entries.append((float("-inf"), stat.st_size, path))   # garbage: first to go
+            entries.append((float("-inf"), stat.st_size, path))  # garbage: first to go
         elif path.suffix == ".json":
             entries.append((stat.st_mtime, stat.st_size, path))
     total = sum(size for _, size, _ in entries)

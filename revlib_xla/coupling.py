@@ -7,22 +7,37 @@ gradient of the other stream comes from the pair's own vector-Jacobian product, 
 ``fn_out`` may be a list or tuple (a block returning extras, as HuggingFace layers do): element 0 is what gets
 coupled, as in RevLib; the core keeps only element 0 of the result as the stream.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 Tensor = torch.Tensor
-TENSOR_OR_LIST = Union[List[Tensor], Tensor]
+TENSOR_OR_LIST = list[Tensor] | Tensor
 COUPLING = Callable[[Tensor, TENSOR_OR_LIST], TENSOR_OR_LIST]
 
 __all__ = [
-    "COUPLING", "TENSOR_OR_LIST", "CouplingPair", "additive_coupling_forward", "additive_coupling_inverse",
-    "momentum_coupling", "affine_coupling", "first_tensor", "optional_detach", "detached_additive_coupling_forward",
-    "detached_additive_coupling_inverse", "is_additive_forward", "is_additive_inverse", "MomentumForward",
-    "MomentumInverse", "AffineForward", "AffineInverse",
+    "COUPLING",
+    "TENSOR_OR_LIST",
+    "CouplingPair",
+    "additive_coupling_forward",
+    "additive_coupling_inverse",
+    "momentum_coupling",
+    "affine_coupling",
+    "first_tensor",
+    "optional_detach",
+    "detached_additive_coupling_forward",
+    "detached_additive_coupling_inverse",
+    "is_additive_forward",
+    "is_additive_inverse",
+    "MomentumForward",
+    "MomentumInverse",
+    "AffineForward",
+    "AffineInverse",
 ]
 
 
@@ -87,18 +102,19 @@ _ADDITIVE_FORWARDS = (None, additive_coupling_forward, detached_additive_couplin
 _ADDITIVE_INVERSES = (None, additive_coupling_inverse, detached_additive_coupling_inverse)
 
 
-def is_additive_forward(coupling: Optional[COUPLING]) -> bool:
+def is_additive_forward(coupling: COUPLING | None) -> bool:
     """Whether ``coupling`` is one of the library's additive couplings (or ``None``, which means additive)."""
     return any(coupling is c for c in _ADDITIVE_FORWARDS)
 
 
-def is_additive_inverse(coupling: Optional[COUPLING]) -> bool:
+def is_additive_inverse(coupling: COUPLING | None) -> bool:
     """Whether ``coupling`` is one of the library's additive inverses (or ``None``)."""
     return any(coupling is c for c in _ADDITIVE_INVERSES)
 
 
 # Couplings made by the factories below are small frozen dataclasses rather than closures: a model holding them
 # can be pickled (``torch.save(model)``), deep-copied, and compared.
+
 
 @dataclasses.dataclass(frozen=True)
 class MomentumForward:
@@ -139,11 +155,12 @@ class _Affine:
     scale_offset: float
     eps: float
 
-    def scale_and_shift(self, fn_out: Tensor) -> Tuple[Tensor, Tensor]:
+    def scale_and_shift(self, fn_out: Tensor) -> tuple[Tensor, Tensor]:
         if fn_out.shape[self.dim] % 2:
             raise ValueError(
                 f"affine_coupling: the block must return an even number of features along dim {self.dim} "
-                f"(scale and shift halves), got shape {tuple(fn_out.shape)}")
+                f"(scale and shift halves), got shape {tuple(fn_out.shape)}"
+            )
         log_scale, shift = fn_out.chunk(2, self.dim)
         return torch.sigmoid(log_scale + self.scale_offset) + self.eps, shift
 
@@ -155,6 +172,7 @@ class AffineForward(_Affine):
         def merge(f: Tensor) -> Tensor:
             scale, shift = self.scale_and_shift(f)
             return other_stream * scale + shift
+
         return _combine(fn_out, merge)
 
 
@@ -165,6 +183,7 @@ class AffineInverse(_Affine):
         def merge(f: Tensor) -> Tensor:
             scale, shift = self.scale_and_shift(f)
             return (output - shift) / scale
+
         return _combine(fn_out, merge)
 
 
@@ -178,7 +197,7 @@ def affine_coupling(dim: int = 1, scale_offset: float = 2.0, eps: float = 1e-3) 
     return CouplingPair(AffineForward(dim, scale_offset, eps), AffineInverse(dim, scale_offset, eps))
 
 
-def pick(couplings: Union[None, COUPLING, Sequence], index: int) -> COUPLING:
+def pick(couplings: COUPLING | Sequence | None, index: int) -> COUPLING:
     """RevLib's rule: a list of couplings is cycled per layer; ``None`` (or a ``None`` entry) means additive."""
     if couplings is None:
         return None

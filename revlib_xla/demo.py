@@ -12,6 +12,7 @@
 
 Run ``python -m revlib_xla.demo --help`` for the options.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,8 +32,21 @@ from . import backend
 from .models import FLAVOUR_LABELS, FLAVOURS, ByteTransformerLM, TransformerConfig, build_lm, lm_loss
 
 __all__ = [
-    "DemoConfig", "TrainResult", "MemoryRow", "load_corpus", "split_corpus", "sample_batch", "train", "evaluate",
-    "generate", "eager_memory", "TpuColumn", "memory_table", "format_memory_table", "plot_memory_table", "main",
+    "DemoConfig",
+    "TrainResult",
+    "MemoryRow",
+    "load_corpus",
+    "split_corpus",
+    "sample_batch",
+    "train",
+    "evaluate",
+    "generate",
+    "eager_memory",
+    "TpuColumn",
+    "memory_table",
+    "format_memory_table",
+    "plot_memory_table",
+    "main",
 ]
 
 UNIFORM_LOSS = math.log(256)
@@ -53,12 +67,13 @@ class DemoConfig:
     seed: int = 0
     corpus_bytes: int = 2 << 20
     val_fraction: float = 0.05
-    table_depths: Tuple[int, ...] = (2, 4, 8, 16)
+    table_depths: tuple[int, ...] = (2, 4, 8, 16)
     table_batch: int = 4
 
-    def model_config(self, depth: Optional[int] = None) -> TransformerConfig:
-        return TransformerConfig(width=self.width, depth=self.depth if depth is None else depth, heads=self.heads,
-                                 seq_len=self.seq_len)
+    def model_config(self, depth: int | None = None) -> TransformerConfig:
+        return TransformerConfig(
+            width=self.width, depth=self.depth if depth is None else depth, heads=self.heads, seq_len=self.seq_len
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -74,7 +89,7 @@ def load_corpus(max_bytes: int = 2 << 20) -> bytes:
     files = sorted(root.glob("*.py"))
     if not files:
         raise FileNotFoundError(f"no .py files in the standard library directory {root}; the demo trains on them")
-    chunks: List[bytes] = []
+    chunks: list[bytes] = []
     total = 0
     for path in files:
         if total >= max_bytes:
@@ -83,12 +98,12 @@ def load_corpus(max_bytes: int = 2 << 20) -> bytes:
             data = path.read_bytes()
         except OSError:
             continue
-        chunks.append(data[:max_bytes - total] + b"\n\n")
+        chunks.append(data[: max_bytes - total] + b"\n\n")
         total += len(chunks[-1])
     return b"".join(chunks)[:max_bytes]
 
 
-def split_corpus(data: bytes, val_fraction: float = 0.05) -> Tuple[torch.Tensor, torch.Tensor]:
+def split_corpus(data: bytes, val_fraction: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
     """Bytes as a ``uint8`` tensor, split into training text and the last ``val_fraction`` as validation text."""
     tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     cut = int(len(tokens) * (1 - val_fraction))
@@ -100,7 +115,7 @@ def sample_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.
     if len(data) < seq_len:
         raise ValueError(f"the text has {len(data)} bytes, fewer than seq_len={seq_len}")
     starts = torch.randint(0, len(data) - seq_len + 1, (batch,), generator=generator)
-    return torch.stack([data[s:s + seq_len] for s in starts.tolist()]).long()
+    return torch.stack([data[s : s + seq_len] for s in starts.tolist()]).long()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,7 +126,7 @@ def sample_batch(data: torch.Tensor, batch: int, seq_len: int, generator: torch.
 class TrainResult:
     """What :func:`train` did: per-step training losses, validation loss before and after, time and device."""
 
-    losses: List[float]
+    losses: list[float]
     val_before: float
     val_after: float
     seconds: float
@@ -144,8 +159,14 @@ def evaluate(model: ByteTransformerLM, data: torch.Tensor, batch: int, batches: 
     return float(torch.stack(total).mean().cpu())
 
 
-def train(config: DemoConfig, train_data: torch.Tensor, val_data: torch.Tensor, device: torch.device,
-          flavour: str = "reversible", progress: bool = True) -> Tuple[ByteTransformerLM, TrainResult]:
+def train(
+    config: DemoConfig,
+    train_data: torch.Tensor,
+    val_data: torch.Tensor,
+    device: torch.device,
+    flavour: str = "reversible",
+    progress: bool = True,
+) -> tuple[ByteTransformerLM, TrainResult]:
     """Train the ``flavour`` LM of ``config`` for ``config.steps`` AdamW steps on ``device``.
 
     Shapes are static (fixed batch and sequence length, constant learning rate), so on XLA the step compiles once
@@ -158,7 +179,7 @@ def train(config: DemoConfig, train_data: torch.Tensor, val_data: torch.Tensor, 
     generator = torch.Generator().manual_seed(config.seed)
     val_before = evaluate(model, val_data, config.batch)
     bar = _progress(config.steps, progress)
-    loss_tensors: List[torch.Tensor] = []
+    loss_tensors: list[torch.Tensor] = []
     start = time.perf_counter()
     for step in range(config.steps):
         tokens = sample_batch(train_data, config.batch, config.seq_len, generator).to(device)
@@ -191,8 +212,9 @@ def _progress(total: int, enabled: bool):
 
 
 @torch.no_grad()
-def generate(model: ByteTransformerLM, prompt: bytes, length: int = 120, temperature: float = 0.8,
-             seed: int = 0) -> bytes:
+def generate(
+    model: ByteTransformerLM, prompt: bytes, length: int = 120, temperature: float = 0.8, seed: int = 0
+) -> bytes:
     """Sample ``length`` bytes after ``prompt``. The window is always ``seq_len`` bytes (the prompt is left-padded
     with spaces), so every call has the same shape and an XLA device compiles it once."""
     device = next(model.parameters()).device
@@ -225,7 +247,7 @@ class MemoryRow:
     flavour: str
     eager_peak: int
     params_grads: int
-    tpu_hbm: Optional[int]
+    tpu_hbm: int | None
 
 
 def _fwd_bwd(model: ByteTransformerLM, tokens: torch.Tensor) -> torch.Tensor:
@@ -244,8 +266,9 @@ def _table_model(config: DemoConfig, depth: int, flavour: str) -> ByteTransforme
     return build_lm(config.model_config(depth), flavour)
 
 
-def eager_memory(config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS
-                 ) -> Dict[Tuple[int, str], Tuple[int, int]]:
+def eager_memory(
+    config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS
+) -> dict[tuple[int, str], tuple[int, int]]:
     """``(eager peak, parameter + gradient bytes)`` of one training step (forward + backward, batch
     ``config.table_batch``) per ``(depth, flavour)``, from :func:`revlib_xla.memory.eager_peak` on the CPU.
 
@@ -275,16 +298,17 @@ class TpuColumn:
     ``None`` and :attr:`reason` says why.
     """
 
-    def __init__(self, keys: List[Tuple[int, str]], generation: str):
+    def __init__(self, keys: list[tuple[int, str]], generation: str):
         self.keys = keys
         self.generation = generation
-        self.reason: Optional[str] = None
-        self._result: Optional[Dict[Tuple[int, str], int]] = None
-        self._thread: Optional[threading.Thread] = None
+        self.reason: str | None = None
+        self._result: dict[tuple[int, str], int] | None = None
+        self._thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS,
-              generation: str = "v5e") -> "TpuColumn":
+    def start(
+        cls, config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS, generation: str = "v5e"
+    ) -> TpuColumn:
         column = cls([(d, f) for d in depths for f in flavours], generation)
         try:
             texts = column._trace(config)
@@ -295,7 +319,7 @@ class TpuColumn:
         column._thread.start()
         return column
 
-    def _trace(self, config: DemoConfig) -> List[str]:
+    def _trace(self, config: DemoConfig) -> list[str]:
         from . import memory
 
         if not backend.xla_available():
@@ -311,11 +335,12 @@ class TpuColumn:
                     raise RuntimeError(
                         "an XLA backward pass failed because a backward pass ran in this process before the XLA "
                         "device was initialised (PyTorch's autograd engine then has no queue for it); call "
-                        "revlib_xla.backend.device_for('xla') before the first backward pass") from None
+                        "revlib_xla.backend.device_for('xla') before the first backward pass"
+                    ) from None
                 raise
         return texts
 
-    def _compile(self, texts: List[str]) -> None:
+    def _compile(self, texts: list[str]) -> None:
         from . import memory
 
         try:
@@ -327,7 +352,7 @@ class TpuColumn:
     def done(self) -> bool:
         return self._thread is None or not self._thread.is_alive()
 
-    def result(self) -> Optional[Dict[Tuple[int, str], int]]:
+    def result(self) -> dict[tuple[int, str], int] | None:
         """HBM peak bytes per ``(depth, flavour)``, waiting for the compile; ``None`` if it failed (see
         :attr:`reason`)."""
         if self._thread is not None:
@@ -335,8 +360,13 @@ class TpuColumn:
         return self._result
 
 
-def memory_table(config: DemoConfig, depths: Sequence[int], flavours: Sequence[str] = FLAVOURS,
-                 tpu: bool = True, generation: str = "v5e") -> Tuple[List[MemoryRow], Optional[str]]:
+def memory_table(
+    config: DemoConfig,
+    depths: Sequence[int],
+    flavours: Sequence[str] = FLAVOURS,
+    tpu: bool = True,
+    generation: str = "v5e",
+) -> tuple[list[MemoryRow], str | None]:
     """Memory of one training step (forward + backward, batch ``config.table_batch``) per depth and flavour.
 
     Eager peak: :func:`eager_memory`. TPU: the HBM peak that the TPU compiler plans for the step traced by torch_xla,
@@ -348,15 +378,18 @@ def memory_table(config: DemoConfig, depths: Sequence[int], flavours: Sequence[s
     return _rows(eager, column)
 
 
-def _rows(eager: Dict[Tuple[int, str], Tuple[int, int]], column: Optional[TpuColumn]
-          ) -> Tuple[List[MemoryRow], Optional[str]]:
+def _rows(
+    eager: dict[tuple[int, str], tuple[int, int]], column: TpuColumn | None
+) -> tuple[list[MemoryRow], str | None]:
     tpu = column.result() if column is not None else None
-    rows = [MemoryRow(depth, flavour, peak, params_grads, None if tpu is None else tpu[depth, flavour])
-            for (depth, flavour), (peak, params_grads) in eager.items()]
+    rows = [
+        MemoryRow(depth, flavour, peak, params_grads, None if tpu is None else tpu[depth, flavour])
+        for (depth, flavour), (peak, params_grads) in eager.items()
+    ]
     return rows, column.reason if column is not None else None
 
 
-def _mib(n: Optional[int]) -> str:
+def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
@@ -370,8 +403,10 @@ def format_memory_table(rows: Sequence[MemoryRow], generation: str = "v5e") -> s
     widths = [max(len(label), 8) for label in labels]
     group = "  ".join(f"{label:>{w}}" for label, w in zip(labels, widths))
     titles = ("eager peak, MiB", f"TPU {generation} HBM peak, MiB")
-    lines = [f"{'':5}   {titles[0]:^{len(group)}}   {titles[1]:^{len(group)}}",
-             f"{'depth':>5}   {group}   {group}   {'params+grads':>12}"]
+    lines = [
+        f"{'':5}   {titles[0]:^{len(group)}}   {titles[1]:^{len(group)}}",
+        f"{'depth':>5}   {group}   {group}   {'params+grads':>12}",
+    ]
     lines.append("-" * len(lines[1]))
     for depth in depths:
         eager = "  ".join(f"{_mib(by_key[depth, f].eager_peak):>{w}}" for f, w in zip(flavours, widths))
@@ -380,8 +415,9 @@ def format_memory_table(rows: Sequence[MemoryRow], generation: str = "v5e") -> s
     return "\n".join(lines)
 
 
-def plot_memory_table(rows: Sequence[MemoryRow], path: os.PathLike, config: DemoConfig,
-                      generation: str = "v5e") -> Path:
+def plot_memory_table(
+    rows: Sequence[MemoryRow], path: os.PathLike, config: DemoConfig, generation: str = "v5e"
+) -> Path:
     """Save the table as a PNG: eager peak and TPU HBM peak against depth, one line per flavour."""
     import matplotlib
 
@@ -392,8 +428,10 @@ def plot_memory_table(rows: Sequence[MemoryRow], path: os.PathLike, config: Demo
     by_key = {(r.depth, r.flavour): r for r in rows}
     flavours = [f for f in FLAVOURS if any(r.flavour == f for r in rows)]
     styles = {"no_savings": ("tab:red", "o"), "checkpoint": ("tab:orange", "s"), "reversible": ("tab:blue", "^")}
-    panels = [("eager peak (PyTorch MemTracker)", "eager_peak"),
-              (f"TPU {generation} HBM peak (TPU compiler, deviceless)", "tpu_hbm")]
+    panels = [
+        ("eager peak (PyTorch MemTracker)", "eager_peak"),
+        (f"TPU {generation} HBM peak (TPU compiler, deviceless)", "tpu_hbm"),
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharex=True)
     for ax, (title, field) in zip(axes, panels):
         for flavour in flavours:
@@ -414,9 +452,11 @@ def plot_memory_table(rows: Sequence[MemoryRow], path: os.PathLike, config: Demo
         if not ax.lines or len(ax.lines) == 1:
             ax.text(0.5, 0.5, "not available", transform=ax.transAxes, ha="center", va="center")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Memory of one training step (forward + backward) of the byte-level transformer LM: width "
-                 f"{config.width} x 2 streams, batch {config.table_batch} x {config.seq_len} bytes, fp32",
-                 fontsize=10)
+    fig.suptitle(
+        f"Memory of one training step (forward + backward) of the byte-level transformer LM: width "
+        f"{config.width} x 2 streams, batch {config.table_batch} x {config.seq_len} bytes, fp32",
+        fontsize=10,
+    )
     fig.tight_layout()
     out = Path(path)
     if out.parent != Path(""):
@@ -430,10 +470,13 @@ def plot_memory_table(rows: Sequence[MemoryRow], path: os.PathLike, config: Demo
 # Entry point
 
 
-def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     defaults = DemoConfig()
-    parser = argparse.ArgumentParser(prog="python -m revlib_xla.demo", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m revlib_xla.demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps, help="training steps")
     parser.add_argument("--depth", type=int, default=defaults.depth, help="transformer layers of the trained model")
     parser.add_argument("--width", type=int, default=defaults.width, help="features per residual stream")
@@ -441,14 +484,23 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=defaults.batch, help="windows per step")
     parser.add_argument("--lr", type=float, default=defaults.lr, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--device", default=None,
-                        help="cpu, cuda, xla or a torch device string (default: TPU if torch_xla finds one, else GPU, "
-                             "else CPU)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for PyTorch (default on CPU: one per two cores, at most 4; the model is "
-                             "small and more threads mostly add synchronisation)")
-    parser.add_argument("--table-depths", default=",".join(map(str, defaults.table_depths)),
-                        help="comma-separated depths of the memory table")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, xla or a torch device string (default: TPU if torch_xla finds one, else GPU, else CPU)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for PyTorch (default on CPU: one per two cores, at most 4; the model is "
+        "small and more threads mostly add synchronisation)",
+    )
+    parser.add_argument(
+        "--table-depths",
+        default=",".join(map(str, defaults.table_depths)),
+        help="comma-separated depths of the memory table",
+    )
     parser.add_argument("--no-memory-table", action="store_true", help="train only; skip the memory table and plot")
     parser.add_argument("--no-tpu", action="store_true", help="skip the deviceless TPU compile column")
     parser.add_argument("--out", default="revlib_xla_demo.png", help="where to save the memory plot (PNG)")
@@ -456,7 +508,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _resolve_device(name: Optional[str]) -> torch.device:
+def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         return backend.default_device()
     if name in ("cpu", "cuda", "xla"):
@@ -464,13 +516,20 @@ def _resolve_device(name: Optional[str]) -> torch.device:
     return torch.device(name)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run the demo; returns the process exit status (1 if the loss did not fall)."""
     args = _parse(argv)
     start = time.perf_counter()
-    config = DemoConfig(width=args.width, depth=args.depth, seq_len=args.seq_len, batch=args.batch,
-                        steps=args.steps, lr=args.lr, seed=args.seed,
-                        table_depths=tuple(int(d) for d in args.table_depths.split(",") if d.strip()))
+    config = DemoConfig(
+        width=args.width,
+        depth=args.depth,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        steps=args.steps,
+        lr=args.lr,
+        seed=args.seed,
+        table_depths=tuple(int(d) for d in args.table_depths.split(",") if d.strip()),
+    )
     device = _resolve_device(args.device)
     if backend.device_kind(device) == "cpu" or args.threads is not None:
         torch.set_num_threads(args.threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
@@ -486,44 +545,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     train_data, val_data = split_corpus(corpus, config.val_fraction)
     model_config = config.model_config()
     params = sum(p.numel() for p in build_lm(model_config).parameters())
-    print(f"revlib_xla demo: reversible byte-level transformer LM, width {config.width} x 2 streams, depth "
-          f"{config.depth} ({2 * config.depth} reversible layers), {params / 1e6:.2f} M parameters")
-    print(f"corpus: {len(corpus) / 2**20:.2f} MiB of Python standard library source "
-          f"({sysconfig.get_paths()['stdlib']}), {len(train_data):,} training / {len(val_data):,} validation bytes")
-    print(f"device: {device}; {config.steps} steps of batch {config.batch} x {config.seq_len} bytes, AdamW "
-          f"lr {config.lr:g}")
+    print(
+        f"revlib_xla demo: reversible byte-level transformer LM, width {config.width} x 2 streams, depth "
+        f"{config.depth} ({2 * config.depth} reversible layers), {params / 1e6:.2f} M parameters"
+    )
+    print(
+        f"corpus: {len(corpus) / 2**20:.2f} MiB of Python standard library source "
+        f"({sysconfig.get_paths()['stdlib']}), {len(train_data):,} training / {len(val_data):,} validation bytes"
+    )
+    print(
+        f"device: {device}; {config.steps} steps of batch {config.batch} x {config.seq_len} bytes, AdamW "
+        f"lr {config.lr:g}"
+    )
 
     model, result = train(config, train_data, val_data, device, progress=not args.quiet)
-    print(f"training loss: {result.start_loss():.3f} (first 10 steps) -> {result.end_loss():.3f} (last 10 steps) "
-          f"nats/byte; uniform guess = ln 256 = {UNIFORM_LOSS:.3f}")
-    print(f"validation loss: {result.val_before:.3f} -> {result.val_after:.3f} nats/byte "
-          f"({result.val_after / math.log(2):.2f} bits/byte); {result.seconds:.1f} s, "
-          f"{1000 * result.seconds / max(1, config.steps):.0f} ms/step")
-    prompt = bytes(val_data[:config.seq_len].tolist())
+    print(
+        f"training loss: {result.start_loss():.3f} (first 10 steps) -> {result.end_loss():.3f} (last 10 steps) "
+        f"nats/byte; uniform guess = ln 256 = {UNIFORM_LOSS:.3f}"
+    )
+    print(
+        f"validation loss: {result.val_before:.3f} -> {result.val_after:.3f} nats/byte "
+        f"({result.val_after / math.log(2):.2f} bits/byte); {result.seconds:.1f} s, "
+        f"{1000 * result.seconds / max(1, config.steps):.0f} ms/step"
+    )
+    prompt = bytes(val_data[: config.seq_len].tolist())
     sample = generate(model, prompt, length=120, seed=config.seed).decode("utf-8", "replace")
     print("sample after the validation prompt:\n    " + "\n    ".join(sample.splitlines() or [""]))
     del model
     if not result.fell:
-        print(f"FAILED: the validation loss did not fall by 1 nat ({result.val_before:.3f} -> "
-              f"{result.val_after:.3f})", file=sys.stderr)
+        print(
+            f"FAILED: the validation loss did not fall by 1 nat ({result.val_before:.3f} -> {result.val_after:.3f})",
+            file=sys.stderr,
+        )
         return 1
     print(f"ok: the loss fell by {result.val_before - result.val_after:.2f} nats/byte")
 
     if not args.no_memory_table:
-        print(f"\nmemory of one training step (forward + backward, batch {config.table_batch} x {config.seq_len} "
-              f"bytes, fp32) of the same model at depths {', '.join(map(str, config.table_depths))}:")
+        print(
+            f"\nmemory of one training step (forward + backward, batch {config.table_batch} x {config.seq_len} "
+            f"bytes, fp32) of the same model at depths {', '.join(map(str, config.table_depths))}:"
+        )
         eager = eager_memory(config, config.table_depths)
         if column is not None and not column.done():
             print("waiting for the TPU compiler...", flush=True)
         rows, reason = _rows(eager, column)
         print(format_memory_table(rows))
-        print("eager: peak of an eager step counted by PyTorch's MemTracker (tensor storages, measured on the CPU; "
-              "the same on CUDA up to allocator rounding).")
+        print(
+            "eager: peak of an eager step counted by PyTorch's MemTracker (tensor storages, measured on the CPU; "
+            "the same on CUDA up to allocator rounding)."
+        )
         if column is None:
             print("TPU column skipped (--no-tpu).")
         elif reason is None:
-            print("TPU v5e: HBM peak that the TPU compiler (libtpu, deviceless compile for one v5e chip) plans for the "
-                  "step traced by torch_xla; these figures come from the TPU compiler, not from a TPU run.")
+            print(
+                "TPU v5e: HBM peak that the TPU compiler (libtpu, deviceless compile for one v5e chip) plans for the "
+                "step traced by torch_xla; these figures come from the TPU compiler, not from a TPU run."
+            )
         else:
             print(f"TPU column not available: {reason}")
         path = plot_memory_table(rows, args.out, config)

@@ -43,10 +43,12 @@ Shared (tied) parameters are refused: their gradient arrives in parts (one per u
 checkpointed backward), and a step on the first part would both be wrong and change a weight the rest of the
 backward still reads.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +63,8 @@ _NO_LOSS_SCALING = (
     "loss scaling cannot be fused: a GradScaler skips the whole step when any gradient is inf/NaN, but a fused step "
     "updates each layer during the backward, before the gradients of the layers below it exist, and cannot undo "
     "that when one of them overflows. Train in bfloat16 autocast (torch.autocast(device, dtype=torch.bfloat16) "
-    "needs no GradScaler) or float32, or use an unfused optimizer")
+    "needs no GradScaler) or float32, or use an unfused optimizer"
+)
 
 
 class FusedOptimizerError(ValueError):
@@ -73,8 +76,12 @@ def _state_follows_params(opt: torch.optim.Optimizer) -> bool:
     ``model.double()`` or ``model.to(device)`` once the optimizer has state). ``step`` is torch's own business."""
     for p, state in opt.state.items():
         for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point() and \
-                    (value.dtype != p.dtype or value.device != p.device):
+            if (
+                key != "step"
+                and isinstance(value, torch.Tensor)
+                and value.is_floating_point()
+                and (value.dtype != p.dtype or value.device != p.device)
+            ):
                 return False
     return True
 
@@ -95,16 +102,19 @@ class FusedOptimizer(torch.optim.Optimizer):
     # of failing on its own assertion; step() then refuses with the reason.
     _step_supports_amp_scaling = True
     # Attributes a copy does not take: the parameter index (rebuilt), what a scheduler or a GradScaler patched on.
-    _TRANSIENT: Tuple[str, ...] = ("_of", "step", "_opt_called", "grad_scale", "found_inf")
+    _TRANSIENT: tuple[str, ...] = ("_of", "step", "_opt_called", "grad_scale", "found_inf")
 
-    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory,
-                 names: Optional[Sequence[str]] = None):
+    def __init__(
+        self, groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory, names: Sequence[str] | None = None
+    ):
         # torch.optim.Optimizer.__init__ is not called: the parameter groups are the inner optimizers' own.
         if not callable(factory):
-            raise FusedOptimizerError(f"the fused optimizer factory must be callable (params -> torch.optim."
-                                      f"Optimizer), got {type(factory).__name__}")
+            raise FusedOptimizerError(
+                f"the fused optimizer factory must be callable (params -> torch.optim."
+                f"Optimizer), got {type(factory).__name__}"
+            )
         self.names = list(names) if names is not None else [f"group {i}" for i in range(len(groups))]
-        self.optimizers: List[torch.optim.Optimizer] = []
+        self.optimizers: list[torch.optim.Optimizer] = []
         for gi, group in enumerate(groups):
             group = list(group)
             opt = factory(group)
@@ -112,19 +122,21 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise FusedOptimizerError(
                     f"the fused optimizer factory returned {type(opt).__name__} for {self.names[gi]}; it must return "
                     f"a torch.optim.Optimizer built on the parameters it is given, e.g. "
-                    f"lambda params: torch.optim.SGD(params, lr=1e-3)")
+                    f"lambda params: torch.optim.SGD(params, lr=1e-3)"
+                )
             given = {id(p) for p in group}
             got = {id(p) for g in opt.param_groups for p in g["params"]}
             if got != given:
                 raise FusedOptimizerError(
                     f"the optimizer the factory built for {self.names[gi]} does not hold exactly the parameters it was "
-                    f"given ({len(got)} instead of {len(given)}); build it on the factory's argument")
+                    f"given ({len(got)} instead of {len(given)}); build it on the factory's argument"
+                )
             self.optimizers.append(opt)
         self.params = [p for group in groups for p in group]
         self.steps_taken = 0  # optimizer steps run in backward passes (one per group and step)
-        self._stepped: Dict[int, int] = {}  # group -> fused steps since the last step() call
+        self._stepped: dict[int, int] = {}  # group -> fused steps since the last step() call
         self._step_called = False
-        self._float16_forward: Optional[torch.device] = None
+        self._float16_forward: torch.device | None = None
         self._index()
 
     def rebind(self, groups: Sequence[Sequence[nn.Parameter]]) -> None:
@@ -138,7 +150,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise FusedOptimizerError(
                 f"the model's parameters were replaced by tensors of other shapes or number ({len(new)} instead of "
                 f"{len(self.params)}) after the fused optimizer took its first step; its state cannot follow them. "
-                f"Change the model before training it, or fuse it again")
+                f"Change the model before training it, or fuse it again"
+            )
         replaced = {id(p): q for p, q in zip(self.params, new)}
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -149,8 +162,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._index()
 
     def _index(self) -> None:
-        self._of: Dict[int, int] = {id(p): gi for gi, opt in enumerate(self.optimizers)
-                                    for g in opt.param_groups for p in g["params"]}
+        self._of: dict[int, int] = {
+            id(p): gi for gi, opt in enumerate(self.optimizers) for g in opt.param_groups for p in g["params"]
+        }
 
     def covers(self, param: torch.Tensor) -> bool:
         return id(param) in self._of
@@ -162,10 +176,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             state = backend.AutocastState.capture(device)
             self._float16_forward = device if state.enabled and state.dtype == torch.float16 else None
 
-    def step_params(self, params: Sequence[nn.Parameter], grads: Sequence[Optional[torch.Tensor]]) -> None:
+    def step_params(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
         """Give ``params`` their complete gradients ``grads``, step the optimizers that own them, and free the
         gradients. A gradient already in ``param.grad`` (left by the caller) is added, as autograd would."""
-        owners: List[int] = []
+        owners: list[int] = []
         for p, g in zip(params, grads):
             if g is None:
                 continue
@@ -204,31 +218,36 @@ class FusedOptimizer(torch.optim.Optimizer):
             raise FusedOptimizerError(
                 f"fused optimizer, {self.names[gi]}: this backward comes from a forward under float16 autocast on "
                 f"{self._float16_forward}, which trains with a GradScaler, and {_NO_LOSS_SCALING}. No weight was "
-                f"changed by this backward")
+                f"changed by this backward"
+            )
         if self._step_called and gi in self._stepped:
-            raise FusedOptimizerError(self._accumulation_message(gi, self._stepped[gi] + 1) +
-                                      f"; this backward stops before stepping {self.names[gi]} again")
+            raise FusedOptimizerError(
+                self._accumulation_message(gi, self._stepped[gi] + 1)
+                + f"; this backward stops before stepping {self.names[gi]} again"
+            )
 
     def _accumulation_message(self, gi: int, times: int) -> str:
-        return (f"fused optimizer: {self.names[gi]} is stepped {times} times between two step() calls: several "
-                f"backward passes per step (gradient accumulation, or a second loss) cannot be fused, because every "
-                f"backward already steps each parameter on its own gradient. Call step() after every backward, or "
-                f"accumulate with an unfused optimizer")
+        return (
+            f"fused optimizer: {self.names[gi]} is stepped {times} times between two step() calls: several "
+            f"backward passes per step (gradient accumulation, or a second loss) cannot be fused, because every "
+            f"backward already steps each parameter on its own gradient. Call step() after every backward, or "
+            f"accumulate with an unfused optimizer"
+        )
 
     # -- looks like an optimizer ------------------------------------------------------------------------------------
     @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return [g for opt in self.optimizers for g in opt.param_groups]
 
     @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizers[0].defaults if self.optimizers else {}
 
     @property
-    def state(self) -> Dict[torch.Tensor, Any]:  # type: ignore[override]
+    def state(self) -> dict[torch.Tensor, Any]:  # type: ignore[override]
         return {p: s for opt in self.optimizers for p, s in opt.state.items()}
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
         """Updates nothing (the steps ran during backward); kept so an unchanged training loop still runs, and to
         refuse what a fused step cannot do: a GradScaler's step, and several backward passes since the last call."""
         if closure is not None:
@@ -238,8 +257,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("grad_scale", None)
         stepped, self._stepped, self._step_called = self._stepped, {}, True
         if scaled:
-            moved = (f" The backward already stepped {len(stepped)} of {len(self.optimizers)} parameter groups on "
-                     f"the scaled gradients: restore the weights from a checkpoint." if stepped else "")
+            moved = (
+                f" The backward already stepped {len(stepped)} of {len(self.optimizers)} parameter groups on "
+                f"the scaled gradients: restore the weights from a checkpoint."
+                if stepped
+                else ""
+            )
             raise FusedOptimizerError(f"GradScaler.step() on a fused optimizer: {_NO_LOSS_SCALING}.{moved}")
         repeated = [(gi, n) for gi, n in stepped.items() if n > 1]
         if repeated:
@@ -248,28 +271,32 @@ class FusedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """No-op: fused steps free each gradient right after using it."""
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        raise FusedOptimizerError("a fused optimizer's parameters are fixed when it is built; to train more "
-                                  "parameters, fuse the model again (fused.remove(); fuse_optimizer(model, factory))")
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise FusedOptimizerError(
+            "a fused optimizer's parameters are fixed when it is built; to train more "
+            "parameters, fuse the model again (fused.remove(); fuse_optimizer(model, factory))"
+        )
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         states = state.get("optimizers")
         if not isinstance(states, list) or len(states) != len(self.optimizers):
-            raise FusedOptimizerError(f"state_dict holds {len(states) if isinstance(states, list) else 'no'} "
-                                      f"optimizer states, this fused optimizer has {len(self.optimizers)}")
+            raise FusedOptimizerError(
+                f"state_dict holds {len(states) if isinstance(states, list) else 'no'} "
+                f"optimizer states, this fused optimizer has {len(self.optimizers)}"
+            )
         for opt, s in zip(self.optimizers, states):
             opt.load_state_dict(s)
 
     # -- copies and pickles -----------------------------------------------------------------------------------------
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         """What a learning-rate scheduler or GradScaler patched onto this object stays behind, as it does with
         torch's optimizers; the inner optimizers (with their state) and the parameters go along."""
         return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._index()
 
@@ -280,8 +307,11 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 def _refused(name: str) -> Callable[..., Any]:
     def method(self: FusedOptimizer, *args: Any, **kwargs: Any) -> Any:
-        raise FusedOptimizerError(f"FusedOptimizer.{name}: a fused optimizer runs one optimizer per group inside the "
-                                  f"backward; call {name} on each of fused.optimizers instead")
+        raise FusedOptimizerError(
+            f"FusedOptimizer.{name}: a fused optimizer runs one optimizer per group inside the "
+            f"backward; call {name} on each of fused.optimizers instead"
+        )
+
     method.__name__ = name
     return method
 
@@ -315,7 +345,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
     def _hook_params(self) -> None:
         self._param_hooks = [p.register_post_accumulate_grad_hook(self.step_accumulated) for p in self.params]
 
-    def _before_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._follow_model()
         first = next(iter(backend.tensors_in((args, kwargs))), None)
         self.record_forward(first.device if first is not None else self.params[0].device)
@@ -329,15 +359,17 @@ class _HookedFusedOptimizer(FusedOptimizer):
         current = dict(self._model.named_parameters())
         missing = [n for n in self._paths if n not in current]
         if missing:
-            raise FusedOptimizerError(f"fused optimizer: the model no longer has parameter {missing[0]!r}; fuse the "
-                                      f"model again after changing it")
+            raise FusedOptimizerError(
+                f"fused optimizer: the model no longer has parameter {missing[0]!r}; fuse the "
+                f"model again after changing it"
+            )
         for h in self._param_hooks:
             h.remove()
         self.rebind([[current[n]] for n in self._paths])
         self._hook_params()
         self._model_params = now
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._hook_params()
 
@@ -352,20 +384,19 @@ class _HookedFusedOptimizer(FusedOptimizer):
                 module._attached_fused_optimizer = None
 
 
-def _shared_parameters(model: nn.Module) -> Dict[int, List[str]]:
-    paths: Dict[int, List[str]] = {}
+def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    paths: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         paths.setdefault(id(p), []).append(name)
     return {k: v for k, v in paths.items() if len(v) > 1}
 
 
-def _fused_by(param: torch.Tensor) -> Optional[FusedOptimizer]:
+def _fused_by(param: torch.Tensor) -> FusedOptimizer | None:
     hooks = getattr(param, "_post_accumulate_grad_hooks", None) or {}
-    return next((h.__self__ for h in hooks.values() if isinstance(getattr(h, "__self__", None), FusedOptimizer)),
-                None)
+    return next((h.__self__ for h in hooks.values() if isinstance(getattr(h, "__self__", None), FusedOptimizer)), None)
 
 
-def fused_optimizer_of(module: nn.Module) -> Optional[FusedOptimizer]:
+def fused_optimizer_of(module: nn.Module) -> FusedOptimizer | None:
     """The fused optimizer of ``module``: the one :func:`fuse_optimizer` fused into it, or a ``ReversibleSequential``'s
     own (``fused_optimizer=``); ``None`` if it has none. A copy of a fused model (``copy.deepcopy``, ``torch.load``)
     is fused to a copy of the optimizer; this finds it."""
@@ -400,8 +431,9 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
         paths = next(iter(shared.values()))
         raise FusedOptimizerError(
             f"fuse_optimizer: parameter shared by {', '.join(repr(p) for p in paths)} (tied weights); a fused step "
-            f"cannot tell when its gradient is complete. Untie them, or train this model with an unfused optimizer")
-    named: List[Tuple[str, nn.Parameter]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            f"cannot tell when its gradient is complete. Untie them, or train this model with an unfused optimizer"
+        )
+    named: list[tuple[str, nn.Parameter]] = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise FusedOptimizerError("fuse_optimizer: the model has no parameter that requires grad")
     for name, p in named:
@@ -409,10 +441,12 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
             raise FusedOptimizerError(
                 f"fuse_optimizer: parameter {name!r} is already fused (an earlier fuse_optimizer on this model or on "
                 f"a module inside it), and would be stepped twice per backward; call .remove() on that optimizer "
-                f"first (revlib_xla.fused_optimizer_of(module) finds it)")
+                f"first (revlib_xla.fused_optimizer_of(module) finds it)"
+            )
     for module in model.modules():
         if hasattr(module, "_attached_fused_optimizer") and getattr(module, "fused_optimizer_factory", None):
             raise FusedOptimizerError(
                 f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
-                f"the other")
+                f"the other"
+            )
     return _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)

@@ -14,6 +14,7 @@ user asked autograd for:
 The answer comes from the autograd engine's own record of the running graph task (the query torch's
 ``register_multi_grad_hook`` uses), so it is exact and costs a dictionary lookup.
 """
+
 from __future__ import annotations
 
 import enum
@@ -25,8 +26,8 @@ __all__ = ["GradDestination", "grad_destination", "node_destination"]
 
 class GradDestination(enum.Enum):
     ACCUMULATE = "accumulate"  # into .grad (a training backward)
-    CAPTURE = "capture"        # returned by torch.autograd.grad
-    UNUSED = "unused"          # not asked for
+    CAPTURE = "capture"  # returned by torch.autograd.grad
+    UNUSED = "unused"  # not asked for
 
 
 _WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)

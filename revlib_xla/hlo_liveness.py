@@ -22,14 +22,22 @@ compiler itself. Pure text processing: no jax, no torch.
 The dump format is XLA's debugging output, not a stable API; it was checked against jax 0.7.1 + libtpu 0.0.20, and
 :class:`LivenessParseError` is raised when a dump does not have the expected sections.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
-__all__ = ["LivePeak", "LivenessParseError", "live_peak", "ForwardBackwardSplit", "forward_backward_split",
-           "optimization_barrier_arguments"]
+__all__ = [
+    "LivePeak",
+    "LivenessParseError",
+    "live_peak",
+    "ForwardBackwardSplit",
+    "forward_backward_split",
+    "optimization_barrier_arguments",
+]
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$", re.M)
 _VALUE = re.compile(r"^ value: <\d+ (\S+) @(\d+)> \(size=(\d+),offset=(\d+)\)", re.M)
@@ -44,7 +52,7 @@ _OPERAND = re.compile(r"%([\w.\-]+)")
 
 class _Value(NamedTuple):
     name: str
-    key: Tuple[int, int, int]  # the buffer: (allocation, offset, size)
+    key: tuple[int, int, int]  # the buffer: (allocation, offset, size)
     start: int
     stop: int
 
@@ -61,10 +69,10 @@ class LivePeak:
     bytes: int
     time: int
     schedule_length: int
-    largest: Tuple[Tuple[str, int], ...]
+    largest: tuple[tuple[str, int], ...]
 
 
-def _allocations(text: str) -> List[Tuple[str, str]]:
+def _allocations(text: str) -> list[tuple[str, str]]:
     """(header, body) of each allocation of the dump."""
     end = text.find("\nTotal bytes used")
     if end < 0:
@@ -73,12 +81,15 @@ def _allocations(text: str) -> List[Tuple[str, str]]:
     starts = list(_ALLOCATION.finditer(head))
     if not starts:
         raise LivenessParseError("the buffer-assignment dump lists no allocation")
-    return [(m.group(0), head[m.end():starts[k + 1].start() if k + 1 < len(starts) else len(head)])
-            for k, m in enumerate(starts)]
+    return [
+        (m.group(0), head[m.end() : starts[k + 1].start() if k + 1 < len(starts) else len(head)])
+        for k, m in enumerate(starts)
+    ]
 
 
-def _values(buffer_assignment: str, memory_space: int, outputs: Optional[List[_Value]] = None
-            ) -> Tuple[int, Dict[str, int], List[_Value]]:
+def _values(
+    buffer_assignment: str, memory_space: int, outputs: list[_Value] | None = None
+) -> tuple[int, dict[str, int], list[_Value]]:
     """The schedule's last position, the instruction sequence (name -> position) and every value other than the
     program's arguments and outputs in ``memory_space``, with its buffer and live interval; the values of outputs
     are appended to ``outputs`` when given."""
@@ -86,12 +97,13 @@ def _values(buffer_assignment: str, memory_space: int, outputs: Optional[List[_V
     if match is None:
         raise LivenessParseError("the buffer-assignment dump has no HloLiveRange section")
     end_of_schedule = int(match.group(1))
-    section = buffer_assignment[match.end():]
+    section = buffer_assignment[match.end() :]
     ranges_at = section.find("BufferLiveRange:")
-    sequence = {m.group(2): int(m.group(1)) for m in _SEQUENCE.finditer(section[:max(ranges_at, 0)])}
-    ranges: Dict[str, Tuple[int, int]] = {
-        m.group(1): (int(m.group(2)), int(m.group(3))) for m in _RANGE.finditer(buffer_assignment, match.end())}
-    values: List[_Value] = []
+    sequence = {m.group(2): int(m.group(1)) for m in _SEQUENCE.finditer(section[: max(ranges_at, 0)])}
+    ranges: dict[str, tuple[int, int]] = {
+        m.group(1): (int(m.group(2)), int(m.group(3))) for m in _RANGE.finditer(buffer_assignment, match.end())
+    }
+    values: list[_Value] = []
     for header, body in _allocations(buffer_assignment):
         if any(word in header for word in ("parameter", "thread-local", "constant")):
             continue
@@ -112,15 +124,15 @@ def _values(buffer_assignment: str, memory_space: int, outputs: Optional[List[_V
     return end_of_schedule, sequence, values
 
 
-def _sweep(values: Sequence[_Value]) -> List[Tuple[int, int, Dict[Tuple[int, int, int], List[str]]]]:
+def _sweep(values: Sequence[_Value]) -> list[tuple[int, int, dict[tuple[int, int, int], list[str]]]]:
     """(time, bytes live from then on, holders) at every time the live set changes; each buffer counted once."""
-    events: List[Tuple[int, int, Tuple[int, int, int], str]] = []
+    events: list[tuple[int, int, tuple[int, int, int], str]] = []
     for v in values:
         events.append((v.start, 0, v.key, v.name))
         events.append((v.stop + 1, -1, v.key, v.name))
     # Frees before allocations at the same time (-1 < 0): a buffer freed at t+1 and reused at t+1 is not doubled.
     events.sort(key=lambda e: (e[0], e[1]))
-    holders: Dict[Tuple[int, int, int], List[str]] = {}
+    holders: dict[tuple[int, int, int], list[str]] = {}
     level = 0
     steps = []
     k = 0
@@ -155,7 +167,7 @@ def live_peak(buffer_assignment: str, memory_space: int = 0, top: int = 8) -> Li
     """
     end_of_schedule, _, values = _values(buffer_assignment, memory_space)
     best = best_time = 0
-    best_holders: Dict[Tuple[int, int, int], List[str]] = {}
+    best_holders: dict[tuple[int, int, int], list[str]] = {}
     for time, level, holders in _sweep(values):
         if level > best:
             best, best_time, best_holders = level, time, holders
@@ -180,10 +192,10 @@ class ForwardBackwardSplit:
     across: int
     after: int
     after_with_outputs: int
-    outputs_read: Tuple[bool, ...]
+    outputs_read: tuple[bool, ...]
 
 
-def optimization_barrier_arguments(stablehlo: str) -> List[Optional[int]]:
+def optimization_barrier_arguments(stablehlo: str) -> list[int | None]:
     """For each operand of the first ``stablehlo.optimization_barrier`` of a StableHLO module, the number of the
     ``main`` function argument it is (``%argN``), or ``None`` for a computed value."""
     match = _BARRIER.search(stablehlo)
@@ -193,29 +205,31 @@ def optimization_barrier_arguments(stablehlo: str) -> List[Optional[int]]:
     return [int(o[4:]) if re.fullmatch(r"%arg\d+", o) else None for o in operands]
 
 
-def _entry(optimized_hlo: str) -> List[Tuple[str, str]]:
+def _entry(optimized_hlo: str) -> list[tuple[str, str]]:
     """(name, right-hand side) of each instruction of the entry computation, in text (schedule) order; the last
     one is the root."""
     start = optimized_hlo.find("\nENTRY ")
     if start < 0:
         raise LivenessParseError("the optimized HLO has no ENTRY computation")
     end = optimized_hlo.find("\n}", start)
-    body = optimized_hlo[start:end if end >= 0 else len(optimized_hlo)]
+    body = optimized_hlo[start : end if end >= 0 else len(optimized_hlo)]
     instructions = [(m.group(1), m.group(2)) for m in _INSTRUCTION.finditer(body)]
     if not instructions:
         raise LivenessParseError("the optimized HLO's entry computation has no instruction")
     root = re.search(r"^\s*ROOT\s+%(\S+)", body, re.M)
     if root is not None and root.group(1) != instructions[-1][0]:  # put the root last
-        instructions = [i for i in instructions if i[0] != root.group(1)] + \
-            [i for i in instructions if i[0] == root.group(1)]
+        instructions = [i for i in instructions if i[0] != root.group(1)] + [
+            i for i in instructions if i[0] == root.group(1)
+        ]
     return instructions
 
 
-def _dependents(instructions: Sequence[Tuple[str, str]], parameters: Sequence[int]) -> List[str]:
+def _dependents(instructions: Sequence[tuple[str, str]], parameters: Sequence[int]) -> list[str]:
     """The instructions that depend on any of the entry ``parameters`` (by number), the parameters excluded."""
     wanted = set(parameters)
-    reached = {name for name, rhs in instructions
-               if (p := _PARAMETER.search(rhs)) is not None and int(p.group(1)) in wanted}
+    reached = {
+        name for name, rhs in instructions if (p := _PARAMETER.search(rhs)) is not None and int(p.group(1)) in wanted
+    }
     if len(reached) != len(wanted):
         raise LivenessParseError(f"the optimized HLO's entry computation lacks some of the parameters {sorted(wanted)}")
     params = set(reached)
@@ -229,17 +243,17 @@ def _dependents(instructions: Sequence[Tuple[str, str]], parameters: Sequence[in
     return [name for name, _ in instructions if name in reached and name not in params]
 
 
-def _root_outputs(instructions: Sequence[Tuple[str, str]]) -> List[str]:
+def _root_outputs(instructions: Sequence[tuple[str, str]]) -> list[str]:
     """The instructions whose results the program returns, in order (the root's tuple operands, or the root)."""
     name, rhs = instructions[-1]
     match = re.search(r"\btuple\(([^()]*)\)", rhs)
     return _OPERAND.findall(match.group(1)) if match else [name]
 
 
-def _value_of(name: str, rhs_of: Dict[str, str]) -> Tuple[str, str]:
+def _value_of(name: str, rhs_of: dict[str, str]) -> tuple[str, str]:
     """(the instruction whose buffer holds ``name``'s result, the dump's value name of it): through
     get-tuple-element and bitcast."""
-    index: List[str] = []
+    index: list[str] = []
     while True:
         rhs = rhs_of.get(name, "")
         gte = re.search(r"\bget-tuple-element\(%([\w.\-]+)\), index=(\d+)", rhs)
@@ -253,16 +267,21 @@ def _value_of(name: str, rhs_of: Dict[str, str]) -> Tuple[str, str]:
             return name, name + "{" + ",".join(index) + "}"
 
 
-def forward_backward_split(buffer_assignment: str, optimized_hlo: str, backward_arguments: Sequence[int],
-                           memory_space: int = 0, counted_outputs: Sequence[int] = (),
-                           read_outputs: Sequence[int] = ()) -> ForwardBackwardSplit:
+def forward_backward_split(
+    buffer_assignment: str,
+    optimized_hlo: str,
+    backward_arguments: Sequence[int],
+    memory_space: int = 0,
+    counted_outputs: Sequence[int] = (),
+    read_outputs: Sequence[int] = (),
+) -> ForwardBackwardSplit:
     """Split a compiled forward-then-backward program at its backward's first instruction: the earliest scheduled
     instruction of the entry computation that depends on one of ``backward_arguments`` (entry parameter numbers,
     e.g. the incoming gradient, held behind an optimization barrier with the forward's output so that no backward
     work can start before the forward is done). ``buffer_assignment`` and ``optimized_hlo``: the compiler's dump of
     that program and its HLO after optimizations. ``counted_outputs`` and ``read_outputs``: positions in the tuple
     the program returns. See :class:`ForwardBackwardSplit`."""
-    outputs: List[_Value] = []
+    outputs: list[_Value] = []
     _, sequence, values = _values(buffer_assignment, memory_space, outputs)
     instructions = _entry(optimized_hlo)
     times = [sequence[name] for name in _dependents(instructions, backward_arguments) if name in sequence]
@@ -275,7 +294,7 @@ def forward_backward_split(buffer_assignment: str, optimized_hlo: str, backward_
         if not 0 <= k < len(returned):
             raise LivenessParseError(f"the program returns {len(returned)} values, not {k + 1}")
 
-    def peaks(extra: Sequence[_Value]) -> Tuple[int, int]:
+    def peaks(extra: Sequence[_Value]) -> tuple[int, int]:
         before = after = 0
         for time, level, _ in _sweep(list(values) + list(extra)):
             if time < split:
@@ -291,7 +310,7 @@ def forward_backward_split(buffer_assignment: str, optimized_hlo: str, backward_
     if len(counted) < len(wanted):
         raise LivenessParseError(f"no buffer found for some of the outputs {sorted(wanted)}")
     _, after_with_outputs = peaks(counted)
-    across: Dict[Tuple[int, int, int], int] = {}
+    across: dict[tuple[int, int, int], int] = {}
     for v in values:
         if v.start < split <= v.stop:
             across[v.key] = v.key[2]
@@ -299,9 +318,21 @@ def forward_backward_split(buffer_assignment: str, optimized_hlo: str, backward_
     read = []
     for k in read_outputs:
         holder = _value_of(returned[k], rhs_of)[0]
-        aliases = {holder} | {name for name, rhs in instructions
-                              if _value_of(name, rhs_of)[0] == holder}
-        read.append(any(sequence.get(name, -1) >= split and name != root and name not in aliases
-                        and any(op in aliases for op in _OPERAND.findall(rhs)) for name, rhs in instructions))
-    return ForwardBackwardSplit(time=split, before=before, across=sum(across.values()), after=after,
-                                after_with_outputs=after_with_outputs, outputs_read=tuple(read))
+        aliases = {holder} | {name for name, rhs in instructions if _value_of(name, rhs_of)[0] == holder}
+        read.append(
+            any(
+                sequence.get(name, -1) >= split
+                and name != root
+                and name not in aliases
+                and any(op in aliases for op in _OPERAND.findall(rhs))
+                for name, rhs in instructions
+            )
+        )
+    return ForwardBackwardSplit(
+        time=split,
+        before=before,
+        across=sum(across.values()),
+        after=after,
+        after_with_outputs=after_with_outputs,
+        outputs_read=tuple(read),
+    )

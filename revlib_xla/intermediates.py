@@ -25,11 +25,13 @@ would only add memory), and tensors ``tensor_filter`` rejects (default: floating
 Nothing outlives the autograd graph that saved it, so the context may wrap a whole training loop (RevLib's may
 not).
 """
+
 from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -67,27 +69,31 @@ def _range_scale(value: Tensor, storage: torch.dtype) -> Tensor:
     largest = torch.linalg.vector_norm(value, float("inf")).to(opmath)  # one pass, no |value| temporary
     exponent = torch.floor(torch.log2(torch.finfo(storage).max / largest))
     limit = -math.log2(torch.finfo(opmath).smallest_normal) - 2
-    exponent = exponent.clamp(-limit, limit)   # largest = 0 gives +inf: keep 2**exponent finite and normal
+    exponent = exponent.clamp(-limit, limit)  # largest = 0 gives +inf: keep 2**exponent finite and normal
     usable = torch.isfinite(largest) & (largest > 0)
     return torch.where(usable, torch.exp2(exponent), torch.ones_like(largest))
 
 
 class _Stored:
-    __slots__ = ("value", "dtype", "scale", "offloaded", "restored", "__weakref__")
+    __slots__ = ("__weakref__", "dtype", "offloaded", "restored", "scale", "value")
 
-    def __init__(self, value: Any, dtype: torch.dtype, offloaded: bool, scale: Optional[Tensor] = None) -> None:
+    def __init__(self, value: Any, dtype: torch.dtype, offloaded: bool, scale: Tensor | None = None) -> None:
         self.value, self.dtype, self.offloaded, self.scale = value, dtype, offloaded, scale
-        self.restored: Optional[Tensor] = None  # XLA: one place_to_device per stored tensor, however often used
+        self.restored: Tensor | None = None  # XLA: one place_to_device per stored tensor, however often used
 
 
 class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
     """The context manager :func:`memory_efficient_intermediates` returns."""
 
-    def __init__(self, storage_dtype: Optional[torch.dtype] = None,
-                 storage_device: Union[str, torch.device, None] = None,
-                 tensor_filter: Callable[[Tensor], bool] = _is_float) -> None:
-        if storage_dtype is not None and (not isinstance(storage_dtype, torch.dtype)
-                                          or not storage_dtype.is_floating_point):
+    def __init__(
+        self,
+        storage_dtype: torch.dtype | None = None,
+        storage_device: str | torch.device | None = None,
+        tensor_filter: Callable[[Tensor], bool] = _is_float,
+    ) -> None:
+        if storage_dtype is not None and (
+            not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point
+        ):
             raise TypeError(f"storage_dtype must be a floating-point torch.dtype, got {storage_dtype!r}")
         if storage_device is not None and torch.device(storage_device).type != "cpu":
             raise ValueError(f"storage_device must be 'cpu' (host memory) or None, got {storage_device!r}")
@@ -98,22 +104,29 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
         self.tensor_filter = tensor_filter
         # (storage address, view geometry, version) -> (the storage, what was stored), both weakly held: a storage
         # freed and reallocated at the same address is a different tensor.
-        self._same: Dict[tuple, Tuple["weakref.ReferenceType[Any]", "weakref.ReferenceType[_Stored]"]] = {}
-        self._pending: List["weakref.ReferenceType[_Stored]"] = []
+        self._same: dict[tuple, tuple[weakref.ReferenceType[Any], weakref.ReferenceType[_Stored]]] = {}
+        self._pending: list[weakref.ReferenceType[_Stored]] = []
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> "MemoryEfficientIntermediates":
+    def __enter__(self) -> MemoryEfficientIntermediates:
         super().__enter__()
         return self
 
     @staticmethod
-    def _identity(tensor: Tensor) -> Tuple[tuple, Any]:
+    def _identity(tensor: Tensor) -> tuple[tuple, Any]:
         """A key for "the same tensor" and the object whose lifetime it is valid for."""
         if backend.is_tracing_lazily(tensor):  # no addressable storage: the same tensor object
             return (id(tensor), tensor._version), tensor
         storage = tensor.untyped_storage()
-        return (storage.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype,
-                tensor.device, tensor._version), storage
+        return (
+            storage.data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+            tensor.device,
+            tensor._version,
+        ), storage
 
     def _pack(self, tensor: Tensor) -> Any:
         if not self.tensor_filter(tensor) or _held_elsewhere(tensor):
@@ -165,15 +178,16 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             at = pending.index(stored)
         except ValueError:
             return
-        for other in pending[max(0, at - _PREFETCH_AHEAD):at]:
+        for other in pending[max(0, at - _PREFETCH_AHEAD) : at]:
             if other is not None:
                 backend.prefetch_to_device(other.value)
 
 
-def memory_efficient_intermediates(storage_dtype: Optional[torch.dtype] = None,
-                                   storage_device: Union[str, torch.device, None] = None,
-                                   tensor_filter: Callable[[Tensor], bool] = _is_float
-                                   ) -> MemoryEfficientIntermediates:
+def memory_efficient_intermediates(
+    storage_dtype: torch.dtype | None = None,
+    storage_device: str | torch.device | None = None,
+    tensor_filter: Callable[[Tensor], bool] = _is_float,
+) -> MemoryEfficientIntermediates:
     """Store what autograd saves for backward in ``storage_dtype`` and/or on ``storage_device='cpu'`` (see the
     module docstring). ``tensor_filter(tensor)`` picks the tensors to convert (default: floating-point ones)."""
     return MemoryEfficientIntermediates(storage_dtype, storage_device, tensor_filter)

@@ -24,6 +24,7 @@ Compiled results are cached by a hash of the StableHLO text (plus compiler versi
 and on disk when asked (``disk_cache=True`` or the ``REVLIB_XLA_CACHE`` environment variable). Nothing here prints;
 progress and timings go to the ``revlib_xla.memory`` logger at DEBUG level.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,9 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import torch
 
@@ -50,11 +52,30 @@ from .hlo_liveness import live_peak
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
 __all__ = [
-    "SavedTensorCounter", "saved_bytes", "storage_of", "tensor_bytes",
-    "MemoryBreakdown", "EagerPeak", "eager_peak", "CudaPeak", "cuda_peak", "AllocatorPeak", "allocator_peak",
-    "CompiledMemory", "stablehlo_of", "step_stablehlo", "xla_cpu_memory", "tpu_memory", "tpu_memory_many",
-    "clear_compile_cache", "TPU_GENERATIONS", "MATMUL_PATTERN", "MissingDependencyError", "TpuCompileError",
-    "format_bytes", "parse_bytes",
+    "SavedTensorCounter",
+    "saved_bytes",
+    "storage_of",
+    "tensor_bytes",
+    "MemoryBreakdown",
+    "EagerPeak",
+    "eager_peak",
+    "CudaPeak",
+    "cuda_peak",
+    "AllocatorPeak",
+    "allocator_peak",
+    "CompiledMemory",
+    "stablehlo_of",
+    "step_stablehlo",
+    "xla_cpu_memory",
+    "tpu_memory",
+    "tpu_memory_many",
+    "clear_compile_cache",
+    "TPU_GENERATIONS",
+    "MATMUL_PATTERN",
+    "MissingDependencyError",
+    "TpuCompileError",
+    "format_bytes",
+    "parse_bytes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,11 +108,20 @@ def format_bytes(n: int) -> str:
 
 
 #: Units :func:`parse_bytes` accepts (lower case): decimal ones are powers of 1000, binary ones powers of 1024.
-BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BYTE_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
-def parse_bytes(value: Union[int, float, str], what: str = "size") -> float:
+def parse_bytes(value: int | float | str, what: str = "size") -> float:
     """A positive byte count from a number of bytes or a string with a unit: ``"1GB"`` is 10**9 bytes, ``"512MiB"``
     512 * 2**20, ``"1.5 GiB"`` 1.5 * 2**30. Decimal units (kB, MB, GB, TB) are powers of 1000 and binary ones (KiB,
     MiB, GiB, TiB) powers of 1024, as their names say (SI and IEC); case and spaces are ignored. ``what`` names the
@@ -101,13 +131,17 @@ def parse_bytes(value: Union[int, float, str], what: str = "size") -> float:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         unit = BYTE_UNITS.get(match.group(2) or "b") if match else None
         if unit is None:
-            raise ValueError(f"{what}={value!r}: expected a number of bytes or a number with a unit, one of "
-                             f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "
-                             f"'1GB' or '512MiB'")
+            raise ValueError(
+                f"{what}={value!r}: expected a number of bytes or a number with a unit, one of "
+                f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "
+                f"'1GB' or '512MiB'"
+            )
         value = float(match.group(1)) * unit
     elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what}={value!r}: expected a number of bytes or a string such as '1GB' or '512MiB', not "
-                        f"{type(value).__name__}")
+        raise TypeError(
+            f"{what}={value!r}: expected a number of bytes or a string such as '1GB' or '512MiB', not "
+            f"{type(value).__name__}"
+        )
     if not (value > 0 and value != float("inf")):
         raise ValueError(f"{what}={given!r}: must be a positive, finite number of bytes")
     return value
@@ -117,7 +151,7 @@ def parse_bytes(value: Union[int, float, str], what: str = "size") -> float:
 # 1. Bytes saved for backward
 
 
-def storage_of(tensor: torch.Tensor) -> Tuple[Any, int]:
+def storage_of(tensor: torch.Tensor) -> tuple[Any, int]:
     """What holds ``tensor``'s memory and its size in bytes: its storage (a view shares its base's); on XLA, which
     has no addressable storage, the base tensor at its logical size."""
     if backend.is_tracing_lazily(tensor):
@@ -132,7 +166,7 @@ def storage_of(tensor: torch.Tensor) -> Tuple[Any, int]:
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once (see :func:`storage_of`)."""
-    owners: Dict[int, Any] = {}  # holding the owners keeps their ids unique while counting
+    owners: dict[int, Any] = {}  # holding the owners keeps their ids unique while counting
     total = 0
     for tensor in backend.tensors_in(obj):
         owner, nbytes = storage_of(tensor)
@@ -177,8 +211,8 @@ class SavedTensorCounter:
         self.bytes = 0
         self.count = 0
         self.packed = 0
-        self._seen: Dict[int, Tuple[weakref.ReferenceType, int]] = {}
-        self._hooks: Optional[contextlib.AbstractContextManager] = None
+        self._seen: dict[int, tuple[weakref.ReferenceType, int]] = {}
+        self._hooks: contextlib.AbstractContextManager | None = None
         for tensor in exclude:
             self._admit(tensor)
 
@@ -208,7 +242,7 @@ class SavedTensorCounter:
     def _unpack(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def __enter__(self) -> "SavedTensorCounter":
+    def __enter__(self) -> SavedTensorCounter:
         if self._hooks is not None:
             raise RuntimeError("a SavedTensorCounter cannot be entered twice at the same time")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -229,8 +263,10 @@ def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tens
     ``fn`` is typically a forward pass; its result is dropped afterwards, which frees the saved tensors.
     """
     if not callable(fn):
-        raise TypeError(f"saved_bytes needs a function to run, e.g. saved_bytes(lambda: model(x)) or "
-                        f"saved_bytes(model, x); got {type(fn).__name__} {fn!r}")
+        raise TypeError(
+            f"saved_bytes needs a function to run, e.g. saved_bytes(lambda: model(x)) or "
+            f"saved_bytes(model, x); got {type(fn).__name__} {fn!r}"
+        )
     with SavedTensorCounter(exclude) as counter:
         fn(*args, **kwargs)
     return counter.bytes
@@ -280,20 +316,29 @@ class EagerPeak(MemoryBreakdown):
 
     def __str__(self) -> str:
         how = ", FakeTensorMode" if self.fake else ""
-        return (f"eager peak on {self.device}{how}: {format_bytes(self.total)} ({self._parts()}); "
-                f"after the step: {format_bytes(self.end.total)}")
+        return (
+            f"eager peak on {self.device}{how}: {format_bytes(self.total)} ({self._parts()}); "
+            f"after the step: {format_bytes(self.end.total)}"
+        )
 
 
 _CATEGORIES = {  # MemoryBreakdown field -> _MemRefType member name
-    "parameters": "PARAM", "gradients": "GRAD", "activations": "ACT", "temporaries": "TEMP",
-    "optimizer": "OPT", "buffers": "BUFFER", "other": "OTH",
+    "parameters": "PARAM",
+    "gradients": "GRAD",
+    "activations": "ACT",
+    "temporaries": "TEMP",
+    "optimizer": "OPT",
+    "buffers": "BUFFER",
+    "other": "OTH",
 }
 
 
-def _mem_tracker() -> Tuple[type, Any]:
+def _mem_tracker() -> tuple[type, Any]:
     """``MemTracker`` and ``_MemRefType``, or a clear error naming the torch this needs."""
-    hint = (f"eager_peak needs torch.distributed._tools.mem_tracker.MemTracker (torch >= 2.5 built with "
-            f"distributed support; written against torch 2.9); this is torch {torch.__version__}")
+    hint = (
+        f"eager_peak needs torch.distributed._tools.mem_tracker.MemTracker (torch >= 2.5 built with "
+        f"distributed support; written against torch 2.9); this is torch {torch.__version__}"
+    )
     try:
         from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
     except Exception as exc:  # ImportError, or torch.distributed unavailable in this build
@@ -319,8 +364,9 @@ def _tracker_for_frozen_parameters(tracker: type) -> type:
         return tracker
 
     class Tracker(tracker):  # type: ignore[misc, valid-type]
-        def _track_module_params_and_buffers(self, module: torch.nn.Module, install_grad_hooks: bool = True
-                                             ) -> Tuple[int, int]:
+        def _track_module_params_and_buffers(
+            self, module: torch.nn.Module, install_grad_hooks: bool = True
+        ) -> tuple[int, int]:
             hooked = getattr(self, "_param_to_grad_hook_handles", None)
             if install_grad_hooks and hooked is not None:
                 for param in module.parameters():
@@ -328,7 +374,7 @@ def _tracker_for_frozen_parameters(tracker: type) -> type:
                         hooked[param] = (_NoHook(), _NoHook())
             return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
-        def _update_and_maybe_create_winfos(self, t: Optional[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        def _update_and_maybe_create_winfos(self, t: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
             # Autograd runs a parameter's gradient hooks with None when a custom Function (Checkpointable, a
             # reversible layer) accumulated its gradient itself and passes none on: nothing to track.
             return set() if t is None else super()._update_and_maybe_create_winfos(t, *args, **kwargs)
@@ -336,12 +382,19 @@ def _tracker_for_frozen_parameters(tracker: type) -> type:
     return Tracker
 
 
-def _breakdown(snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device, ref_type: Any
-               ) -> MemoryBreakdown:
+def _breakdown(
+    snapshot: Mapping[torch.device, Mapping[Any, int]], device: torch.device, ref_type: Any
+) -> MemoryBreakdown:
     per_device = snapshot.get(device)
     if per_device is None:  # torch.device("cuda") asked for, torch.device("cuda", 0) tracked
-        per_device = next((v for k, v in snapshot.items()
-                           if k.type == device.type and (device.index is None or k.index == device.index)), {})
+        per_device = next(
+            (
+                v
+                for k, v in snapshot.items()
+                if k.type == device.type and (device.index is None or k.index == device.index)
+            ),
+            {},
+        )
 
     def get(name: str) -> int:
         member = getattr(ref_type, name)
@@ -358,7 +411,7 @@ def _is_factory(obj: Any) -> bool:
 
 def _fake_copy(model: torch.nn.Module, fake_mode: Any, keep_grads: bool) -> torch.nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake tensors (no data is copied)."""
-    memo: Dict[int, Any] = {}
+    memo: dict[int, Any] = {}
     for param in model.parameters():
         fake = torch.nn.Parameter(fake_mode.from_tensor(param.detach()), requires_grad=param.requires_grad)
         if keep_grads and param.grad is not None:
@@ -381,9 +434,9 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
 
 def eager_peak(
     step_fn: Callable[..., Any],
-    model: Union[torch.nn.Module, Callable[[], torch.nn.Module]],
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
     *inputs: Any,
-    optimizer: Union[torch.optim.Optimizer, Callable[[torch.nn.Module], torch.optim.Optimizer], None] = None,
+    optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     fake: bool = False,
     device: backend.DeviceLike = None,
     zero_grad: bool = True,
@@ -418,8 +471,10 @@ def eager_peak(
 
         fake_mode = FakeTensorMode()
         if isinstance(optimizer, torch.optim.Optimizer):
-            raise ValueError("with fake=True pass the optimizer as a factory, e.g. lambda m: torch.optim.Adam("
-                             "m.parameters()), so that it is built on the fake parameters")
+            raise ValueError(
+                "with fake=True pass the optimizer as a factory, e.g. lambda m: torch.optim.Adam("
+                "m.parameters()), so that it is built on the fake parameters"
+            )
     if not isinstance(model, torch.nn.Module) and not _is_factory(model):
         raise TypeError(f"model must be an nn.Module or a factory returning one, not {type(model).__name__}")
     # Real objects become fake outside the mode (copying a real tensor inside it is an error); factories are
@@ -430,22 +485,33 @@ def eager_peak(
     if to_fake is not None:
         inputs = tuple(item if _is_factory(item) else _map_tensors(item, to_fake) for item in inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        module = _build_fake(model) if _is_factory(model) and fake_mode is not None else \
-            model() if _is_factory(model) else model
+        module = (
+            _build_fake(model)
+            if _is_factory(model) and fake_mode is not None
+            else model()
+            if _is_factory(model)
+            else model
+        )
         args = [item() if _is_factory(item) else item for item in inputs]
         opt = optimizer(module) if _is_factory(optimizer) else optimizer
         if zero_grad:
             for param in module.parameters():
                 param.grad = None
         where = _report_device(device, module, args)
-        lazy = [t for t in list(module.parameters()) + [t for a in args for t in backend.tensors_in(a)]
-                if backend.is_tracing_lazily(t)]
+        lazy = [
+            t
+            for t in list(module.parameters()) + [t for a in args for t in backend.tensors_in(a)]
+            if backend.is_tracing_lazily(t)
+        ]
         if lazy or where.type == "xla":
-            raise ValueError("eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
-                             "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()")
+            raise ValueError(
+                "eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
+                "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
+            )
         tracker = MemTracker()
-        tracker.track_external(module, *[t for a in args for t in backend.tensors_in(a)],
-                               *([opt] if opt is not None else []))
+        tracker.track_external(
+            module, *[t for a in args for t in backend.tensors_in(a)], *([opt] if opt is not None else [])
+        )
         start = time.perf_counter()
         with tracker:
             step_fn(module, *args)
@@ -455,8 +521,7 @@ def eager_peak(
         end = tracker.get_tracker_snapshot("current")
     logger.debug("eager_peak: step tracked in %.2f s", time.perf_counter() - start)
     at_peak = _breakdown(peak, where, ref_type)
-    return EagerPeak(**dataclasses.asdict(at_peak), device=str(where), end=_breakdown(end, where, ref_type),
-                     fake=fake)
+    return EagerPeak(**dataclasses.asdict(at_peak), device=str(where), end=_breakdown(end, where, ref_type), fake=fake)
 
 
 def _build_fake(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
@@ -469,7 +534,8 @@ def _build_fake(factory: Callable[[], torch.nn.Module]) -> torch.nn.Module:
         raise RuntimeError(
             f"eager_peak(fake=True): the model factory moved a module built under FakeTensorMode with .to(...), which "
             f"this torch ({torch.__version__}) cannot do for fake parameters ({err}). Build the model on its device "
-            f"instead, e.g. `with torch.device('cuda'): model = make_model()`.") from None
+            f"instead, e.g. `with torch.device('cuda'): model = make_model()`."
+        ) from None
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
@@ -509,8 +575,10 @@ class CudaPeak:
         return self.peak - self.before
 
     def __str__(self) -> str:
-        return (f"cuda peak on {self.device}: {format_bytes(self.peak)} (+{format_bytes(self.increase)} over "
-                f"{format_bytes(self.before)} before; {format_bytes(self.after)} after)")
+        return (
+            f"cuda peak on {self.device}: {format_bytes(self.peak)} (+{format_bytes(self.increase)} over "
+            f"{format_bytes(self.before)} before; {format_bytes(self.after)} after)"
+        )
 
 
 def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = None, **kwargs: Any) -> CudaPeak:
@@ -529,8 +597,12 @@ def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = N
     result = fn(*args, **kwargs)
     torch.cuda.synchronize(dev)
     del result
-    return CudaPeak(peak=torch.cuda.max_memory_allocated(dev), before=before,
-                    after=torch.cuda.memory_allocated(dev), device=str(dev))
+    return CudaPeak(
+        peak=torch.cuda.max_memory_allocated(dev),
+        before=before,
+        after=torch.cuda.memory_allocated(dev),
+        device=str(dev),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -546,8 +618,9 @@ class AllocatorPeak:
         return f"allocator peak on {self.device}: +{format_bytes(self.increase)} during the call ({self.source})"
 
 
-def allocator_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = "cpu",
-                   **kwargs: Any) -> AllocatorPeak:
+def allocator_peak(
+    fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = "cpu", **kwargs: Any
+) -> AllocatorPeak:
     """Run ``fn(*args, **kwargs)`` and report how far the bytes allocated on ``device`` rose above their level
     before the call.
 
@@ -572,11 +645,14 @@ def allocator_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLik
     dev = _as_device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         peak = cuda_peak(fn, *args, device=dev, **kwargs)
-        return AllocatorPeak(increase=peak.peak - peak.before, device=peak.device,
-                             source="torch.cuda.max_memory_allocated")
+        return AllocatorPeak(
+            increase=peak.peak - peak.before, device=peak.device, source="torch.cuda.max_memory_allocated"
+        )
     if dev.type != "cpu":
-        raise ValueError(f"allocator_peak measures cpu and cuda, not {dev.type}; on XLA the compiler decides what "
-                         f"lives when: use step_stablehlo() with tpu_memory() or xla_cpu_memory()")
+        raise ValueError(
+            f"allocator_peak measures cpu and cuda, not {dev.type}; on XLA the compiler decides what "
+            f"lives when: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
+        )
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -584,11 +660,18 @@ def allocator_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLik
         del result
     results = getattr(prof.profiler, "kineto_results", None)
     if results is None or not hasattr(results, "events"):
-        raise RuntimeError(f"allocator_peak needs the kineto profiler's events (torch >= 2.5; written against "
-                           f"torch 2.9); this is torch {torch.__version__}")
-    events = sorted(((e.start_ns(), e.nbytes()) for e in results.events()
-                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-                    key=lambda item: item[0])
+        raise RuntimeError(
+            f"allocator_peak needs the kineto profiler's events (torch >= 2.5; written against "
+            f"torch 2.9); this is torch {torch.__version__}"
+        )
+    events = sorted(
+        (
+            (e.start_ns(), e.nbytes())
+            for e in results.events()
+            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+        ),
+        key=lambda item: item[0],
+    )
     level = increase = 0
     for _, nbytes in events:
         level += nbytes
@@ -636,7 +719,7 @@ class CompiledMemory:
     """
 
     platform: str
-    topology: Optional[str]
+    topology: str | None
     device_kind: str
     peak_bytes: int
     hbm_peak_bytes: int
@@ -649,14 +732,14 @@ class CompiledMemory:
     host_argument_bytes: int
     host_output_bytes: int
     host_temp_bytes: int
-    versions: Tuple[Tuple[str, str], ...]
+    versions: tuple[tuple[str, str], ...]
     hbm_only: bool
-    live_peak_bytes: Optional[int]
-    live_peak_values: Tuple[Tuple[str, int], ...]
+    live_peak_bytes: int | None
+    live_peak_values: tuple[tuple[str, int], ...]
     optimized_hlo: str = dataclasses.field(repr=False, compare=False)
     pre_optimization_hlo: str = dataclasses.field(repr=False, compare=False)
     stablehlo: str = dataclasses.field(repr=False, compare=False)
-    buffer_assignment: Optional[str] = dataclasses.field(default=None, repr=False, compare=False)
+    buffer_assignment: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def live_temporary_bytes(self) -> int:
@@ -668,18 +751,24 @@ class CompiledMemory:
     def count_ops(self, pattern: str = MATMUL_PATTERN, text: str = "optimized") -> int:
         """Matches of the regular expression ``pattern`` in one of the texts: ``'optimized'`` (default),
         ``'pre_optimization'`` or ``'stablehlo'``. The default pattern counts matrix multiplies."""
-        texts = {"optimized": self.optimized_hlo, "pre_optimization": self.pre_optimization_hlo,
-                 "stablehlo": self.stablehlo}
+        texts = {
+            "optimized": self.optimized_hlo,
+            "pre_optimization": self.pre_optimization_hlo,
+            "stablehlo": self.stablehlo,
+        }
         if text not in texts:
             raise ValueError(f"text must be one of {sorted(texts)}, not {text!r}")
         return len(re.findall(pattern, texts[text]))
 
     def __str__(self) -> str:
-        where = f"TPU {self.topology} ({self.device_kind}), from the TPU compiler" if self.platform == "tpu" \
-            else "XLA:CPU"
-        return (f"{where}: peak {format_bytes(self.peak_bytes)}, HBM peak {format_bytes(self.hbm_peak_bytes)}, "
-                f"host {format_bytes(self.host_bytes)} (arguments {format_bytes(self.argument_bytes)}, outputs "
-                f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)})")
+        where = (
+            f"TPU {self.topology} ({self.device_kind}), from the TPU compiler" if self.platform == "tpu" else "XLA:CPU"
+        )
+        return (
+            f"{where}: peak {format_bytes(self.peak_bytes)}, HBM peak {format_bytes(self.hbm_peak_bytes)}, "
+            f"host {format_bytes(self.host_bytes)} (arguments {format_bytes(self.argument_bytes)}, outputs "
+            f"{format_bytes(self.output_bytes)}, temporaries {format_bytes(self.temp_bytes)})"
+        )
 
 
 def stablehlo_of(outputs: Sequence[torch.Tensor]) -> str:
@@ -694,8 +783,9 @@ def stablehlo_of(outputs: Sequence[torch.Tensor]) -> str:
     return backend.lazy_stablehlo(tensors)
 
 
-def step_stablehlo(step_fn: Callable[..., Any], model: torch.nn.Module, *inputs: Any,
-                   require_grads: bool = True) -> str:
+def step_stablehlo(
+    step_fn: Callable[..., Any], model: torch.nn.Module, *inputs: Any, require_grads: bool = True
+) -> str:
     """Trace one training step on the XLA device and return the StableHLO of its loss and parameter gradients.
 
     ``model`` is moved to the XLA device (``nn.Module.to`` is in place) and tensor ``inputs`` are copied there;
@@ -721,9 +811,10 @@ def step_stablehlo(step_fn: Callable[..., Any], model: torch.nn.Module, *inputs:
         result = step_fn(model, *moved)
     grads = [p.grad for p in params if p.grad is not None]
     if require_grads and not grads and any(p.requires_grad for p in params):
-        raise ValueError("step_fn produced no parameter gradients; it must run the backward pass "
-                         "(or pass require_grads=False)")
-    outputs: List[torch.Tensor] = []
+        raise ValueError(
+            "step_fn produced no parameter gradients; it must run the backward pass (or pass require_grads=False)"
+        )
+    outputs: list[torch.Tensor] = []
     seen = set()
     for tensor in list(backend.tensors_in(result)) + grads:
         if backend.device_kind(tensor) == "xla" and id(tensor) not in seen:
@@ -736,7 +827,7 @@ def step_stablehlo(step_fn: Callable[..., Any], model: torch.nn.Module, *inputs:
             param.grad = None
 
 
-_COMPILE_CACHE: Dict[str, CompiledMemory] = {}
+_COMPILE_CACHE: dict[str, CompiledMemory] = {}
 
 
 def clear_compile_cache() -> None:
@@ -758,35 +849,61 @@ def _require(modules: Sequence[str], hint: str, what: str) -> None:
         raise MissingDependencyError(f"{what} needs {', '.join(missing)}, which is not installed: {hint}")
 
 
-def _cache_key(platform: str, topology: Optional[str], device_index: int, text: str, hbm_only: bool = False,
-               liveness: bool = False) -> str:
+def _cache_key(
+    platform: str, topology: str | None, device_index: int, text: str, hbm_only: bool = False, liveness: bool = False
+) -> str:
     tc = _compile_helpers()
-    header = json.dumps({
-        "format": 3, "platform": platform, "topology": topology, "device_index": device_index, "hbm_only": hbm_only,
-        "liveness": liveness,
-        "versions": tc.versions(),
-        # Flags that can change compiled numbers.
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
-    }, sort_keys=True)
+    header = json.dumps(
+        {
+            "format": 3,
+            "platform": platform,
+            "topology": topology,
+            "device_index": device_index,
+            "hbm_only": hbm_only,
+            "liveness": liveness,
+            "versions": tc.versions(),
+            # Flags that can change compiled numbers.
+            "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "LIBTPU_INIT_ARGS": os.environ.get("LIBTPU_INIT_ARGS", ""),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(header.encode() + b"\0" + text.encode()).hexdigest()
 
 
-def _from_result(result: Mapping[str, Any], platform: str, topology: Optional[str], text: str,
-                 versions: Mapping[str, Optional[str]], hbm_only: bool = False) -> CompiledMemory:
-    host = result["host_argument_size_in_bytes"] + result["host_output_size_in_bytes"] + \
-        result["host_temp_size_in_bytes"]
+def _from_result(
+    result: Mapping[str, Any],
+    platform: str,
+    topology: str | None,
+    text: str,
+    versions: Mapping[str, str | None],
+    hbm_only: bool = False,
+) -> CompiledMemory:
+    host = (
+        result["host_argument_size_in_bytes"] + result["host_output_size_in_bytes"] + result["host_temp_size_in_bytes"]
+    )
     return CompiledMemory(
-        platform=platform, topology=topology, device_kind=result.get("device_kind", ""),
-        peak_bytes=result["peak_memory_in_bytes"], hbm_peak_bytes=result["peak_memory_in_bytes"] - host,
-        host_bytes=host, argument_bytes=result["argument_size_in_bytes"],
-        output_bytes=result["output_size_in_bytes"], temp_bytes=result["temp_size_in_bytes"],
-        alias_bytes=result["alias_size_in_bytes"], generated_code_bytes=result["generated_code_size_in_bytes"],
+        platform=platform,
+        topology=topology,
+        device_kind=result.get("device_kind", ""),
+        peak_bytes=result["peak_memory_in_bytes"],
+        hbm_peak_bytes=result["peak_memory_in_bytes"] - host,
+        host_bytes=host,
+        argument_bytes=result["argument_size_in_bytes"],
+        output_bytes=result["output_size_in_bytes"],
+        temp_bytes=result["temp_size_in_bytes"],
+        alias_bytes=result["alias_size_in_bytes"],
+        generated_code_bytes=result["generated_code_size_in_bytes"],
         host_argument_bytes=result["host_argument_size_in_bytes"],
-        host_output_bytes=result["host_output_size_in_bytes"], host_temp_bytes=result["host_temp_size_in_bytes"],
-        versions=tuple(sorted((k, str(v)) for k, v in versions.items())), hbm_only=hbm_only,
+        host_output_bytes=result["host_output_size_in_bytes"],
+        host_temp_bytes=result["host_temp_size_in_bytes"],
+        versions=tuple(sorted((k, str(v)) for k, v in versions.items())),
+        hbm_only=hbm_only,
         live_peak_bytes=result.get("live_peak_bytes"),
         live_peak_values=tuple((str(n), int(b)) for n, b in result.get("live_peak_values", ())),
-        optimized_hlo=result["optimized_hlo"], pre_optimization_hlo=result["pre_optimization_hlo"], stablehlo=text,
+        optimized_hlo=result["optimized_hlo"],
+        pre_optimization_hlo=result["pre_optimization_hlo"],
+        stablehlo=text,
         buffer_assignment=result.get("buffer_assignment"),
     )
 
@@ -798,16 +915,18 @@ def _valid_entry(liveness: bool) -> Callable[[Mapping[str, Any]], bool]:
     def valid(entry: Mapping[str, Any]) -> bool:
         numbers = all(isinstance(entry[name], int) for name in STAT_FIELDS)
         texts = all(isinstance(entry[name], str) for name in ("optimized_hlo", "pre_optimization_hlo"))
-        live = not liveness or (isinstance(entry["live_peak_bytes"], int)
-                                and all(isinstance(n, str) and isinstance(b, int)
-                                        for n, b in entry["live_peak_values"]))
+        live = not liveness or (
+            isinstance(entry["live_peak_bytes"], int)
+            and all(isinstance(n, str) and isinstance(b, int) for n, b in entry["live_peak_values"])
+        )
         return numbers and texts and live and isinstance(entry.get("versions", {}), dict)
 
     return valid
 
 
-def _cached_result(key: str, cache: bool, directory: Optional[Path], liveness: bool = False
-                   ) -> Tuple[Optional[CompiledMemory], Optional[Dict[str, Any]]]:
+def _cached_result(
+    key: str, cache: bool, directory: Path | None, liveness: bool = False
+) -> tuple[CompiledMemory | None, dict[str, Any] | None]:
     if not cache:
         return None, None
     if key in _COMPILE_CACHE:
@@ -815,8 +934,9 @@ def _cached_result(key: str, cache: bool, directory: Optional[Path], liveness: b
     return None, compile_cache.load(directory, key, _valid_entry(liveness))
 
 
-def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
-                   disk_cache: Union[bool, str, "os.PathLike[str]", None] = None) -> CompiledMemory:
+def xla_cpu_memory(
+    stablehlo_text: str, *, cache: bool = True, disk_cache: bool | str | os.PathLike[str] | None = None
+) -> CompiledMemory:
     """Compile StableHLO for XLA:CPU in this process (jaxlib's CPU client) and return its memory plan.
 
     This matches what torch_xla's own XLA:CPU compile assigns. Good for checking that a step compiles and for
@@ -844,25 +964,37 @@ def xla_cpu_memory(stablehlo_text: str, *, cache: bool = True,
 
 def _check_stablehlo(text: Any, what: str) -> None:
     if not isinstance(text, str):
-        raise TypeError(f"{what} needs StableHLO text (a str, as memory.step_stablehlo() and memory.stablehlo_of() "
-                        f"return), got {type(text).__name__}")
+        raise TypeError(
+            f"{what} needs StableHLO text (a str, as memory.step_stablehlo() and memory.stablehlo_of() "
+            f"return), got {type(text).__name__}"
+        )
 
 
-def _resolve_topology(generation: str, topology: Optional[str]) -> str:
+def _resolve_topology(generation: str, topology: str | None) -> str:
     if topology:
         return topology
     if generation in TPU_GENERATIONS:
         return TPU_GENERATIONS[generation]
     if ":" in generation:
         return generation
-    raise ValueError(f"unknown TPU generation {generation!r}; choose one of {sorted(TPU_GENERATIONS)} or pass a "
-                     f"topology string such as 'v5e:2x2'")
+    raise ValueError(
+        f"unknown TPU generation {generation!r}; choose one of {sorted(TPU_GENERATIONS)} or pass a "
+        f"topology string such as 'v5e:2x2'"
+    )
 
 
-def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Optional[str] = None,
-               device_index: int = 0, cache: bool = True,
-               disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
-               timeout: float = 600.0, hbm_only: bool = False, liveness: bool = False) -> CompiledMemory:
+def tpu_memory(
+    stablehlo_text: str,
+    generation: str = "v5e",
+    *,
+    topology: str | None = None,
+    device_index: int = 0,
+    cache: bool = True,
+    disk_cache: bool | str | os.PathLike[str] | None = None,
+    timeout: float = 600.0,
+    hbm_only: bool = False,
+    liveness: bool = False,
+) -> CompiledMemory:
     """Memory the TPU compiler plans for this StableHLO on one chip of a TPU ``generation``, without a TPU.
 
     The figures come from the TPU compiler (libtpu, compiling deviceless against a topology description), not from
@@ -889,16 +1021,31 @@ def tpu_memory(stablehlo_text: str, generation: str = "v5e", *, topology: Option
     or the worker fails (with the compiler's message or the worker's stderr tail).
     """
     _check_stablehlo(stablehlo_text, "tpu_memory")
-    return tpu_memory_many([stablehlo_text], generation, topology=topology, device_index=device_index,
-                           cache=cache, disk_cache=disk_cache, timeout=timeout, hbm_only=hbm_only,
-                           liveness=liveness)[0]
+    return tpu_memory_many(
+        [stablehlo_text],
+        generation,
+        topology=topology,
+        device_index=device_index,
+        cache=cache,
+        disk_cache=disk_cache,
+        timeout=timeout,
+        hbm_only=hbm_only,
+        liveness=liveness,
+    )[0]
 
 
-def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, topology: Optional[str] = None,
-                    device_index: int = 0, cache: bool = True,
-                    disk_cache: Union[bool, str, "os.PathLike[str]", None] = None,
-                    timeout: float = 600.0, hbm_only: bool = False, liveness: bool = False
-                    ) -> List[CompiledMemory]:
+def tpu_memory_many(
+    stablehlo_texts: Sequence[str],
+    generation: str = "v5e",
+    *,
+    topology: str | None = None,
+    device_index: int = 0,
+    cache: bool = True,
+    disk_cache: bool | str | os.PathLike[str] | None = None,
+    timeout: float = 600.0,
+    hbm_only: bool = False,
+    liveness: bool = False,
+) -> list[CompiledMemory]:
     """:func:`tpu_memory` for several modules, compiled in one child process (results in the same order).
 
     ``cache``: reuse results for StableHLO already compiled with the same compiler versions, topology and flags
@@ -916,8 +1063,8 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
     topo = _resolve_topology(generation, topology)
     directory = compile_cache.directory_for(disk_cache)
     keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness) for text in texts]
-    results: List[Optional[CompiledMemory]] = [None] * len(texts)
-    todo: Dict[str, List[int]] = {}
+    results: list[CompiledMemory | None] = [None] * len(texts)
+    todo: dict[str, list[int]] = {}
     for i, (key, text) in enumerate(zip(keys, texts)):
         hit, stored = _cached_result(key, cache, directory, liveness)
         if hit is None and stored is not None:
@@ -929,8 +1076,9 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
             todo.setdefault(key, []).append(i)
     if todo:
         order = list(todo)
-        compiled = _run_tpu_worker([texts[todo[key][0]] for key in order], topo, device_index, timeout, tc,
-                                   hbm_only, liveness)
+        compiled = _run_tpu_worker(
+            [texts[todo[key][0]] for key in order], topo, device_index, timeout, tc, hbm_only, liveness
+        )
         for key, stored in zip(order, compiled):
             if cache:
                 compile_cache.store(directory, key, stored)
@@ -941,14 +1089,21 @@ def tpu_memory_many(stablehlo_texts: Sequence[str], generation: str = "v5e", *, 
     return [r for r in results if r is not None]
 
 
-def _stderr_tail(stderr: Union[str, bytes, None], lines: int = 40) -> str:
+def _stderr_tail(stderr: str | bytes | None, lines: int = 40) -> str:
     if isinstance(stderr, bytes):
         stderr = stderr.decode("utf-8", "replace")
     return "\n".join((stderr or "").strip().splitlines()[-lines:])
 
 
-def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, timeout: float, tc: Any,
-                    hbm_only: bool = False, liveness: bool = False) -> List[Dict[str, Any]]:
+def _run_tpu_worker(
+    texts: Sequence[str],
+    topology: str,
+    device_index: int,
+    timeout: float,
+    tc: Any,
+    hbm_only: bool = False,
+    liveness: bool = False,
+) -> list[dict[str, Any]]:
     worker = Path(tc.__file__).resolve()
     with tempfile.TemporaryDirectory(prefix="revlib_xla_tpu_") as tmp:
         paths = []
@@ -961,7 +1116,7 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
         # libtpu writes log files (two per process) to $TPU_LOG_DIR, by default /tmp/tpu_logs, and never removes
         # them: unless the caller chose a directory, they go into this temporary directory and are deleted with it.
         env.setdefault("TPU_LOG_DIR", str(Path(tmp) / "tpu_logs"))
-        order: Dict[str, Any] = {"topology": topology, "device_index": device_index, "modules": paths}
+        order: dict[str, Any] = {"topology": topology, "device_index": device_index, "modules": paths}
         if liveness:
             order["dump_dir"] = str(Path(tmp) / "dump")
             env["XLA_FLAGS"] = tc.dump_flags(order["dump_dir"], env.get("XLA_FLAGS"))
@@ -969,14 +1124,17 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
         command = [sys.executable, str(worker), str(request), str(result)]
         start = time.perf_counter()
         try:
-            proc = subprocess.run(command, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout, check=False)
+            proc = subprocess.run(command, env=env, capture_output=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
-            raise TpuCompileError(f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; "
-                                  f"stderr tail:\n{_stderr_tail(exc.stderr)}") from None
+            raise TpuCompileError(
+                f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; "
+                f"stderr tail:\n{_stderr_tail(exc.stderr)}"
+            ) from None
         if proc.returncode != 0 or not result.exists():
-            raise TpuCompileError(f"the deviceless TPU compile worker ({topology}) failed with exit code "
-                                  f"{proc.returncode}; stderr tail:\n{_stderr_tail(proc.stderr)}")
+            raise TpuCompileError(
+                f"the deviceless TPU compile worker ({topology}) failed with exit code "
+                f"{proc.returncode}; stderr tail:\n{_stderr_tail(proc.stderr)}"
+            )
         payload = json.loads(result.read_text(encoding="utf-8"))
     logger.debug("tpu_memory: %d module(s) for %s in %.2f s", len(texts), topology, time.perf_counter() - start)
     out = []
@@ -987,8 +1145,10 @@ def _run_tpu_worker(texts: Sequence[str], topology: str, device_index: int, time
         if liveness:
             text = item.get("buffer_assignment")
             if not text:
-                raise TpuCompileError(f"the TPU compiler ({topology}) wrote no buffer assignment for module {i}; "
-                                      f"is --xla_dump_to overridden in XLA_FLAGS?")
+                raise TpuCompileError(
+                    f"the TPU compiler ({topology}) wrote no buffer assignment for module {i}; "
+                    f"is --xla_dump_to overridden in XLA_FLAGS?"
+                )
             peak = live_peak(text)
             item["live_peak_bytes"] = peak.bytes
             item["live_peak_values"] = [list(v) for v in peak.largest]

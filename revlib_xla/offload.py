@@ -18,10 +18,11 @@ Residency is tracked, not assumed: :attr:`ParameterStreamer.max_resident` is the
 device copies were alive at once, counting copies that something else (an autograd graph, a user reference) still
 holds after the streamer dropped them.
 """
+
 from __future__ import annotations
 
 import weakref
-from typing import Dict, List, Optional, Sequence, Set, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -45,7 +46,7 @@ class _ToDevice(torch.autograd.Function):
         return grad.to(ctx.source), None
 
 
-def offload_tensor(inp: Tensor, reference: Union[Tensor, torch.device, str]) -> Tensor:
+def offload_tensor(inp: Tensor, reference: Tensor | torch.device | str) -> Tensor:
     """RevLib's ``offload_tensor``: ``inp`` on ``reference``'s device (a tensor or a device), differentiably.
 
     The gradient goes back to ``inp``'s device. Call it right before using a host-resident parameter in a custom
@@ -89,17 +90,17 @@ class ParameterStreamer:
             for t in unit:
                 backend.pin_host_tensor_(t, self.device)
         self.persistent = persistent and self.copier.asynchronous
-        self._pending: Dict[int, backend.Transfer] = {}
-        self._loaded: Dict[int, List[Tensor]] = {}
-        self._given: Dict[int, List[weakref.ref]] = {}
-        self._slot_owner: List[Optional[int]] = [None, None]
-        self._slot_free: List[object] = [None, None]
-        self._slot_buffers: List[Optional[Tensor]] = [None, None]
+        self._pending: dict[int, backend.Transfer] = {}
+        self._loaded: dict[int, list[Tensor]] = {}
+        self._given: dict[int, list[weakref.ref]] = {}
+        self._slot_owner: list[int | None] = [None, None]
+        self._slot_free: list[object] = [None, None]
+        self._slot_buffers: list[Tensor | None] = [None, None]
         self.max_resident = 0
         self.transfers = 0  # units copied to the device so far
 
     # -- residency --------------------------------------------------------------------------------------------------
-    def resident(self) -> Set[int]:
+    def resident(self) -> set[int]:
         """Units with device copies alive now: loaded or in flight, or given out and still referenced."""
         alive = set(self._loaded) | set(self._pending)
         for i, refs in list(self._given.items()):
@@ -117,17 +118,16 @@ class ParameterStreamer:
         self.transfers = 0
 
     # -- copies -----------------------------------------------------------------------------------------------------
-    def _slot_views(self, i: int, slot: int) -> List[Tensor]:
+    def _slot_views(self, i: int, slot: int) -> list[Tensor]:
         sizes = [(t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in self.units[i]]
-        need = max(sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in u)
-                   for u in self.units)
+        need = max(sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in u) for u in self.units)
         buf = self._slot_buffers[slot]
         if buf is None or buf.numel() < need:
             buf = self._slot_buffers[slot] = torch.empty(need, dtype=torch.uint8, device=self.device)
         views, offset = [], 0
         for t, size in zip(self.units[i], sizes):
             nbytes = t.numel() * t.element_size()
-            views.append(buf[offset:offset + nbytes].view(t.dtype).view(t.shape))
+            views.append(buf[offset : offset + nbytes].view(t.dtype).view(t.shape))
             offset += size
         return views
 
@@ -144,12 +144,12 @@ class ParameterStreamer:
         self.transfers += 1
         self._note()
 
-    def prefetch(self, i: Optional[int], persistent: bool = True) -> None:
+    def prefetch(self, i: int | None, persistent: bool = True) -> None:
         """Start copying unit ``i`` (ignored when ``None`` or out of range)."""
         if i is not None and 0 <= i < len(self.units):
             self._start(i, persistent)
 
-    def fetch(self, i: int, prefetch: Optional[int] = None, persistent: bool = True) -> List[Tensor]:
+    def fetch(self, i: int, prefetch: int | None = None, persistent: bool = True) -> list[Tensor]:
         """Unit ``i``'s device copies, ready for the compute stream; starts copying unit ``prefetch`` too."""
         if i not in self._loaded:
             self._start(i, persistent)

@@ -20,10 +20,12 @@ What differs from fairscale, and why (each is a test in ``tests/test_offload_mod
   activations), without squeezing a trailing size-1 dimension; they work with and without checkpointing.
 * It runs on cuda, on xla, and on the cpu (``device == offload_device``: a functional fallback with real copies).
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,13 +44,13 @@ class OffloadModelError(TypeError, ValueError):
     fairscale raised for a wrong model type) and a ``ValueError``."""
 
 
-def split_by_parameters(modules: Sequence[nn.Module], num_slices: int) -> List[List[nn.Module]]:
+def split_by_parameters(modules: Sequence[nn.Module], num_slices: int) -> list[list[nn.Module]]:
     """Consecutive groups of ``modules`` (at most ``num_slices``, none empty) of about equal parameter count: a new
     group starts when adding the next module would pass the per-slice share."""
     num_slices = max(1, min(num_slices, len(modules)))
     counts = [sum(p.numel() for p in m.parameters()) for m in modules]
     share = sum(counts) / num_slices
-    groups: List[List[nn.Module]] = [[]]
+    groups: list[list[nn.Module]] = [[]]
     current = 0
     for i, (m, n) in enumerate(zip(modules, counts)):
         remaining_modules = len(modules) - i
@@ -64,30 +66,35 @@ def split_by_parameters(modules: Sequence[nn.Module], num_slices: int) -> List[L
 # ----------------------------------------------------------------------------------------------------------------
 # Micro-batches
 
-def _batch_size(inputs: Sequence[Any]) -> Optional[int]:
+
+def _batch_size(inputs: Sequence[Any]) -> int | None:
     sizes = {t.shape[0] for t in inputs if isinstance(t, Tensor) and t.dim() > 0}
     if len(sizes) > 1:
-        raise OffloadModelError(f"OffloadModel: micro-batching splits every tensor input along dim 0, but the inputs "
-                                f"have different sizes there: {sorted(sizes)}")
+        raise OffloadModelError(
+            f"OffloadModel: micro-batching splits every tensor input along dim 0, but the inputs "
+            f"have different sizes there: {sorted(sizes)}"
+        )
     return sizes.pop() if sizes else None
 
 
-def _micro_batches(inputs: Sequence[Any], n: int) -> List[Tuple[Any, ...]]:
+def _micro_batches(inputs: Sequence[Any], n: int) -> list[tuple[Any, ...]]:
     if n == 1:
         return [tuple(inputs)]
     parts = [t.tensor_split(n) if isinstance(t, Tensor) and t.dim() > 0 else [t] * n for t in inputs]
     return [tuple(p[k] for p in parts) for k in range(n)]
 
 
-def _as_tuple(out: Any, where: str) -> Tuple[Tensor, ...]:
+def _as_tuple(out: Any, where: str) -> tuple[Tensor, ...]:
     out = out if isinstance(out, tuple) else (out,)
     if not all(isinstance(t, Tensor) for t in out):
-        raise OffloadModelError(f"OffloadModel: {where} returned {[type(t).__name__ for t in out]}; a slice must "
-                                f"return a tensor or a tuple of tensors (they are the next slice's inputs)")
+        raise OffloadModelError(
+            f"OffloadModel: {where} returned {[type(t).__name__ for t in out]}; a slice must "
+            f"return a tensor or a tuple of tensors (they are the next slice's inputs)"
+        )
     return out
 
 
-def _join(outs: List[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
+def _join(outs: list[tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
     if len(outs) == 1:
         return outs[0]
     return tuple(torch.cat(parts, 0) for parts in zip(*outs))
@@ -95,6 +102,7 @@ def _join(outs: List[Tuple[Tensor, ...]]) -> Tuple[Tensor, ...]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd pieces
+
 
 class _Attach(torch.autograd.Function):
     """A device copy standing for a host tensor: its gradient goes to the host tensor."""
@@ -115,7 +123,7 @@ class _Boundary(torch.autograd.Function):
     slice's tensors, so the slice's backward runs with its parameters on the device and no longer."""
 
     @staticmethod
-    def forward(ctx, owner: "OffloadModel", index: int, entering: bool, dummy: Tensor, *acts: Tensor):
+    def forward(ctx, owner: OffloadModel, index: int, entering: bool, dummy: Tensor, *acts: Tensor):
         ctx.owner, ctx.index, ctx.entering = owner, index, entering
         out = tuple(a.detach() for a in acts)
         ctx.mark_non_differentiable(*(o for o in out if not (o.is_floating_point() or o.is_complex())))
@@ -139,8 +147,8 @@ class _CheckpointedSlice(torch.autograd.Function):
     slice in again, recomputes it as its forward ran (:mod:`revlib_xla.recompute`) and differentiates it."""
 
     @staticmethod
-    def forward(ctx, owner: "OffloadModel", index: int, call: CallReplay, n_acts: int, *flat: Tensor):
-        acts, host = flat[:n_acts], flat[n_acts:]
+    def forward(ctx, owner: OffloadModel, index: int, call: CallReplay, n_acts: int, *flat: Tensor):
+        acts = flat[:n_acts]
         ctx.owner, ctx.index, ctx.call, ctx.n_acts = owner, index, call, n_acts
         with torch.no_grad():
             outs, ctx.saved_buffers = owner._run_slice(index, acts, prefetch=index + 1, call=call)
@@ -162,16 +170,19 @@ class _CheckpointedSlice(torch.autograd.Function):
             trainable = [k for k, t in enumerate(host) if t.requires_grad]
             for k in trainable:
                 copies[k] = copies[k].detach().requires_grad_()
-            param_grads: List[Optional[Tensor]] = [None] * len(host)
-            act_grads: List[List[Optional[Tensor]]] = []
+            param_grads: list[Tensor | None] = [None] * len(host)
+            act_grads: list[list[Tensor | None]] = []
             mbs = _micro_batches(leaves, owner._num_microbatches)
             grad_mbs = _micro_batches(grads, owner._num_microbatches)
             for mb, gmb in zip(mbs, grad_mbs):
                 outs = owner._call(ctx.index, copies, mb)
                 pairs = [(o, g) for o, g in zip(outs, gmb) if o.requires_grad and g is not None]
                 wrt = [t for t in mb if t.requires_grad] + [copies[k] for k in trainable]
-                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
-                                          allow_unused=True) if pairs else [None] * len(wrt)
+                got = (
+                    torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                    if pairs
+                    else [None] * len(wrt)
+                )
                 it = iter(got)
                 act_grads.append([next(it) if t.requires_grad else None for t in mb])
                 for k in trainable:
@@ -186,14 +197,15 @@ class _CheckpointedSlice(torch.autograd.Function):
         input_grads = []
         for j in range(ctx.n_acts):
             parts = [mb[j] for mb in act_grads]
-            input_grads.append(None if any(p is None for p in parts) else
-                               (parts[0] if len(parts) == 1 else torch.cat(parts, 0)))
-        host_grads = [None if g is None else backend.to_host_blocking(g, h.device)
-                      for g, h in zip(param_grads, host)]
+            input_grads.append(
+                None if any(p is None for p in parts) else (parts[0] if len(parts) == 1 else torch.cat(parts, 0))
+            )
+        host_grads = [None if g is None else backend.to_host_blocking(g, h.device) for g, h in zip(param_grads, host)]
         return (None, None, None, None, *input_grads, *host_grads)
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
 
 class OffloadModel(nn.Module):
     """Train a sequential model whose parameters live on ``offload_device`` (the host), streaming one slice at a
@@ -214,9 +226,15 @@ class OffloadModel(nn.Module):
     afterwards (or before: the Parameter objects are kept).
     """
 
-    def __init__(self, model: Union[nn.Sequential, Sequence[nn.Module]], device: backend.DeviceLike,
-                 offload_device: backend.DeviceLike = torch.device("cpu"), num_slices: int = 3,
-                 checkpoint_activation: bool = False, num_microbatches: int = 1):
+    def __init__(
+        self,
+        model: nn.Sequential | Sequence[nn.Module],
+        device: backend.DeviceLike,
+        offload_device: backend.DeviceLike = "cpu",
+        num_slices: int = 3,
+        checkpoint_activation: bool = False,
+        num_microbatches: int = 1,
+    ):
         super().__init__()
         if model is None:
             raise OffloadModelError("OffloadModel: `model` is None")
@@ -231,12 +249,16 @@ class OffloadModel(nn.Module):
         elif isinstance(model, (list, tuple)) and model and all(isinstance(m, nn.Module) for m in model):
             slices = list(model)
         else:
-            what = type(model).__name__ if not isinstance(model, (list, tuple)) else \
-                f"a {type(model).__name__} of {[type(m).__name__ for m in model]}"
+            what = (
+                type(model).__name__
+                if not isinstance(model, (list, tuple))
+                else f"a {type(model).__name__} of {[type(m).__name__ for m in model]}"
+            )
             raise OffloadModelError(
                 f"OffloadModel: `model` must be an nn.Sequential or a non-empty list of nn.Modules (pre-made "
                 f"slices), got {what}. A model with its own forward cannot be cut into slices automatically: "
-                f"write it as a sequence of modules, each taking the previous one's outputs")
+                f"write it as a sequence of modules, each taking the previous one's outputs"
+            )
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise OffloadModelError(f"OffloadModel: num_microbatches must be a positive int, got {num_microbatches!r}")
         self.device = torch.device(device) if not isinstance(device, torch.device) else device
@@ -245,12 +267,13 @@ class OffloadModel(nn.Module):
         self.model_slices.to(self.offload_device)
         self._checkpoint_activation = checkpoint_activation
         self._num_microbatches = num_microbatches
-        self._slice_tensors: List[List[Tensor]] = []
-        self._slice_names: List[List[List[str]]] = []
+        self._slice_tensors: list[list[Tensor]] = []
+        self._slice_names: list[list[list[str]]] = []
         for s in self.model_slices:
             tensors, names, seen = [], [], {}
-            for name, t in list(s.named_parameters(remove_duplicate=False)) + \
-                    list(s.named_buffers(remove_duplicate=False)):
+            for name, t in list(s.named_parameters(remove_duplicate=False)) + list(
+                s.named_buffers(remove_duplicate=False)
+            ):
                 if id(t) not in seen:
                     seen[id(t)] = len(tensors)
                     tensors.append(t)
@@ -277,7 +300,7 @@ class OffloadModel(nn.Module):
         return self._streamer
 
     # -- running one slice ------------------------------------------------------------------------------------------
-    def _call(self, index: int, copies: Sequence[Tensor], inputs: Sequence[Any]) -> Tuple[Tensor, ...]:
+    def _call(self, index: int, copies: Sequence[Tensor], inputs: Sequence[Any]) -> tuple[Tensor, ...]:
         mapping = {name: t for names, t in zip(self._slice_names[index], copies) for name in names}
         out = torch.func.functional_call(self.model_slices[index], mapping, tuple(inputs))
         return _as_tuple(out, f"slice {index} ({type(self.model_slices[index]).__name__})")
@@ -288,13 +311,14 @@ class OffloadModel(nn.Module):
                 if id(host) in self._buffer_ids:
                     host.copy_(copy)
 
-    def _buffers_of(self, index: int, copies: Sequence[Tensor]) -> List[Tensor]:
+    def _buffers_of(self, index: int, copies: Sequence[Tensor]) -> list[Tensor]:
         """The device copies standing for slice ``index``'s buffers, in the order of :func:`owned_buffers`."""
         position = {id(t): k for k, t in enumerate(self._slice_tensors[index])}
         return [copies[position[id(b)]] for _, b in owned_buffers(self.model_slices[index].modules())]
 
-    def _run_slice(self, index: int, inputs: Sequence[Any], prefetch: int, call: Optional[CallReplay] = None
-                   ) -> Tuple[Tuple[Tensor, ...], Optional[SavedBuffers]]:
+    def _run_slice(
+        self, index: int, inputs: Sequence[Any], prefetch: int, call: CallReplay | None = None
+    ) -> tuple[tuple[Tensor, ...], SavedBuffers | None]:
         """Slice ``index`` on ``inputs`` (no autograd bookkeeping of parameters), micro-batched. With ``call`` (a
         checkpointed slice's first run): under the slice's random numbers, and returning the values its changed
         buffers had before (for the recomputation)."""
@@ -313,7 +337,7 @@ class OffloadModel(nn.Module):
         self._streamer.release(index)
         return outs, saved
 
-    def _run_slice_with_graph(self, index: int, inputs: Sequence[Any]) -> Tuple[Tensor, ...]:
+    def _run_slice_with_graph(self, index: int, inputs: Sequence[Any]) -> tuple[Tensor, ...]:
         """Slice ``index`` under autograd without checkpointing: activations stay in the graph, parameter copies
         saved by it are replaced by references and fetched again in the backward."""
         streamer = self._streamer
@@ -341,7 +365,8 @@ class OffloadModel(nn.Module):
             if version is not None and self._slice_tensors[i][k]._version != version:
                 raise RuntimeError(
                     f"OffloadModel: a parameter or buffer of slice {i} was modified in place between the forward "
-                    f"and the backward (an optimizer step?); its gradient would be wrong. Step after backward().")
+                    f"and the backward (an optimizer step?); its gradient would be wrong. Step after backward()."
+                )
             base = streamer.fetch(i, persistent=False)[k]
             return base.as_strided(size, stride, offset)
 
@@ -359,8 +384,9 @@ class OffloadModel(nn.Module):
             raise OffloadModelError(
                 f"OffloadModel: num_microbatches={self._num_microbatches} is larger than the batch "
                 f"({batch if batch is not None else 'no tensor input with a batch dimension'}); each micro-batch "
-                f"needs at least one sample")
-        acts: Tuple[Any, ...] = tuple(inputs)
+                f"needs at least one sample"
+            )
+        acts: tuple[Any, ...] = tuple(inputs)
         n = len(self.model_slices)
         if not torch.is_grad_enabled():
             for i in range(n):
@@ -368,15 +394,20 @@ class OffloadModel(nn.Module):
             return acts if len(acts) > 1 else acts[0]
         dummy = torch.empty(0, requires_grad=True)  # makes every boundary's backward run
         call = CallReplay(self.device) if self._checkpoint_activation else None
-        with RecomputeState.of(self).python_random_check("OffloadModel") if call is not None else \
-                contextlib.nullcontext():
+        with (
+            RecomputeState.of(self).python_random_check("OffloadModel")
+            if call is not None
+            else contextlib.nullcontext()
+        ):
             return self._forward_slices(acts, call, dummy)
 
-    def _forward_slices(self, acts: Tuple[Any, ...], call: Optional[CallReplay], dummy: Tensor) -> Any:
+    def _forward_slices(self, acts: tuple[Any, ...], call: CallReplay | None, dummy: Tensor) -> Any:
         for i in range(len(self.model_slices)):
             if not all(isinstance(a, Tensor) for a in acts):
-                raise OffloadModelError(f"OffloadModel: slice {i} gets {[type(a).__name__ for a in acts]}; every "
-                                        f"input of a slice (and of the model) must be a tensor")
+                raise OffloadModelError(
+                    f"OffloadModel: slice {i} gets {[type(a).__name__ for a in acts]}; every "
+                    f"input of a slice (and of the model) must be a tensor"
+                )
             if call is not None:
                 out = _CheckpointedSlice.apply(self, i, call, len(acts), *acts, *self._slice_tensors[i])
             else:

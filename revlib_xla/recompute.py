@@ -26,13 +26,15 @@ computed. Three things can differ between the two runs, and each is handled here
 Cost: a unit without buffers and random operators pays one seeding per run; each random operator pays one Python
 call (a few microseconds); a unit with buffers pays a version check per buffer and a copy of the changed ones.
 """
+
 from __future__ import annotations
 
 import contextlib
 import random
 import threading
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -41,41 +43,42 @@ from . import backend
 __all__ = ["rng_scope", "CallReplay", "RecomputeState", "SavedBuffers", "owned_buffers", "preserved", "probe"]
 
 Tensor = torch.Tensor
-Reseed = Callable[[Optional[int]], None]
+Reseed = Callable[[int | None], None]
 #: Per call, per unit seed: the generators a unit was handed by the user's code (not by the scope) and their state
 #: at the unit's first draw from each in the forward, ``{seed: {id(generator): (generator, state)}}``.
-GeneratorRecord = Dict[int, Dict[int, Tuple[torch.Generator, Tensor]]]
+GeneratorRecord = dict[int, dict[int, tuple[torch.Generator, Tensor]]]
 
 _NOTHING = contextlib.nullcontext()
 _KEY_NAME = "DeferredInit"  # a dispatch key above autograd that torch leaves unused (torchdistx had it)
 _local = threading.local()
 _install_lock = threading.Lock()
-_installed: List[Any] = []  # [dispatch key or None, libraries kept alive]
+_installed: list[Any] = []  # [dispatch key or None, libraries kept alive]
 
 
-def _ignore(seed: Optional[int]) -> None:
+def _ignore(seed: int | None) -> None:
     pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Random numbers: a thread-local rule that hands random operators the scope's generators
 
+
 class _Frame:
     """One active :func:`rng_scope` of a thread: its generators (one per device, made at the first draw there),
     the current unit's seed, and the user's generators it has started again for a recomputation."""
 
-    __slots__ = ("gens", "owned", "device_seed", "seed", "record", "replay", "moved", "forks")
+    __slots__ = ("device_seed", "forks", "gens", "moved", "owned", "record", "replay", "seed")
 
-    def __init__(self, device: torch.device, record: Optional[GeneratorRecord], replay: bool) -> None:
-        self.gens: Dict[torch.device, Optional[torch.Generator]] = {}
+    def __init__(self, device: torch.device, record: GeneratorRecord | None, replay: bool) -> None:
+        self.gens: dict[torch.device, torch.Generator | None] = {}
         self.owned: set = set()
         self.device_seed = backend.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
-        self.seed: Optional[int] = None
+        self.seed: int | None = None
         self.record, self.replay = record, replay
-        self.moved: List[Tuple[torch.Generator, Tensor]] = []
+        self.moved: list[tuple[torch.Generator, Tensor]] = []
         self.forks = 0
 
-    def reseed(self, seed: Optional[int]) -> None:
+    def reseed(self, seed: int | None) -> None:
         if seed is None:
             return
         if self.moved:
@@ -87,7 +90,7 @@ class _Frame:
         if self.device_seed is not None:
             self.device_seed.seed(seed)
 
-    def generator(self, device: torch.device) -> Optional[torch.Generator]:
+    def generator(self, device: torch.device) -> torch.Generator | None:
         """The scope's generator for ``device`` (``None``: leave the operator as it is)."""
         if self.seed is None:
             return None
@@ -125,14 +128,14 @@ class _Frame:
             self.device_seed.restore()
 
 
-def _frames() -> List[_Frame]:
+def _frames() -> list[_Frame]:
     frames = getattr(_local, "frames", None)
     if frames is None:
         frames = _local.frames = []
     return frames
 
 
-def _device_of(args: Sequence[Any], kwargs: Dict[str, Any]) -> torch.device:
+def _device_of(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
     for a in (*args, *kwargs.values()):
         if isinstance(a, Tensor):
             return a.device
@@ -164,7 +167,7 @@ def _native_dropout(key: Any) -> Callable:
     within a scope it runs as the same computation from a Bernoulli mask drawn from the scope's generator."""
     op = torch.ops.aten.native_dropout.default
 
-    def kernel(keyset: Any, input: Tensor, p: float, train: Optional[bool]) -> Any:
+    def kernel(keyset: Any, input: Tensor, p: float, train: bool | None) -> Any:
         frames = getattr(_local, "frames", None)
         own = frames[-1].generator(input.device) if frames and train is not False and input.numel() else None
         if own is None:
@@ -221,10 +224,14 @@ def _install() -> Any:
             rules.impl(torch.ops.aten.native_dropout.default, _native_dropout(key), _KEY_NAME, with_keyset=True)
             _installed[:] = [key, (passthrough, rules)]
         except Exception as exc:  # a torch without these internals: fall back, loudly
-            warnings.warn(f"revlib_xla: cannot hand random operators their own generators on torch "
-                          f"{torch.__version__} ({type(exc).__name__}: {exc}); recomputations replay random numbers "
-                          f"by reseeding torch's global generators, which is not safe while another thread draws "
-                          f"from them", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"revlib_xla: cannot hand random operators their own generators on torch "
+                f"{torch.__version__} ({type(exc).__name__}: {exc}); recomputations replay random numbers "
+                f"by reseeding torch's global generators, which is not safe while another thread draws "
+                f"from them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             _installed[:] = [None, ()]
     return _installed[0]
 
@@ -239,11 +246,13 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
         try:
             arguments = torch._C._get_schema(base, overload).arguments
             names = [a.name for a in arguments]
-            if "generator" not in names and ("dropout_p" not in names or base.endswith("_backward")
-                                             or torch._C._dispatch_has_kernel_for_dispatch_key(
-                                                 name, "CompositeImplicitAutograd")):
+            if "generator" not in names and (
+                "dropout_p" not in names
+                or base.endswith("_backward")
+                or torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd")
+            ):
                 continue
-            op = getattr(getattr(torch.ops.aten, base[len("aten::"):]), overload or "default")
+            op = getattr(getattr(torch.ops.aten, base[len("aten::") :]), overload or "default")
             if "generator" in names:
                 k = names.index("generator")
                 rules.impl(op, _handing(op, k, arguments[k].kwarg_only, key), _KEY_NAME, with_keyset=True)
@@ -251,14 +260,15 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
                 rules.impl(op, _forking(op, names.index("dropout_p"), key), _KEY_NAME, with_keyset=True)
             else:
                 continue
-        except Exception:  # noqa: BLE001 - an operator of this build that cannot be resolved is left as it is
+        except Exception:
             continue
         yield op
 
 
 @contextlib.contextmanager
-def rng_scope(device: backend.DeviceLike, active: bool = True, record: Optional[GeneratorRecord] = None,
-              replay: bool = False) -> Iterator[Reseed]:
+def rng_scope(
+    device: backend.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
+) -> Iterator[Reseed]:
     """Yield ``reseed(seed)``: from then on, random operators of this thread draw from generators owned by the
     scope and seeded with ``seed``. One ``reseed`` per unit; given ``None``, or with ``active=False``, it does
     nothing.
@@ -303,6 +313,7 @@ def rewind(record: GeneratorRecord) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # One call's capture, for engines that enter a scope per unit
 
+
 class CallReplay:
     """What one engine call's forward captured for its recomputations: one seed (unit ``i`` runs under
     ``derive_seed(seed, i)``; ``None`` with ``preserve_rng=False``, then units draw from the global generators
@@ -314,7 +325,7 @@ class CallReplay:
         self.autocast = backend.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
 
-    def _unit_seed(self, unit: int) -> Optional[int]:
+    def _unit_seed(self, unit: int) -> int | None:
         return None if self.seed is None else backend.derive_seed(self.seed, unit)
 
     @contextlib.contextmanager
@@ -326,8 +337,7 @@ class CallReplay:
     @contextlib.contextmanager
     def rerun(self, unit: int) -> Iterator[None]:
         """The unit's random numbers and the forward's autocast state, for a recomputation."""
-        with rng_scope(self.device, self.seed is not None, self.record, replay=True) as reseed, \
-                self.autocast.replay():
+        with rng_scope(self.device, self.seed is not None, self.record, replay=True) as reseed, self.autocast.replay():
             reseed(self._unit_seed(unit))
             yield
 
@@ -335,16 +345,17 @@ class CallReplay:
 # ----------------------------------------------------------------------------------------------------------------
 # Buffers a forward changes
 
+
 class SavedBuffers:
     """The buffers of a unit that its forward changed, by position in the unit's buffer list, with their values
     from before that forward."""
 
-    __slots__ = ("positions", "before")
+    __slots__ = ("before", "positions")
 
-    def __init__(self, positions: List[int], before: List[Tensor]) -> None:
+    def __init__(self, positions: list[int], before: list[Tensor]) -> None:
         self.positions, self.before = positions, before
 
-    def swap_in(self, tensors: Sequence[Tensor]) -> List[Tensor]:
+    def swap_in(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Give ``tensors`` (the unit's buffers, or the device copies standing for them) their values from before
         the forward; returns their current values, for :meth:`put_back`."""
         current = []
@@ -371,17 +382,18 @@ class SavedBuffers:
 
 
 class _Watch:
-    __slots__ = ("keys", "tensors", "versions", "copies", "fresh")
+    __slots__ = ("copies", "fresh", "keys", "tensors", "versions")
 
-    def __init__(self, keys: List[Any], tensors: Sequence[Tensor], copies: List[Optional[Tensor]],
-                 fresh: List[bool]) -> None:
+    def __init__(
+        self, keys: list[Any], tensors: Sequence[Tensor], copies: list[Tensor | None], fresh: list[bool]
+    ) -> None:
         self.keys, self.tensors, self.copies, self.fresh = keys, tensors, copies, fresh
         self.versions = [t._version for t in tensors]
 
 
-def owned_buffers(modules: Iterable[torch.nn.Module]) -> List[Tuple[torch.nn.Module, Tensor]]:
+def owned_buffers(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, Tensor]]:
     """Each buffer of ``modules`` (e.g. ``unit.modules()``) once, with the module that owns it."""
-    seen: Dict[int, Tuple[torch.nn.Module, Tensor]] = {}
+    seen: dict[int, tuple[torch.nn.Module, Tensor]] = {}
     for owner in modules:
         for b in owner._buffers.values():
             if b is not None and id(b) not in seen:
@@ -406,7 +418,7 @@ class RecomputeState:
         self._random_checked = False
 
     @classmethod
-    def of(cls, engine: torch.nn.Module) -> "RecomputeState":
+    def of(cls, engine: torch.nn.Module) -> RecomputeState:
         """The state of ``engine`` (an engine module), made at its first use (so also for models pickled before
         it existed)."""
         state = engine.__dict__.get("_recompute")
@@ -414,8 +426,9 @@ class RecomputeState:
             state = engine.__dict__["_recompute"] = cls()
         return state
 
-    def watch(self, buffers: Sequence[Tuple[torch.nn.Module, Tensor]],
-              tensors: Optional[Sequence[Tensor]] = None) -> Optional[_Watch]:
+    def watch(
+        self, buffers: Sequence[tuple[torch.nn.Module, Tensor]], tensors: Sequence[Tensor] | None = None
+    ) -> _Watch | None:
         """Before a unit's first run: note the state of its ``buffers`` (``(owner, buffer)`` pairs, see
         :func:`owned_buffers`), or of the device copies ``tensors`` standing for them. ``None`` when it has none."""
         if not buffers:
@@ -427,7 +440,7 @@ class RecomputeState:
             copies = [t.clone() if new or k in self._changing else None for k, t, new in zip(keys, tensors, fresh)]
         return _Watch(keys, tensors, copies, fresh)
 
-    def changed(self, watch: Optional[_Watch], where: str) -> Optional[SavedBuffers]:
+    def changed(self, watch: _Watch | None, where: str) -> SavedBuffers | None:
         """After the unit's first run: the buffers it changed, with their values from before (``None``: none)."""
         if watch is None:
             return None
@@ -447,10 +460,13 @@ class RecomputeState:
                 continue
             saved.append(k)
         if missing:
-            warnings.warn(f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
-                          f"earlier values were not kept, so this call's recomputation starts from the changed values "
-                          f"(its gradients may differ from the plain model's). They are kept from the next call on.",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
+                f"earlier values were not kept, so this call's recomputation starts from the changed values "
+                f"(its gradients may differ from the plain model's). They are kept from the next call on.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         return SavedBuffers(saved, [watch.copies[k] for k in saved]) if saved else None
 
     def python_random_check(self, where: str) -> Any:
@@ -468,11 +484,14 @@ def _python_random_guard(where: str) -> Iterator[None]:
     before = random.getstate()
     yield
     if random.getstate() != before:
-        warnings.warn(f"{where}: a block drew from Python's random module during the forward. Its recomputation in "
-                      f"the backward draws the next numbers, not the same ones, so the gradients are not those of "
-                      f"the forward that was run. Draw with torch (torch.rand, or a torch.Generator the block owns), "
-                      f"which is replayed. (If another thread used random meanwhile, this is a false alarm.)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{where}: a block drew from Python's random module during the forward. Its recomputation in "
+            f"the backward draws the next numbers, not the same ones, so the gradients are not those of "
+            f"the forward that was run. Draw with torch (torch.rand, or a torch.Generator the block owns), "
+            f"which is replayed. (If another thread used random meanwhile, this is a false alarm.)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ Design (what differs from RevLib and why):
   :mod:`revlib_xla.recompute`). Only integers are kept per layer, plus those buffers, so nothing else grows with
   depth.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,28 +35,46 @@ import dataclasses
 import enum
 import sys
 import warnings
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import backend
-from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
+from .coupling import (
+    COUPLING,
+    CouplingPair,
+    additive_coupling_forward,
+    additive_coupling_inverse,
+    first_tensor,
+    is_additive_forward,
+    is_additive_inverse,
+    optional_detach,
+    pick,
+)
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .grad_destination import GradDestination, node_destination
 from .offload import ParameterStreamer, offload_tensor
-from .coupling import (COUPLING, CouplingPair, additive_coupling_forward, additive_coupling_inverse, first_tensor,
-                       is_additive_forward, is_additive_inverse, optional_detach, pick)
+from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 
 Tensor = torch.Tensor
-DUAL_OR_QUAD_TENSOR = Union[Tuple[Tensor, Tensor, Tensor, Tensor], Tuple[Tensor, Tensor]]
-FUSED_OPTIMIZER = Optional[Callable[[Iterable], torch.optim.Optimizer]]
-LAYERWISE_ARGS_KWARGS = Optional[List[Tuple[List[Any], Dict[str, Any]]]]
+DUAL_OR_QUAD_TENSOR = tuple[Tensor, Tensor, Tensor, Tensor] | tuple[Tensor, Tensor]
+FUSED_OPTIMIZER = Callable[[Iterable], torch.optim.Optimizer] | None
+LAYERWISE_ARGS_KWARGS = list[tuple[list[Any], dict[str, Any]]] | None
 
 __all__ = [
-    "MemoryModes", "ReversibleModule", "ReversibleSequential", "ReversibleModuleCache", "ReversibleError",
-    "check_invertible", "InvertibilityReport", "offload_tensor", "DUAL_OR_QUAD_TENSOR", "FUSED_OPTIMIZER",
+    "MemoryModes",
+    "ReversibleModule",
+    "ReversibleSequential",
+    "ReversibleModuleCache",
+    "ReversibleError",
+    "check_invertible",
+    "InvertibilityReport",
+    "offload_tensor",
+    "DUAL_OR_QUAD_TENSOR",
+    "FUSED_OPTIMIZER",
 ]
 
 
@@ -77,8 +96,9 @@ def _describe_coupling(coupling: COUPLING) -> str:
     return getattr(coupling, "__qualname__", None) or repr(coupling)
 
 
-def _check_pair(forward: Optional[COUPLING], inverse: Optional[COUPLING], where: str, forward_name: str,
-                inverse_name: str) -> None:
+def _check_pair(
+    forward: COUPLING | None, inverse: COUPLING | None, where: str, forward_name: str, inverse_name: str
+) -> None:
     """Refuse a coupling without its inverse, or an inverse without its coupling (``None`` means additive): RevLib
     pairs a lone ``coupling_forward`` with the additive inverse, which rebuilds the wrong input and gives wrong
     gradients.
@@ -86,40 +106,53 @@ def _check_pair(forward: Optional[COUPLING], inverse: Optional[COUPLING], where:
     A pair given explicitly on both sides cannot be judged here; :func:`check_invertible`, which runs at the first
     training forward for every pair that is not additive (``verify_inverse``), measures it."""
     if inverse is None and not is_additive_forward(forward):
-        problem = (f"{forward_name} is {_describe_coupling(forward)}, but {inverse_name} is None: the additive "
-                   f"inverse does not undo it")
+        problem = (
+            f"{forward_name} is {_describe_coupling(forward)}, but {inverse_name} is None: the additive "
+            f"inverse does not undo it"
+        )
         fix = f"pass its inverse as {inverse_name}"
     elif forward is None and not is_additive_inverse(inverse):
-        problem = (f"{inverse_name} is {_describe_coupling(inverse)}, but {forward_name} is None (additive): it is "
-                   f"not the inverse of the additive coupling")
+        problem = (
+            f"{inverse_name} is {_describe_coupling(inverse)}, but {forward_name} is None (additive): it is "
+            f"not the inverse of the additive coupling"
+        )
         fix = f"pass the coupling it inverts as {forward_name}"
     else:
         return
     raise ReversibleError(
         f"{where}: {problem}. The backward rebuilds each layer's input with the inverse, so a mismatched pair gives "
         f"wrong gradients; {fix} (e.g. pair = revlib_xla.momentum_coupling(0.9); coupling_forward=[pair.forward], "
-        f"coupling_inverse=[pair.inverse]).")
+        f"coupling_inverse=[pair.inverse])."
+    )
 
 
-def _coupling_list(value: Any, name: str) -> List[Optional[COUPLING]]:
+def _coupling_list(value: Any, name: str) -> list[COUPLING | None]:
     """``coupling_forward``/``coupling_inverse`` as a list (a single callable is a list of one)."""
     if value is None:
         return []
     if isinstance(value, CouplingPair):
         raise ReversibleError(
             f"ReversibleSequential: {name} is a CouplingPair; pass coupling_forward=[pair.forward] and "
-            f"coupling_inverse=[pair.inverse]")
+            f"coupling_inverse=[pair.inverse]"
+        )
     if callable(value):
         return [value]
     if not isinstance(value, (list, tuple)):
-        raise ReversibleError(f"ReversibleSequential: {name} must be a list of couplings (callables; None means "
-                              f"additive), got {type(value).__name__}")
+        raise ReversibleError(
+            f"ReversibleSequential: {name} must be a list of couplings (callables; None means "
+            f"additive), got {type(value).__name__}"
+        )
     for j, coupling in enumerate(value):
         if coupling is not None and not callable(coupling):
-            hint = (": pass pair.forward in coupling_forward and pair.inverse in coupling_inverse"
-                    if isinstance(coupling, CouplingPair) else "")
-            raise ReversibleError(f"ReversibleSequential: {name}[{j}] is a {type(coupling).__name__}, expected a "
-                                  f"callable (or None for additive){hint}")
+            hint = (
+                ": pass pair.forward in coupling_forward and pair.inverse in coupling_inverse"
+                if isinstance(coupling, CouplingPair)
+                else ""
+            )
+            raise ReversibleError(
+                f"ReversibleSequential: {name}[{j}] is a {type(coupling).__name__}, expected a "
+                f"callable (or None for additive){hint}"
+            )
     return list(value)
 
 
@@ -131,17 +164,23 @@ def _check_couplings(coupling_forward: Any, coupling_inverse: Any) -> None:
         raise ReversibleError(
             f"ReversibleSequential: coupling_forward has {len(forwards)} entries but coupling_inverse has "
             f"{len(inverses)}. Both lists are cycled over the layers, so entry j of coupling_inverse must undo entry "
-            f"j of coupling_forward: give them the same length (None for an additive layer).")
+            f"j of coupling_forward: give them the same length (None for an additive layer)."
+        )
     for j in range(max(len(forwards), len(inverses))):
-        _check_pair(forwards[j] if forwards else None, inverses[j] if inverses else None, "ReversibleSequential",
-                    f"coupling_forward[{j}]" if forwards else "coupling_forward",
-                    f"coupling_inverse[{j}]" if inverses else "coupling_inverse")
+        _check_pair(
+            forwards[j] if forwards else None,
+            inverses[j] if inverses else None,
+            "ReversibleSequential",
+            f"coupling_forward[{j}]" if forwards else "coupling_forward",
+            f"coupling_inverse[{j}]" if inverses else "coupling_inverse",
+        )
 
 
 def _not_yet(feature: str, issue: str) -> NotImplementedError:
     return NotImplementedError(
         f"{feature} is not implemented yet in revlib_xla (it is delivered by the issue '{issue}'); "
-        f"leave it at its default for now")
+        f"leave it at its default for now"
+    )
 
 
 class ReversibleModuleCache:
@@ -158,15 +197,19 @@ class ReversibleModuleCache:
 class ReversibleWrapper(nn.Module):
     """Holds the user's block and its coupling pair; computes one half-residual step."""
 
-    def __init__(self, wrapped_module: nn.Module, coupling_forward: Optional[COUPLING] = None,
-                 coupling_inverse: Optional[COUPLING] = None):
+    def __init__(
+        self,
+        wrapped_module: nn.Module,
+        coupling_forward: COUPLING | None = None,
+        coupling_inverse: COUPLING | None = None,
+    ):
         super().__init__()
         _check_pair(coupling_forward, coupling_inverse, "ReversibleModule", "coupling_forward", "coupling_inverse")
         self.wrapped_module = wrapped_module
         self.coupling_forward = coupling_forward or additive_coupling_forward
         self.coupling_inverse = coupling_inverse or additive_coupling_inverse
 
-    def fn(self, x1: Tensor, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]] = None):
+    def fn(self, x1: Tensor, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None):
         return self.wrapped_module(x1, *args, **(kwargs or {}))
 
     def couple(self, x0: Tensor, fn_out) -> Tensor:
@@ -190,16 +233,23 @@ class ReversibleModule(nn.Module):
     The user's block is reachable as ``.wrapped_module.wrapped_module`` (RevLib's state-dict layout).
     """
 
-    def __init__(self, wrapped_module: nn.Module, coupling_forward: Optional[COUPLING] = None,
-                 coupling_inverse: Optional[COUPLING] = None, memory_savings: bool = True,
-                 cache: Optional[ReversibleModuleCache] = None, target_device: str = "",
-                 fused_optimizer: FUSED_OPTIMIZER = None):
+    def __init__(
+        self,
+        wrapped_module: nn.Module,
+        coupling_forward: COUPLING | None = None,
+        coupling_inverse: COUPLING | None = None,
+        memory_savings: bool = True,
+        cache: ReversibleModuleCache | None = None,
+        target_device: str = "",
+        fused_optimizer: FUSED_OPTIMIZER = None,
+    ):
         super().__init__()
         if target_device or fused_optimizer is not None:
             raise ReversibleError(
                 "ReversibleModule: target_device and fused_optimizer are options of the ReversibleSequential that runs "
                 "the layers (ReversibleSequential(*blocks, target_device=..., fused_optimizer=...)); a standalone "
-                "layer runs with plain autograd and has no backward walk to offload or fuse into")
+                "layer runs with plain autograd and has no backward walk to offload or fuse into"
+            )
         self.wrapped_module = ReversibleWrapper(wrapped_module, coupling_forward, coupling_inverse)
         self.memory_savings = memory_savings
         self.cache = cache
@@ -215,18 +265,21 @@ class ReversibleModule(nn.Module):
         y1 = self.wrapped_module(x0, x1, *args, **kwargs)
         return (x1, y1) + tuple(inp[2:])
 
-    def inverse(self, out: Tuple[Tensor, Tensor], *args, **kwargs) -> Tuple[Tensor, Tensor]:
+    def inverse(self, out: tuple[Tensor, Tensor], *args, **kwargs) -> tuple[Tensor, Tensor]:
         y0, y1 = out[0], out[1]
         return self.wrapped_module.inverse(y0, y1, *args, **kwargs), y0
 
     def extra_repr(self) -> str:
         wrapper = self.wrapped_module
-        return (f"coupling_forward={getattr(wrapper.coupling_forward, '__name__', wrapper.coupling_forward)}, "
-                f"coupling_inverse={getattr(wrapper.coupling_inverse, '__name__', wrapper.coupling_inverse)}")
+        return (
+            f"coupling_forward={getattr(wrapper.coupling_forward, '__name__', wrapper.coupling_forward)}, "
+            f"coupling_inverse={getattr(wrapper.coupling_inverse, '__name__', wrapper.coupling_inverse)}"
+        )
 
 
-def _dtype_mismatch(label: str, param_dtypes: set, blocks_see: torch.dtype,
-                    from_compute_dtype: bool) -> ReversibleError:
+def _dtype_mismatch(
+    label: str, param_dtypes: set, blocks_see: torch.dtype, from_compute_dtype: bool
+) -> ReversibleError:
     names = sorted(str(d) for d in param_dtypes)
     params = names[0]
     source = "compute_dtype" if from_compute_dtype else "the input's dtype"
@@ -234,10 +287,11 @@ def _dtype_mismatch(label: str, param_dtypes: set, blocks_see: torch.dtype,
         f"{label}: its parameters are {' and '.join(names)}, but it would compute on "
         f"{blocks_see} ({source}); without autocast that fails or silently computes in {blocks_see} (on XLA). Cast "
         f"the input (x.to({params})) or the model (model.to({blocks_see})), pass compute_dtype={params}, or run under "
-        f"torch.autocast.")
+        f"torch.autocast."
+    )
 
 
-def _refuse_kv_caches(args: Sequence[Any], kwargs: Dict[str, Any], layerwise: LAYERWISE_ARGS_KWARGS) -> None:
+def _refuse_kv_caches(args: Sequence[Any], kwargs: dict[str, Any], layerwise: LAYERWISE_ARGS_KWARGS) -> None:
     """Refuse a transformers KV cache among the arguments of a forward whose backward rebuilds: every block
     appends its keys and values to it in the forward, and the recomputation would append (and attend to) them a
     second time. Found without importing transformers: only a loaded ``transformers.cache_utils`` can have made one."""
@@ -255,27 +309,31 @@ def _refuse_kv_caches(args: Sequence[Any], kwargs: Dict[str, Any], layerwise: LA
                 f"of most decoder configs). Every block writes its keys and values into it in the forward, and the "
                 f"reversible backward, which runs each block again, would write and attend to them a second time: "
                 f"wrong gradients. Train with use_cache=False (model(..., use_cache=False), or "
-                f"model.config.use_cache = False); generation under torch.no_grad() may keep the cache.")
+                f"model.config.use_cache = False); generation under torch.no_grad() may keep the cache."
+            )
 
 
-def _available_device(target_device: Union[str, torch.device]) -> torch.device:
+def _available_device(target_device: str | torch.device) -> torch.device:
     """``target_device`` as a device this machine has, or a :class:`ReversibleError` saying which it has."""
     try:
         device = torch.device(target_device)
     except (RuntimeError, TypeError) as err:
-        raise ReversibleError(f"ReversibleSequential: target_device={target_device!r} is not a device ({err})") \
-            from None
+        raise ReversibleError(
+            f"ReversibleSequential: target_device={target_device!r} is not a device ({err})"
+        ) from None
     if not backend.device_available(device):
         raise ReversibleError(
             f"ReversibleSequential: target_device={target_device!r}, but this machine has no such device (it has "
             f"{', '.join(backend.available_kinds())}). Pass one of those, or leave target_device empty to run each "
-            f"layer where its parameters are.")
+            f"layer where its parameters are."
+        )
     return device
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Arguments: tensors inside args/kwargs become explicit inputs of the layers' autograd nodes (so they get gradients
 # and their in-place modification is detected); everything else is passed through unchanged.
+
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
@@ -306,7 +364,7 @@ def _fill_slots(obj: Any, tensors: Sequence[Tensor]) -> Any:
     return obj
 
 
-def _slots_in(obj: Any) -> List[int]:
+def _slots_in(obj: Any) -> list[int]:
     if isinstance(obj, _Slot):
         return [obj.index]
     if isinstance(obj, (list, tuple)):
@@ -321,35 +379,35 @@ class _Plan:
     """What the layers' autograd nodes need besides tensors: the layers, their arguments with tensors replaced by
     slots, and which (deduplicated) parameters each layer uses."""
 
-    layers: List[ReversibleModule]
-    names: List[str]
-    layer_args: List[Tuple[Any, Any]]
-    layer_arg_slots: List[List[int]]
-    params: List[nn.Parameter]
-    layer_params: List[List[int]]
-    layer_buffers: List[List[Tuple[nn.Module, Tensor]]]  # per layer: its buffers, each once, with their modules
-    seed: Optional[int]
-    stream_dtype: Optional[torch.dtype]
-    compute_dtype: Optional[torch.dtype]
-    state: Optional[RecomputeState] = None  # the model's: which buffers its layers change in their forward
-    param_slots: List[List[Tuple[nn.Module, str, int]]] = dataclasses.field(default_factory=list)  # per layer:
+    layers: list[ReversibleModule]
+    names: list[str]
+    layer_args: list[tuple[Any, Any]]
+    layer_arg_slots: list[list[int]]
+    params: list[nn.Parameter]
+    layer_params: list[list[int]]
+    layer_buffers: list[list[tuple[nn.Module, Tensor]]]  # per layer: its buffers, each once, with their modules
+    seed: int | None
+    stream_dtype: torch.dtype | None
+    compute_dtype: torch.dtype | None
+    state: RecomputeState | None = None  # the model's: which buffers its layers change in their forward
+    param_slots: list[list[tuple[nn.Module, str, int]]] = dataclasses.field(default_factory=list)  # per layer:
     # where its parameters sit in its modules (module, name, position in layer_params)
-    offload: Optional["_LayerOffload"] = None
-    fused: Optional[FusedOptimizer] = None
-    fused_done: Optional[List[List[int]]] = None  # per layer: positions (in layer_params) of the fused-stepped ones
-    autocast: Optional[backend.AutocastState] = None  # at forward time, replayed by each recomputation
-    walk: Optional[Tuple[Tensor, Tensor]] = None  # the backward walk: the streams the next layer's backward rebuilds
+    offload: _LayerOffload | None = None
+    fused: FusedOptimizer | None = None
+    fused_done: list[list[int]] | None = None  # per layer: positions (in layer_params) of the fused-stepped ones
+    autocast: backend.AutocastState | None = None  # at forward time, replayed by each recomputation
+    walk: tuple[Tensor, Tensor] | None = None  # the backward walk: the streams the next layer's backward rebuilds
     # Derived once per call rather than once per layer and pass (see _layer_backward):
-    wrappers: List[ReversibleWrapper] = dataclasses.field(init=False)
-    adds: List[bool] = dataclasses.field(init=False)          # per layer: coupling_forward is additive
-    subtracts: List[bool] = dataclasses.field(init=False)     # per layer: coupling_inverse is its additive inverse
-    additive: List[bool] = dataclasses.field(init=False)      # adds, and streams and blocks share one dtype
-    seeds: List[Optional[int]] = dataclasses.field(init=False)
-    own_params: List[List[nn.Parameter]] = dataclasses.field(init=False)
+    wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
+    adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
+    subtracts: list[bool] = dataclasses.field(init=False)  # per layer: coupling_inverse is its additive inverse
+    additive: list[bool] = dataclasses.field(init=False)  # adds, and streams and blocks share one dtype
+    seeds: list[int | None] = dataclasses.field(init=False)
+    own_params: list[list[nn.Parameter]] = dataclasses.field(init=False)
     # What the forward leaves for the recomputations: the user's generators met in each layer, and the values
     # each layer's changed buffers had before its forward.
     generators: dict = dataclasses.field(init=False, default_factory=dict)
-    saved_buffers: List[Optional[SavedBuffers]] = dataclasses.field(init=False)
+    saved_buffers: list[SavedBuffers | None] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.wrappers = [layer.wrapped_module for layer in self.layers]
@@ -361,23 +419,23 @@ class _Plan:
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
         self.saved_buffers = [None] * len(self.layers)
 
-    def args_for(self, i: int, arg_tensors: Union[Sequence[Tensor], Dict[int, Tensor]]):
+    def args_for(self, i: int, arg_tensors: Sequence[Tensor] | dict[int, Tensor]):
         args, kwargs = self.layer_args[i]
         if not self.layer_arg_slots[i]:  # no tensors inside: nothing to fill in (the common case, and per layer)
             return args, kwargs
         return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
 
-    def seed_of(self, i: int) -> Optional[int]:
+    def seed_of(self, i: int) -> int | None:
         return self.seeds[i]
 
-    def buffers_of(self, i: int, tensors: Optional[Dict[str, Tensor]]) -> List[Tensor]:
+    def buffers_of(self, i: int, tensors: dict[str, Tensor] | None) -> list[Tensor]:
         """The tensors standing for layer ``i``'s buffers: its own, or (``target_device``) their device copies in
         ``tensors``, in the order of ``layer_buffers``."""
         if tensors is None:
             return [b for _, b in self.layer_buffers[i]]
         return [tensors[self.offload.buffer_names[i][id(b)]] for _, b in self.layer_buffers[i]]
 
-    def watch_buffers(self, i: int, tensors: Optional[Dict[str, Tensor]] = None):
+    def watch_buffers(self, i: int, tensors: dict[str, Tensor] | None = None):
         """Before layer ``i``'s forward (see :meth:`RecomputeState.watch`); ``None`` for a layer without buffers."""
         if not self.layer_buffers[i]:
             return None
@@ -397,17 +455,19 @@ class _LayerOffload:
     where they live (the host) by a :class:`ParameterStreamer`, one layer ahead."""
 
     streamer: ParameterStreamer
-    names: List[List[List[str]]]      # per layer, per streamed tensor: its names inside the block
-    param_pos: List[Dict[int, int]]   # per layer: index in plan.params -> position among the streamed tensors
-    buffer_pos: List[List[int]]       # per layer: positions of buffers (written back after the forward)
+    names: list[list[list[str]]]  # per layer, per streamed tensor: its names inside the block
+    param_pos: list[dict[int, int]]  # per layer: index in plan.params -> position among the streamed tensors
+    buffer_pos: list[list[int]]  # per layer: positions of buffers (written back after the forward)
 
-    buffer_names: List[Dict[int, str]] = dataclasses.field(init=False)  # per layer: id(host buffer) -> a name
+    buffer_names: list[dict[int, str]] = dataclasses.field(init=False)  # per layer: id(host buffer) -> a name
 
     def __post_init__(self) -> None:
-        self.buffer_names = [{id(units[p]): names[p][0] for p in positions}
-                             for units, names, positions in zip(self.streamer.units, self.names, self.buffer_pos)]
+        self.buffer_names = [
+            {id(units[p]): names[p][0] for p in positions}
+            for units, names, positions in zip(self.streamer.units, self.names, self.buffer_pos)
+        ]
 
-    def mapping(self, i: int, tensors: Sequence[Tensor]) -> Dict[str, Tensor]:
+    def mapping(self, i: int, tensors: Sequence[Tensor]) -> dict[str, Tensor]:
         return {name: t for names, t in zip(self.names[i], tensors) for name in names}
 
     def write_back_buffers(self, i: int, copies: Sequence[Tensor]) -> None:
@@ -418,7 +478,7 @@ class _LayerOffload:
                 unit[pos].copy_(copies[pos])
 
 
-def _call_block(plan: _Plan, i: int, x: Tensor, args, kwargs, tensors: Optional[Dict[str, Tensor]]):
+def _call_block(plan: _Plan, i: int, x: Tensor, args, kwargs, tensors: dict[str, Tensor] | None):
     """The block of layer ``i`` on ``x``: with its own parameters, or with ``tensors`` (name -> device copy)."""
     wrapper = plan.wrappers[i]
     if tensors is None:
@@ -426,7 +486,7 @@ def _call_block(plan: _Plan, i: int, x: Tensor, args, kwargs, tensors: Optional[
     return torch.func.functional_call(wrapper.wrapped_module, tensors, (x, *args), dict(kwargs or {}))
 
 
-def _to_streams(plan: _Plan, x0: Tensor, x1: Tensor) -> Tuple[Tensor, Tensor]:
+def _to_streams(plan: _Plan, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
     if plan.stream_dtype is None:
         return x0, x1
     return x0.to(plan.stream_dtype), x1.to(plan.stream_dtype)
@@ -436,8 +496,9 @@ def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
     return x if plan.compute_dtype is None else x.to(plan.compute_dtype)
 
 
-def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
-                   tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
+def _forward_layer(
+    plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None = None
+) -> Tensor:
     """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
     wrapper = plan.wrappers[i]
     version = x1._version
@@ -445,33 +506,39 @@ def _forward_layer(plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs,
     if x1._version != version:
         raise ReversibleError(
             f"{plan.describe(i)} modified its input in place (for example ReLU(inplace=True) or `x += ...` as its "
-            f"first operation); a reversible block must not change its input stream. Use the out-of-place form.")
-    if not isinstance(fn_out, torch.Tensor) and not (isinstance(fn_out, (list, tuple)) and fn_out
-                                                     and isinstance(fn_out[0], torch.Tensor)):
+            f"first operation); a reversible block must not change its input stream. Use the out-of-place form."
+        )
+    if not isinstance(fn_out, torch.Tensor) and not (
+        isinstance(fn_out, (list, tuple)) and fn_out and isinstance(fn_out[0], torch.Tensor)
+    ):
         raise ReversibleError(
             f"{plan.describe(i)} returned {_type_of(fn_out)}: a reversible block must return a tensor (its branch "
             f"f(x), which the coupling merges into the other stream), or a list/tuple whose first element is one. "
-            f"Does its forward end with `return ...`?")
+            f"Does its forward end with `return ...`?"
+        )
     try:
         y1 = x0 + fn_out if plan.adds[i] and isinstance(fn_out, torch.Tensor) else wrapper.couple(x0, fn_out)
     except RuntimeError as err:
         raise ReversibleError(
             f"{plan.describe(i)}: coupling its output {_shape_of(fn_out)} with the other stream "
             f"{tuple(x0.shape)} failed ({err}). A reversible block must return a tensor the coupling can merge "
-            f"with its input stream, normally of the same shape.") from None
+            f"with its input stream, normally of the same shape."
+        ) from None
     if not isinstance(y1, torch.Tensor):
         raise ReversibleError(f"{plan.describe(i)}: the coupling returned {type(y1).__name__}, expected a tensor")
     if y1.shape != x0.shape:
         raise ReversibleError(
             f"{plan.describe(i)} changed its stream's shape: the stream is {tuple(x0.shape)} but the coupled output "
             f"is {tuple(y1.shape)}. A reversible block must return a tensor of its input's shape (the block's output "
-            f"was {tuple(first_tensor(fn_out).shape)}).")
+            f"was {tuple(first_tensor(fn_out).shape)})."
+        )
     if plan.stream_dtype is not None and y1.dtype != plan.stream_dtype:
         y1 = y1.to(plan.stream_dtype)
     if y1.dtype != x0.dtype:
         raise ReversibleError(
             f"{plan.describe(i)} changed its stream's dtype from {x0.dtype} to {y1.dtype}. Return the input's dtype, "
-            f"or pass stream_dtype=... to keep both streams in one dtype while blocks compute in another.")
+            f"or pass stream_dtype=... to keep both streams in one dtype while blocks compute in another."
+        )
     return y1
 
 
@@ -490,7 +557,7 @@ _INPLACE_HINT = "modified by an inplace operation"
 _UNUSED, _ACCUMULATE = GradDestination.UNUSED, GradDestination.ACCUMULATE
 
 
-def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> Tuple[Tensor, Tensor]:
+def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """The reversible forward: each layer runs without autograd as its own :class:`_ReversibleLayerFn` node, which
     keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams)."""
     device = x0.device
@@ -528,9 +595,9 @@ class _Wanted:
 
     x0: bool
     x1: bool
-    params: List[GradDestination]  # aligned with plan.layer_params[i]
-    args: List[bool]               # aligned with plan.layer_arg_slots[i]
-    previous: bool                 # the previous layer's backward runs next (the walk goes on)
+    params: list[GradDestination]  # aligned with plan.layer_params[i]
+    args: list[bool]  # aligned with plan.layer_arg_slots[i]
+    previous: bool  # the previous layer's backward runs next (the walk goes on)
 
 
 class _ReversibleLayerFn(torch.autograd.Function):
@@ -548,8 +615,7 @@ class _ReversibleLayerFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, plan: _Plan, i: int, tensors: Optional[Dict[str, Tensor]], x0: Tensor, x1: Tensor,
-                *flat: Tensor):
+    def forward(ctx, plan: _Plan, i: int, tensors: dict[str, Tensor] | None, x0: Tensor, x1: Tensor, *flat: Tensor):
         ctx.plan, ctx.i = plan, i
         n_params = len(plan.layer_params[i])
         args, kwargs = plan.args_for(i, dict(zip(plan.layer_arg_slots[i], flat[n_params:])))
@@ -572,7 +638,8 @@ class _ReversibleLayerFn(torch.autograd.Function):
                 f"ReversibleSequential ({plan.describe(i)}): a gradient of a gradient (create_graph=True, e.g. a "
                 f"gradient penalty or a Hessian-vector product) cannot be taken through the reversible backward: it "
                 f"rebuilds each layer's input from the output without autograd history, so the second-order "
-                f"gradients would be wrong. Use memory_mode=MemoryModes.no_savings for this model.")
+                f"gradients would be wrong. Use memory_mode=MemoryModes.no_savings for this model."
+            )
         try:
             saved = ctx.saved_tensors
         except RuntimeError as err:
@@ -581,13 +648,15 @@ class _ReversibleLayerFn(torch.autograd.Function):
             raise ReversibleError(
                 f"a tensor the reversible backward needs was modified in place after the forward: a parameter or a "
                 f"tensor argument (mask, memory, ...) of {plan.describe(i)}. Clone it before changing it, or change "
-                f"it only after backward().") from None
+                f"it only after backward()."
+            ) from None
         if i == len(plan.layers) - 1:  # the walk starts from the saved output
             streams = ctx.streams
             if (streams[0]._version, streams[1]._version) != ctx.stream_versions:
                 raise ReversibleError(
                     "a tensor the reversible backward needs was modified in place after the forward: the "
-                    "sequence's output. Clone it before changing it, or change it only after backward().")
+                    "sequence's output. Clone it before changing it, or change it only after backward()."
+                )
             if not _keeps_graph():
                 ctx.streams = None  # the last references: the streams are freed once the last layer is rebuilt
             y0, y1 = streams
@@ -600,8 +669,9 @@ class _ReversibleLayerFn(torch.autograd.Function):
         # autograd does. Off then and off now (the usual case), there is nothing to enter.
         ctx.layer_autocast = plan.autocast.replay if plan.autocast.differs_from_now() else _nothing
         with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
-            x0, y0, dx0, dx1, grads, finished = _layer_backward(ctx, plan, i, y0, y1, dy0, dy1, reseed,
-                                                                saved[len(plan.layer_params[i]):], want, later)
+            x0, y0, dx0, dx1, grads, finished = _layer_backward(
+                ctx, plan, i, y0, y1, dy0, dy1, reseed, saved[len(plan.layer_params[i]) :], want, later
+            )
         if want.previous:
             plan.walk = (x0, y0, finished)
         elif plan.offload is not None:
@@ -616,8 +686,13 @@ def _wanted(ctx, plan: _Plan, i: int) -> _Wanted:
     edges = [node for node, _ in ctx.next_functions]  # x0, x1, then the layer's parameters and tensor arguments
     n_params = len(plan.layer_params[i])
     x0, x1 = (node_destination(node) is not _UNUSED for node in edges[:2])
-    return _Wanted(x0, x1, [node_destination(node) for node in edges[2:2 + n_params]],
-                   [node_destination(node) is not _UNUSED for node in edges[2 + n_params:]], i > 0 and x1)
+    return _Wanted(
+        x0,
+        x1,
+        [node_destination(node) for node in edges[2 : 2 + n_params]],
+        [node_destination(node) is not _UNUSED for node in edges[2 + n_params :]],
+        i > 0 and x1,
+    )
 
 
 def _keeps_graph() -> bool:
@@ -627,8 +702,19 @@ def _keeps_graph() -> bool:
     return True if query is None else bool(query())
 
 
-def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, reseed,
-                    own_arg_tensors: Sequence[Tensor], want: _Wanted, later: Sequence[Tensor]):
+def _layer_backward(
+    ctx,
+    plan: _Plan,
+    i: int,
+    y0: Tensor,
+    y1: Tensor,
+    dy0: Tensor,
+    dy1: Tensor,
+    reseed,
+    own_arg_tensors: Sequence[Tensor],
+    want: _Wanted,
+    later: Sequence[Tensor],
+):
     """Rebuild layer ``i``'s input from its output, recompute it with autograd, and return its input, the
     gradients flowing into its two input streams, those of its parameters and tensor arguments (``None`` for what
     ``want`` says is unused), and what the previous layer's recomputation must wait for (XLA).
@@ -653,8 +739,10 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         layer_params = [copies[off.param_pos[i][k]] for k in plan.layer_params[i]]
         tensors = off.mapping(i, copies)
         del copies
-    recompute_args = {k: a.detach().requires_grad_() if need else a
-                      for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)}
+    recompute_args = {
+        k: a.detach().requires_grad_() if need else a
+        for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)
+    }
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
     replaced = _NOTHING
@@ -707,7 +795,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
         dx1 = dy0 if g is None else dy0 + g
     if off is not None:
         backend.cut_graph(x0)  # xla: this layer's recomputation and gradients as one graph, run now
-    param_grads: List[Optional[Tensor]] = [None] * len(want.params)
+    param_grads: list[Tensor | None] = [None] * len(want.params)
     for j in used:
         g = grads.pop()
         if g is not None and off is not None:
@@ -719,11 +807,10 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     if plan.fused is not None and plan.fused_done[i]:  # this layer's gradients are complete: step, then free them
         done = [j for j in plan.fused_done[i] if want.params[j] is _ACCUMULATE]  # never on autograd.grad()
         if done:
-            plan.fused.step_params([plan.params[plan.layer_params[i][j]] for j in done],
-                                   [param_grads[j] for j in done])
+            plan.fused.step_params([plan.params[plan.layer_params[i][j]] for j in done], [param_grads[j] for j in done])
         for j in done:
             param_grads[j] = None
-    finished: Tuple[List[Tensor], List[nn.Parameter]] = ([], [])
+    finished: tuple[list[Tensor], list[nn.Parameter]] = ([], [])
     if backend.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
         # An accumulated gradient is reached through its parameter's .grad: holding it here would make
         # AccumulateGrad copy it rather than take it over.
@@ -732,7 +819,7 @@ def _layer_backward(ctx, plan: _Plan, i: int, y0: Tensor, y1: Tensor, dy0: Tenso
     return x0, y0, dx0, dx1, param_grads + arg_grads, finished
 
 
-def _finished(later) -> List[Tensor]:
+def _finished(later) -> list[Tensor]:
     """The tensors a layer finished (see :func:`_layer_backward`), read once the engine has accumulated its
     gradients: the gradients it returned, its parameters (changed by a fused step) and their ``.grad``."""
     if not later:
@@ -745,7 +832,7 @@ _NOTHING = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _parameters_replaced(slots: Sequence[Tuple[nn.Module, str, int]], tensors: Dict[int, Tensor]):
+def _parameters_replaced(slots: Sequence[tuple[nn.Module, str, int]], tensors: dict[int, Tensor]):
     """Run with ``tensors[j]`` in place of the parameter at position ``j`` (``slots``: where each sits), as
     ``torch.func.functional_call`` does, without its per-call cost."""
     swapped = []
@@ -767,7 +854,7 @@ def _nothing() -> contextlib.nullcontext:
 _ENGINE_BACKWARD = getattr(torch.autograd.graph, "_engine_run_backward", None)
 
 
-def _vjp(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+def _vjp(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> tuple[Tensor | None, ...]:
     """The gradients of ``out`` (weighted by ``grad``) with respect to ``inputs``; ``None`` for an input it does not
     depend on, and for every input when it depends on none.
 
@@ -821,13 +908,20 @@ class ReversibleSequential(nn.Sequential):
             (see :mod:`revlib_xla.fused_optimizer`; ``model.fused_optimizer`` is the optimizer object).
     """
 
-    def __init__(self, *modules: nn.Module, split_dim: Optional[int] = 1,
-                 coupling_forward: Optional[List[Optional[COUPLING]]] = None,
-                 coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
-                 memory_mode: MemoryModes = MemoryModes.autograd_function,
-                 target_device: Union[str, torch.device] = "", fused_optimizer: FUSED_OPTIMIZER = None,
-                 stream_dtype: Optional[torch.dtype] = None, compute_dtype: Optional[torch.dtype] = None,
-                 preserve_rng_state: bool = True, verify_inverse: Optional[bool] = None):
+    def __init__(
+        self,
+        *modules: nn.Module,
+        split_dim: int | None = 1,
+        coupling_forward: list[COUPLING | None] | None = None,
+        coupling_inverse: list[COUPLING | None] | None = None,
+        memory_mode: MemoryModes = MemoryModes.autograd_function,
+        target_device: str | torch.device = "",
+        fused_optimizer: FUSED_OPTIMIZER = None,
+        stream_dtype: torch.dtype | None = None,
+        compute_dtype: torch.dtype | None = None,
+        preserve_rng_state: bool = True,
+        verify_inverse: bool | None = None,
+    ):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
         _check_couplings(coupling_forward, coupling_inverse)
@@ -835,22 +929,29 @@ class ReversibleSequential(nn.Sequential):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ReversibleError(
                     f"ReversibleSequential: {name}={dtype!r}, but the streams and the blocks compute in floating "
-                    f"point: pass a floating dtype (torch.float32, torch.bfloat16, ...) or None (the input's dtype)")
+                    f"point: pass a floating dtype (torch.float32, torch.bfloat16, ...) or None (the input's dtype)"
+                )
         memory_mode = MemoryModes(memory_mode)
         if memory_mode in (MemoryModes.checkpoint, MemoryModes.autograd_graph):
             warnings.warn(
                 f"MemoryModes.{memory_mode.name} runs as MemoryModes.autograd_function in revlib_xla: RevLib's cache "
                 f"modes keep every recomputed tensor until the next forward (a higher peak than no_savings); "
                 f"autograd_function gives the same gradients with a peak that does not grow with depth.",
-                stacklevel=2)
+                stacklevel=2,
+            )
         layers = collections.OrderedDict()
         for i, module in enumerate(modules):
             if not isinstance(module, nn.Module):
-                raise ReversibleError(f"ReversibleSequential: argument {i} is a {type(module).__name__}, "
-                                      f"expected a torch.nn.Module")
+                raise ReversibleError(
+                    f"ReversibleSequential: argument {i} is a {type(module).__name__}, expected a torch.nn.Module"
+                )
             if not isinstance(module, ReversibleModule):
-                module = ReversibleModule(module, pick(coupling_forward, i), pick(coupling_inverse, i),
-                                          memory_savings=memory_mode != MemoryModes.no_savings)
+                module = ReversibleModule(
+                    module,
+                    pick(coupling_forward, i),
+                    pick(coupling_inverse, i),
+                    memory_savings=memory_mode != MemoryModes.no_savings,
+                )
             layers[f"{i // 2}-{i % 2}"] = module
         super().__init__(layers)
         self.split_dim = split_dim
@@ -860,45 +961,54 @@ class ReversibleSequential(nn.Sequential):
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
         self._verified: set = set()  # (stream dtype, compute dtype) pairs checked by verify_inverse
-        self.target_device: Optional[torch.device] = _available_device(target_device) if target_device else None
+        self.target_device: torch.device | None = _available_device(target_device) if target_device else None
         if fused_optimizer is not None and not callable(fused_optimizer):
-            raise FusedOptimizerError(f"ReversibleSequential: fused_optimizer must be a callable params -> "
-                                      f"torch.optim.Optimizer, got {type(fused_optimizer).__name__}")
+            raise FusedOptimizerError(
+                f"ReversibleSequential: fused_optimizer must be a callable params -> "
+                f"torch.optim.Optimizer, got {type(fused_optimizer).__name__}"
+            )
         if fused_optimizer is not None and memory_mode == MemoryModes.no_savings:
-            raise FusedOptimizerError("ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
-                                      "reversible backward walk steps each layer); no_savings runs plain autograd")
+            raise FusedOptimizerError(
+                "ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
+                "reversible backward walk steps each layer); no_savings runs plain autograd"
+            )
         self.fused_optimizer_factory = fused_optimizer
-        self._own_fused: Optional[FusedOptimizer] = None
-        self._attached_fused_optimizer: Optional[FusedOptimizer] = None  # set by revlib_xla.fuse_optimizer
-        self._streamer: Optional[Tuple[Tuple[int, ...], ParameterStreamer]] = None  # (tensor ids, streamer)
+        self._own_fused: FusedOptimizer | None = None
+        self._attached_fused_optimizer: FusedOptimizer | None = None  # set by revlib_xla.fuse_optimizer
+        self._streamer: tuple[tuple[int, ...], ParameterStreamer] | None = None  # (tensor ids, streamer)
 
     # -- streams --------------------------------------------------------------------------------------------------
-    def _split(self, inp) -> Tuple[Tensor, Tensor, bool]:
+    def _split(self, inp) -> tuple[Tensor, Tensor, bool]:
         if isinstance(inp, (tuple, list)):
             if len(inp) != 2 or not all(isinstance(t, torch.Tensor) for t in inp):
                 raise ReversibleError(
                     f"ReversibleSequential: a tuple input must be two stream tensors (x0, x1), got "
-                    f"{[type(t).__name__ for t in inp]}")
+                    f"{[type(t).__name__ for t in inp]}"
+                )
             x0, x1 = inp
             if x0.shape != x1.shape or x0.dtype != x1.dtype:
                 raise ReversibleError(
                     f"ReversibleSequential: the two input streams must match in shape and dtype, got "
-                    f"{tuple(x0.shape)} {x0.dtype} and {tuple(x1.shape)} {x1.dtype}")
+                    f"{tuple(x0.shape)} {x0.dtype} and {tuple(x1.shape)} {x1.dtype}"
+                )
             return x0, x1, True
         if not isinstance(inp, torch.Tensor):
-            raise ReversibleError(f"ReversibleSequential expects a tensor (or a (x0, x1) tuple of streams), got "
-                                  f"{type(inp).__name__}")
+            raise ReversibleError(
+                f"ReversibleSequential expects a tensor (or a (x0, x1) tuple of streams), got {type(inp).__name__}"
+            )
         if self.split_dim is None:
             return inp, inp, False
         dim = self.split_dim
         if not -inp.dim() <= dim < inp.dim():
-            raise ReversibleError(f"ReversibleSequential: split_dim={dim} is out of range for an input of shape "
-                                  f"{tuple(inp.shape)}")
+            raise ReversibleError(
+                f"ReversibleSequential: split_dim={dim} is out of range for an input of shape {tuple(inp.shape)}"
+            )
         if inp.shape[dim] % 2:
             raise ReversibleError(
                 f"ReversibleSequential: the input has size {inp.shape[dim]} along split_dim={dim} (shape "
                 f"{tuple(inp.shape)}), which cannot be split into two equal streams; make it even (e.g. double the "
-                f"features before the reversible part)")
+                f"features before the reversible part)"
+            )
         x0, x1 = inp.chunk(2, dim)
         return x0, x1, False
 
@@ -910,8 +1020,9 @@ class ReversibleSequential(nn.Sequential):
         return torch.cat([y0, y1], self.split_dim)
 
     # -- arguments ------------------------------------------------------------------------------------------------
-    def _plan(self, x0: Tensor, args, kwargs,
-              layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS) -> Tuple[_Plan, List[Tensor]]:
+    def _plan(
+        self, x0: Tensor, args, kwargs, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS
+    ) -> tuple[_Plan, list[Tensor]]:
         """Deduplicated parameters and tensor arguments of every layer, and the stream and compute dtypes."""
         layers = list(self._modules.values())
         names = list(self._modules.keys())
@@ -920,14 +1031,16 @@ class ReversibleSequential(nn.Sequential):
             raise ReversibleError(
                 f"ReversibleSequential: the input is {x0.dtype}, but the reversible streams are floating point: "
                 f"{_layer_label(0, names[0], layers[0])} computes in {' and '.join(dtypes)} and its output is added "
-                f"to them. Embed or cast the input first (nn.Embedding, or x.to({dtypes[0]})).")
+                f"to them. Embed or cast the input first (nn.Embedding, or x.to({dtypes[0]}))."
+            )
         if layerwise_args_kwargs is not None:
             if len(layerwise_args_kwargs) != len(layers):
                 raise ReversibleError(
                     f"ReversibleSequential: layerwise_args_kwargs has {len(layerwise_args_kwargs)} entries but the "
-                    f"model has {len(layers)} layers; give one (args, kwargs) pair per layer")
-        arg_tensors: List[Tensor] = []
-        seen: Dict[int, int] = {}
+                    f"model has {len(layers)} layers; give one (args, kwargs) pair per layer"
+                )
+        arg_tensors: list[Tensor] = []
+        seen: dict[int, int] = {}
 
         def slot(t: Tensor) -> _Slot:
             if id(t) not in seen:
@@ -944,14 +1057,16 @@ class ReversibleSequential(nn.Sequential):
                 continue
             entry = layerwise_args_kwargs[i]
             if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[1], dict)):
-                raise ReversibleError(f"ReversibleSequential: layerwise_args_kwargs[{i}] must be an (args, kwargs) "
-                                      f"pair with kwargs a dict, got {entry!r}")
+                raise ReversibleError(
+                    f"ReversibleSequential: layerwise_args_kwargs[{i}] must be an (args, kwargs) "
+                    f"pair with kwargs a dict, got {entry!r}"
+                )
             own_args = _replace_tensors(tuple(entry[0]), slot)
             own_kwargs = _replace_tensors(dict(entry[1]), slot)
             layer_args.append((shared_args + own_args, {**shared_kwargs, **own_kwargs}))
 
-        params: List[nn.Parameter] = []
-        index: Dict[int, int] = {}
+        params: list[nn.Parameter] = []
+        index: dict[int, int] = {}
         layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
         check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
@@ -973,14 +1088,26 @@ class ReversibleSequential(nn.Sequential):
             layer_buffers.append(owned_buffers(modules))
             param_slots.append(slots)
             if check_dtypes and float_dtypes and blocks_see not in float_dtypes:
-                raise _dtype_mismatch(_layer_label(i, names[i], layer), float_dtypes, blocks_see,
-                                      self.compute_dtype is not None)
+                raise _dtype_mismatch(
+                    _layer_label(i, names[i], layer), float_dtypes, blocks_see, self.compute_dtype is not None
+                )
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = self.compute_dtype or x0.dtype
         compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
-        plan = _Plan(layers, names, layer_args, [sorted(set(_slots_in(a))) for a in layer_args], params,
-                     layer_params, layer_buffers, backend.draw_seed() if self.preserve_rng_state else None,
-                     stream_dtype, compute_dtype, RecomputeState.of(self), param_slots=param_slots)
+        plan = _Plan(
+            layers,
+            names,
+            layer_args,
+            [sorted(set(_slots_in(a))) for a in layer_args],
+            params,
+            layer_params,
+            layer_buffers,
+            backend.draw_seed() if self.preserve_rng_state else None,
+            stream_dtype,
+            compute_dtype,
+            RecomputeState.of(self),
+            param_slots=param_slots,
+        )
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         # The fused optimizer built from fused_optimizer= is stepped by the backward walk, one layer at a time;
@@ -1000,13 +1127,15 @@ class ReversibleSequential(nn.Sequential):
         index = {id(p): k for k, p in enumerate(plan.params)}
         units, names, param_pos, buffer_pos = [], [], [], []
         for layer in plan.layers:
-            unit: List[Tensor] = []
-            unit_names: List[List[str]] = []
-            pos: Dict[int, int] = {}
+            unit: list[Tensor] = []
+            unit_names: list[list[str]] = []
+            pos: dict[int, int] = {}
             own_params, own_buffers = {}, []
             block = layer.block
-            for kind, items in (("param", block.named_parameters(remove_duplicate=False)),
-                                ("buffer", block.named_buffers(remove_duplicate=False))):
+            for kind, items in (
+                ("param", block.named_parameters(remove_duplicate=False)),
+                ("buffer", block.named_buffers(remove_duplicate=False)),
+            ):
                 for name, t in items:
                     if id(t) not in pos:
                         pos[id(t)] = len(unit)
@@ -1024,12 +1153,13 @@ class ReversibleSequential(nn.Sequential):
         key = tuple(id(t) for unit in units for t in unit)
         if self._streamer is None or self._streamer[0] != key:
             self._streamer = (key, ParameterStreamer(units, self.target_device))
-        for i, layer in enumerate(plan.layers):
+        for i in range(len(plan.layers)):
             missing = [k for k in plan.layer_params[i] if k not in param_pos[i]]
             if missing:
                 raise ReversibleError(
                     f"{plan.describe(i)}: target_device streams the block's own parameters, but this layer also "
-                    f"uses a parameter outside its block (in its coupling); move it into the block")
+                    f"uses a parameter outside its block (in its coupling); move it into the block"
+                )
         return _LayerOffload(self._streamer[1], names, param_pos, buffer_pos)
 
     def __getstate__(self):
@@ -1039,13 +1169,13 @@ class ReversibleSequential(nn.Sequential):
         return state
 
     @property
-    def streamer(self) -> Optional[ParameterStreamer]:
+    def streamer(self) -> ParameterStreamer | None:
         """With ``target_device``: the :class:`ParameterStreamer` of the last call (its ``max_resident`` and
         ``transfers`` say how many layers were on the device at once and how many were copied), else ``None``."""
         return None if self._streamer is None else self._streamer[1]
 
     @property
-    def fused_optimizer(self) -> Optional[FusedOptimizer]:
+    def fused_optimizer(self) -> FusedOptimizer | None:
         """The optimizer stepped inside the backward pass (built from ``fused_optimizer=`` at the first forward,
         or attached by :func:`revlib_xla.fuse_optimizer`), or ``None``."""
         if self._attached_fused_optimizer is not None:
@@ -1071,8 +1201,8 @@ class ReversibleSequential(nn.Sequential):
                 self._own_fused = FusedOptimizer(groups, self.fused_optimizer_factory, names)  # layers changed
         return self._own_fused
 
-    def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> List[List[int]]:
-        users: Dict[int, List[int]] = {}
+    def _fused_schedule(self, plan: _Plan, fused: FusedOptimizer) -> list[list[int]]:
+        users: dict[int, list[int]] = {}
         for i, own in enumerate(plan.layer_params):
             for k in own:
                 users.setdefault(k, []).append(i)
@@ -1082,12 +1212,14 @@ class ReversibleSequential(nn.Sequential):
                     f"ReversibleSequential: a fused optimizer cannot step a parameter shared by layers "
                     f"{', '.join(plan.describe(i) for i in layers)}: its gradient arrives in parts, one per layer, "
                     f"and the first layers' recomputation still reads it. Untie the weights or use an unfused "
-                    f"optimizer")
+                    f"optimizer"
+                )
         return [[j for j, k in enumerate(own) if fused.covers(plan.params[k])] for own in plan.layer_params]
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
-    def forward(self, inp: Union[Tensor, Tuple[Tensor, Tensor]], *args,
-                layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
+    def forward(
+        self, inp: Tensor | tuple[Tensor, Tensor], *args, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs
+    ):
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
@@ -1099,8 +1231,12 @@ class ReversibleSequential(nn.Sequential):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
                     copies = self._plain_offload(plan, i)
-                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, None if copies is None else
-                                                plan.offload.mapping(i, copies))
+                    x0, x1 = (
+                        x1,
+                        _forward_layer(
+                            plan, i, x0, x1, a, k, None if copies is None else plan.offload.mapping(i, copies)
+                        ),
+                    )
                     if copies is not None:
                         plan.offload.write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
@@ -1120,9 +1256,10 @@ class ReversibleSequential(nn.Sequential):
             return False  # fake tensors (sizing a model under FakeTensorMode) have no values to check
         self._verified.add(key)
         return bool(self.verify_inverse) or not all(
-            is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers)
+            is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers
+        )
 
-    def _plain_offload(self, plan: _Plan, i: int) -> Optional[List[Tensor]]:
+    def _plain_offload(self, plan: _Plan, i: int) -> list[Tensor] | None:
         """``target_device`` under plain autograd (``no_savings``, or no gradients): each tensor is copied
         differentiably (:func:`offload_tensor`), so the graph keeps what it saves; memory is saved only by the
         reversible modes."""
@@ -1130,8 +1267,13 @@ class ReversibleSequential(nn.Sequential):
             return None
         return [offload_tensor(t, self.target_device) for t in plan.offload.streamer.units[i]]
 
-    def inverse(self, output: Union[Tensor, Tuple[Tensor, Tensor]], *args,
-                layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs):
+    def inverse(
+        self,
+        output: Tensor | tuple[Tensor, Tensor],
+        *args,
+        layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None,
+        **kwargs,
+    ):
         """Reconstruct the input from the output (same ``args``/``kwargs`` as the forward).
 
         A tensor output is split along ``split_dim`` and the reconstructed input concatenated; a ``(y0, y1)``
@@ -1139,8 +1281,10 @@ class ReversibleSequential(nn.Sequential):
         be inverted: pass the two streams instead. Blocks with dropout reconstruct exactly only in eval mode.
         """
         if self.split_dim is None and isinstance(output, torch.Tensor):
-            raise ReversibleError("ReversibleSequential.inverse: with split_dim=None the output averages the two "
-                                  "streams and cannot be inverted; run forward and inverse on (x0, x1) tuples")
+            raise ReversibleError(
+                "ReversibleSequential.inverse: with split_dim=None the output averages the two "
+                "streams and cannot be inverted; run forward and inverse on (x0, x1) tuples"
+            )
         y0, y1, two_stream = self._split(output)
         out_dtype = y0.dtype
         plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs)
@@ -1152,7 +1296,7 @@ class ReversibleSequential(nn.Sequential):
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
 
 
-def _plain_copies(plan: _Plan, i: int) -> Optional[Dict[str, Tensor]]:
+def _plain_copies(plan: _Plan, i: int) -> dict[str, Tensor] | None:
     """With ``target_device``: layer ``i``'s tensors copied to the device (no streaming), for the inverse and the
     invertibility check."""
     if plan.offload is None:
@@ -1161,8 +1305,9 @@ def _plain_copies(plan: _Plan, i: int) -> Optional[Dict[str, Tensor]]:
     return plan.offload.mapping(i, [offload_tensor(t, device) for t in plan.offload.streamer.units[i]])
 
 
-def _inverse_layer(plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs,
-                   tensors: Optional[Dict[str, Tensor]] = None) -> Tensor:
+def _inverse_layer(
+    plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None = None
+) -> Tensor:
     wrapper = plan.layers[i].wrapped_module
     x0 = wrapper.uncouple(y1, _call_block(plan, i, _to_compute(y0, plan), args, kwargs, tensors))
     if plan.stream_dtype is not None:
@@ -1179,7 +1324,7 @@ class InvertibilityReport:
     sequence's input rebuilt from its output through every layer, as the reversible backward rebuilds it; rounding
     errors that the inverses amplify (a momentum coupling divides by ``beta``) show here and not in ``errors``."""
 
-    errors: List[float]
+    errors: list[float]
     tolerance: float
     end_to_end: float = 0.0
 
@@ -1191,9 +1336,14 @@ class InvertibilityReport:
 _DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
-def check_invertible(model: ReversibleSequential, sample: Union[Tensor, Tuple[Tensor, Tensor]], *args,
-                     tolerance: Optional[float] = None, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None,
-                     **kwargs) -> InvertibilityReport:
+def check_invertible(
+    model: ReversibleSequential,
+    sample: Tensor | tuple[Tensor, Tensor],
+    *args,
+    tolerance: float | None = None,
+    layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None,
+    **kwargs,
+) -> InvertibilityReport:
     """Check on ``sample`` that the backward will rebuild each layer's input, and raise otherwise.
 
     Three measurements, with each layer run under the random seed the backward uses, and nothing of the model's
@@ -1225,17 +1375,21 @@ def _magnitude(*tensors: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor],
-                tolerance: Optional[float] = None) -> InvertibilityReport:
+def _check_plan(
+    plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor], tolerance: float | None = None
+) -> InvertibilityReport:
     """:func:`check_invertible` on prepared streams; every error is read back at once (one device sync)."""
     n = len(plan.layers)
-    tol = tolerance if tolerance is not None else max(
-        _DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
+    tol = (
+        tolerance
+        if tolerance is not None
+        else max(_DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
+    )
     replays, locals_ = [], []
     active, device, generators = plan.seed is not None, x0.device, {}
 
     @contextlib.contextmanager
-    def as_in_the_forward(i: int, copies: Optional[Dict[str, Tensor]], replay: bool = True) -> Iterator[None]:
+    def as_in_the_forward(i: int, copies: dict[str, Tensor] | None, replay: bool = True) -> Iterator[None]:
         """Layer ``i``'s random numbers, own generators and buffers as its forward met them (the buffers left as
         they were after), as the backward's recomputation has them."""
         with preserved(plan.buffers_of(i, copies)), rng_scope(device, active, generators, replay) as reseed:
@@ -1266,7 +1420,7 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
     finally:
         rewind(generators)  # the blocks' own generators as they were
     values = torch.stack([*replays, *locals_, end]).cpu().tolist()
-    replays, locals_, end = values[:n], values[n:2 * n], values[-1]
+    replays, locals_, end = values[:n], values[n : 2 * n], values[-1]
     for i in range(n):
         if not replays[i] <= tol:
             raise ReversibleError(
@@ -1276,12 +1430,14 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 f"cache it appends to (a transformers KV cache: pass use_cache=False when training) or Python's "
                 f"random. Make its output depend only on its input, arguments, parameters, buffers and torch's random "
                 f"numbers (a torch.Generator of its own included), or use memory_mode=MemoryModes.no_savings."
-                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else ""))
+                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else "")
+            )
         if not locals_[i] <= tol:
             raise ReversibleError(
                 f"{plan.describe(i)}: coupling_inverse does not undo coupling_forward: the rebuilt input stream "
                 f"differs from the real one by {locals_[i]:.3g} (relative; tolerance {tol:.1g}). Check that "
-                f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair.")
+                f"coupling_inverse(coupling_forward(x, f), f) == x for this layer's pair."
+            )
     if not end <= tol:
         raise ReversibleError(
             f"ReversibleSequential: the input rebuilt from the output through all {n} layers, as the backward "
@@ -1290,5 +1446,6 @@ def _check_plan(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
             f"coupling, or a MomentumNet, divides by beta at every layer). The gradients would be about as far off. "
             f"Use a larger beta, fewer layers per reversible sequence, or float64 streams (stream_dtype=torch.float64"
             f"; revlib_xla.check_invertible(model, x) measures the result), or memory_mode=MemoryModes.no_savings. "
-            f"For inference only, run under torch.no_grad(): nothing is rebuilt then.")
+            f"For inference only, run under torch.no_grad(): nothing is rebuilt then."
+        )
     return InvertibilityReport(locals_, tol, end)

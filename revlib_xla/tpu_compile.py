@@ -19,6 +19,7 @@ request (and the worker started with ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hl
 :func:`dump_flags`), each entry also holds ``"buffer_assignment"``: the text of the compiler's buffer-assignment
 dump for that module.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,11 +34,20 @@ import functools
 import importlib.metadata
 import json
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 __all__ = [
-    "TPU_GENERATIONS", "JAX_VERSION_TESTED", "HBM_ONLY_FLAGS", "versions", "tpu_environment", "compile_module",
-    "compile_for_cpu", "compile_for_tpu", "dump_flags", "main", "STAT_FIELDS",
+    "TPU_GENERATIONS",
+    "JAX_VERSION_TESTED",
+    "HBM_ONLY_FLAGS",
+    "versions",
+    "tpu_environment",
+    "compile_module",
+    "compile_for_cpu",
+    "compile_for_tpu",
+    "dump_flags",
+    "main",
+    "STAT_FIELDS",
 ]
 
 #: The jax/jaxlib release whose internals this module was written against.
@@ -48,7 +58,7 @@ JAX_VERSION_TESTED = "0.7.1"
 #: megacore by default (one device = one chip with ``num_cores == 2``), so its numbers are per chip like v5e/v6e;
 #: v4 and v3 topologies also compile but expose one device per TensorCore, so they are not offered by name (pass a
 #: raw topology string such as "v4:2x2x1" to get them).
-TPU_GENERATIONS: Dict[str, str] = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+TPU_GENERATIONS: dict[str, str] = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
 
 # Topology prefix -> a matching TPU_ACCELERATOR_TYPE (libtpu wants one; with a topology given it does not change
 # the numbers).
@@ -66,24 +76,26 @@ _ACCELERATOR_TYPES = {"v5e": "v5litepod-4", "v6e": "v6e-4", "v5p": "v5p-8", "v4"
 #: of VMEM while its HBM temporaries were 29.6 MB; with 16384 rows: the HBM temporaries, 1661 MB). For a program
 #: whose activations fit in VMEM the reported peak is the VMEM allocation, capped near 112 MiB: it says nothing
 #: about what the program keeps alive.
-HBM_ONLY_FLAGS = ("--xla_jf_vmem_memory_space_assignment=false", "--xla_vf_vmem_memory_space_assignment=false",
-                  "--xla_gf_vmem_memory_space_assignment=false")
+HBM_ONLY_FLAGS = (
+    "--xla_jf_vmem_memory_space_assignment=false",
+    "--xla_vf_vmem_memory_space_assignment=false",
+    "--xla_gf_vmem_memory_space_assignment=false",
+)
 
 
-def _dist_version(name: str) -> Optional[str]:
+def _dist_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
 
 
-def versions() -> Dict[str, Optional[str]]:
+def versions() -> dict[str, str | None]:
     """Installed versions of the packages that decide compiled numbers (part of every cache key)."""
     return {name: _dist_version(name) for name in ("jax", "jaxlib", "libtpu")}
 
 
-def tpu_environment(topology: str, base: Optional[Dict[str, str]] = None, hbm_only: bool = False
-                    ) -> Dict[str, str]:
+def tpu_environment(topology: str, base: dict[str, str] | None = None, hbm_only: bool = False) -> dict[str, str]:
     """The environment a deviceless libtpu compile needs, on top of ``base`` (default: ``os.environ``).
 
     ``hbm_only``: add :data:`HBM_ONLY_FLAGS` to ``LIBTPU_INIT_ARGS`` (after any flags already there), so that no
@@ -106,7 +118,7 @@ def tpu_environment(topology: str, base: Optional[Dict[str, str]] = None, hbm_on
     return env
 
 
-def dump_flags(directory: str, base: Optional[str] = None) -> str:
+def dump_flags(directory: str, base: str | None = None) -> str:
     """``XLA_FLAGS`` (on top of ``base``) that make the compiler write its HLO and buffer assignment as text into
     ``directory``."""
     return " ".join([(base or "").strip(), f"--xla_dump_to={directory}", "--xla_dump_hlo_as_text"]).strip()
@@ -115,7 +127,7 @@ def dump_flags(directory: str, base: Optional[str] = None) -> str:
 _BUFFER_ASSIGNMENT_SUFFIX = "after_optimizations-buffer-assignment.txt"
 
 
-def _new_buffer_assignment(directory: str, seen: set) -> Optional[str]:
+def _new_buffer_assignment(directory: str, seen: set) -> str | None:
     """The text of the buffer-assignment dump written since the last call (the newest, if several)."""
     try:
         names = [n for n in os.listdir(directory) if n.endswith(_BUFFER_ASSIGNMENT_SUFFIX) and n not in seen]
@@ -156,21 +168,27 @@ def _to_bytecode(stablehlo_text: str) -> bytes:
 def _pre_optimization_hlo(stablehlo_text: str) -> str:
     """The HLO text of the module before any XLA pass (where barriers are ``opt-barrier``)."""
     _, _, xc, _ = _jax_internals()
-    computation = xc._xla.mlir.mlir_module_to_xla_computation(stablehlo_text, use_tuple_args=False,
-                                                             return_tuple=False)
+    computation = xc._xla.mlir.mlir_module_to_xla_computation(stablehlo_text, use_tuple_args=False, return_tuple=False)
     return computation.as_hlo_text()
 
 
 #: The ``CompiledMemoryStats`` fields every result holds (bytes).
 STAT_FIELDS = (
-    "peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-    "temp_size_in_bytes", "generated_code_size_in_bytes", "host_argument_size_in_bytes",
-    "host_output_size_in_bytes", "host_alias_size_in_bytes", "host_temp_size_in_bytes",
+    "peak_memory_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+    "host_alias_size_in_bytes",
+    "host_temp_size_in_bytes",
     "host_generated_code_size_in_bytes",
 )
 
 
-def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> Dict[str, Any]:
+def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> dict[str, Any]:
     """Compile ``stablehlo_text`` for one device and return its memory statistics and HLO texts.
 
     ``load=False`` compiles only (the only choice for a deviceless TPU topology); ``load=True`` also loads the
@@ -188,7 +206,7 @@ def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> Dict[str,
         executable = device.client.compile(bytecode, executable_devices=devices, compile_options=options)
     seconds = time.perf_counter() - start
     stats = executable.get_compiled_memory_stats()
-    result: Dict[str, Any] = {name: int(getattr(stats, name, 0) or 0) for name in STAT_FIELDS}
+    result: dict[str, Any] = {name: int(getattr(stats, name, 0) or 0) for name in STAT_FIELDS}
     result.update(
         device_kind=str(getattr(device, "device_kind", "")),
         compile_seconds=seconds,
@@ -206,19 +224,19 @@ def _cpu_device() -> Any:
     return xc.make_cpu_client().local_devices()[0]
 
 
-def compile_for_cpu(stablehlo_text: str) -> Dict[str, Any]:
+def compile_for_cpu(stablehlo_text: str) -> dict[str, Any]:
     """Compile for XLA:CPU in this process (see :func:`compile_module` for the result)."""
     return compile_module(stablehlo_text, _cpu_device(), load=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tpu_device(topology: str, device_index: int) -> Any:
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[device_index]
 
 
-def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0) -> Dict[str, Any]:
+def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0) -> dict[str, Any]:
     """Compile deviceless for one chip of a TPU topology, in this process.
 
     Needs libtpu and the environment of :func:`tpu_environment` set *before* libtpu loads; this is why
@@ -227,7 +245,7 @@ def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index
     return compile_module(stablehlo_text, _tpu_device(topology, device_index), load=False)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Worker entry point: ``tpu_compile.py REQUEST.json RESULT.json`` (see the module docstring)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2:

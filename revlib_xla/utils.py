@@ -2,25 +2,37 @@
 
 ``from revlib_xla.utils import momentum_net`` works as ``from revlib.utils import momentum_net`` does.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .coupling import (COUPLING, detached_additive_coupling_forward, detached_additive_coupling_inverse,
-                       optional_detach)
+from .coupling import COUPLING, detached_additive_coupling_forward, detached_additive_coupling_inverse, optional_detach
 from .intermediates import memory_efficient_intermediates
 from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential
 
 Tensor = torch.Tensor
 
 __all__ = [
-    "MomentumNetStem", "MomentumNetSide", "ResidualToPlain", "momentum_net", "residual_to_plain",
-    "maybe_residual_to_plain", "sequential_to_revnet", "sequential_to_momentum_net", "module_list_to_momentum_net",
-    "ReversibleStack", "optional_detach", "is_float", "detached_additive_coupling_forward",
-    "detached_additive_coupling_inverse", "memory_efficient_intermediates",
+    "MomentumNetStem",
+    "MomentumNetSide",
+    "ResidualToPlain",
+    "momentum_net",
+    "residual_to_plain",
+    "maybe_residual_to_plain",
+    "sequential_to_revnet",
+    "sequential_to_momentum_net",
+    "module_list_to_momentum_net",
+    "ReversibleStack",
+    "optional_detach",
+    "is_float",
+    "detached_additive_coupling_forward",
+    "detached_additive_coupling_inverse",
+    "memory_efficient_intermediates",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -74,11 +86,11 @@ class ResidualToPlain(nn.Module):
         return out - inp
 
 
-def residual_to_plain(*modules: nn.Module) -> List[ResidualToPlain]:
+def residual_to_plain(*modules: nn.Module) -> list[ResidualToPlain]:
     return [ResidualToPlain(m) for m in modules]
 
 
-def maybe_residual_to_plain(modules: Iterable[nn.Module], residual: bool = False) -> List[nn.Module]:
+def maybe_residual_to_plain(modules: Iterable[nn.Module], residual: bool = False) -> list[nn.Module]:
     modules = list(modules)
     return residual_to_plain(*modules) if residual else modules
 
@@ -88,11 +100,17 @@ def _check_beta(beta: float) -> None:
         raise ValueError(f"momentum_net: beta must be in (0, 1), got {beta!r}")
 
 
-def momentum_net(*modules: nn.Module, split_dim: Optional[int] = 1,
-                 coupling_forward: Optional[List[Optional[COUPLING]]] = None,
-                 coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
-                 memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
-                 fused_optimizer: FUSED_OPTIMIZER = None, beta: float = 0.9, **kwargs) -> ReversibleSequential:
+def momentum_net(
+    *modules: nn.Module,
+    split_dim: int | None = 1,
+    coupling_forward: list[COUPLING | None] | None = None,
+    coupling_inverse: list[COUPLING | None] | None = None,
+    memory_mode: MemoryModes = MemoryModes.autograd_function,
+    target_device: str = "",
+    fused_optimizer: FUSED_OPTIMIZER = None,
+    beta: float = 0.9,
+    **kwargs,
+) -> ReversibleSequential:
     """A MomentumNet as a reversible sequence.
 
     Module k becomes two layers, ``MomentumNetStem(module, beta**k)`` and ``MomentumNetSide((1-beta)/beta**(k+1))``,
@@ -107,40 +125,71 @@ def momentum_net(*modules: nn.Module, split_dim: Optional[int] = 1,
     """
     _check_beta(beta)
     kwargs.setdefault("verify_inverse", True)
-    layers: List[nn.Module] = []
+    layers: list[nn.Module] = []
     for idx, module in enumerate(modules):
-        layers.append(MomentumNetStem(module, beta ** idx))
+        layers.append(MomentumNetStem(module, beta**idx))
         layers.append(MomentumNetSide((1 - beta) / beta ** (idx + 1)))
-    return ReversibleSequential(*layers, split_dim=split_dim, coupling_forward=coupling_forward,
-                                coupling_inverse=coupling_inverse, memory_mode=memory_mode,
-                                target_device=target_device, fused_optimizer=fused_optimizer, **kwargs)
+    return ReversibleSequential(
+        *layers,
+        split_dim=split_dim,
+        coupling_forward=coupling_forward,
+        coupling_inverse=coupling_inverse,
+        memory_mode=memory_mode,
+        target_device=target_device,
+        fused_optimizer=fused_optimizer,
+        **kwargs,
+    )
 
 
-def sequential_to_revnet(module: nn.Sequential, split_dim: Optional[int] = 1,
-                         coupling_forward: Optional[List[Optional[COUPLING]]] = None,
-                         coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
-                         memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
-                         fused_optimizer: FUSED_OPTIMIZER = None, residual: bool = False,
-                         **kwargs) -> ReversibleSequential:
+def sequential_to_revnet(
+    module: nn.Sequential,
+    split_dim: int | None = 1,
+    coupling_forward: list[COUPLING | None] | None = None,
+    coupling_inverse: list[COUPLING | None] | None = None,
+    memory_mode: MemoryModes = MemoryModes.autograd_function,
+    target_device: str = "",
+    fused_optimizer: FUSED_OPTIMIZER = None,
+    residual: bool = False,
+    **kwargs,
+) -> ReversibleSequential:
     """Every child of ``module`` becomes one reversible layer (``residual=True``: children are residual blocks
     ``x + f(x)`` and only their branch ``f`` is used)."""
-    return ReversibleSequential(*maybe_residual_to_plain(module, residual), split_dim=split_dim,
-                                coupling_forward=coupling_forward, coupling_inverse=coupling_inverse,
-                                memory_mode=memory_mode, target_device=target_device,
-                                fused_optimizer=fused_optimizer, **kwargs)
+    return ReversibleSequential(
+        *maybe_residual_to_plain(module, residual),
+        split_dim=split_dim,
+        coupling_forward=coupling_forward,
+        coupling_inverse=coupling_inverse,
+        memory_mode=memory_mode,
+        target_device=target_device,
+        fused_optimizer=fused_optimizer,
+        **kwargs,
+    )
 
 
-def sequential_to_momentum_net(module: nn.Sequential, split_dim: Optional[int] = 1,
-                               coupling_forward: Optional[List[Optional[COUPLING]]] = None,
-                               coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
-                               memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
-                               fused_optimizer: FUSED_OPTIMIZER = None, residual: bool = False, beta: float = 0.9,
-                               **kwargs) -> ReversibleSequential:
+def sequential_to_momentum_net(
+    module: nn.Sequential,
+    split_dim: int | None = 1,
+    coupling_forward: list[COUPLING | None] | None = None,
+    coupling_inverse: list[COUPLING | None] | None = None,
+    memory_mode: MemoryModes = MemoryModes.autograd_function,
+    target_device: str = "",
+    fused_optimizer: FUSED_OPTIMIZER = None,
+    residual: bool = False,
+    beta: float = 0.9,
+    **kwargs,
+) -> ReversibleSequential:
     """:func:`momentum_net` over the children of ``module``."""
-    return momentum_net(*maybe_residual_to_plain(module, residual), split_dim=split_dim,
-                        coupling_forward=coupling_forward, coupling_inverse=coupling_inverse,
-                        memory_mode=memory_mode, target_device=target_device, fused_optimizer=fused_optimizer,
-                        beta=beta, **kwargs)
+    return momentum_net(
+        *maybe_residual_to_plain(module, residual),
+        split_dim=split_dim,
+        coupling_forward=coupling_forward,
+        coupling_inverse=coupling_inverse,
+        memory_mode=memory_mode,
+        target_device=target_device,
+        fused_optimizer=fused_optimizer,
+        beta=beta,
+        **kwargs,
+    )
 
 
 class ReversibleStack(nn.Module):
@@ -160,15 +209,21 @@ class ReversibleStack(nn.Module):
 
     def forward(self, hidden: Tensor, *args, **kwargs) -> Tensor:
         _, q = self.net((hidden, hidden), *args, **kwargs)
-        return q * self.beta ** self.depth
+        return q * self.beta**self.depth
 
 
-def module_list_to_momentum_net(module: nn.ModuleList, split_dim: Optional[int] = 1,
-                                coupling_forward: Optional[List[Optional[COUPLING]]] = None,
-                                coupling_inverse: Optional[List[Optional[COUPLING]]] = None,
-                                memory_mode: MemoryModes = MemoryModes.autograd_function, target_device: str = "",
-                                fused_optimizer: FUSED_OPTIMIZER = None, residual: bool = False,
-                                beta: float = 0.9, **kwargs) -> nn.ModuleList:
+def module_list_to_momentum_net(
+    module: nn.ModuleList,
+    split_dim: int | None = 1,
+    coupling_forward: list[COUPLING | None] | None = None,
+    coupling_inverse: list[COUPLING | None] | None = None,
+    memory_mode: MemoryModes = MemoryModes.autograd_function,
+    target_device: str = "",
+    fused_optimizer: FUSED_OPTIMIZER = None,
+    residual: bool = False,
+    beta: float = 0.9,
+    **kwargs,
+) -> nn.ModuleList:
     """Replace a ``ModuleList`` of (residual) layers with a one-element ``ModuleList`` running them as a
     memory-saving MomentumNet (see :class:`ReversibleStack`). A loop ``for layer in layers: x = layer(x)`` keeps
     working; the activation memory of the whole stack no longer grows with its depth.
@@ -180,7 +235,15 @@ def module_list_to_momentum_net(module: nn.ModuleList, split_dim: Optional[int] 
     """
     _check_beta(beta)
     blocks = maybe_residual_to_plain(module, residual)
-    net = momentum_net(*blocks, split_dim=None, coupling_forward=coupling_forward,
-                       coupling_inverse=coupling_inverse, memory_mode=memory_mode, target_device=target_device,
-                       fused_optimizer=fused_optimizer, beta=beta, **kwargs)
+    net = momentum_net(
+        *blocks,
+        split_dim=None,
+        coupling_forward=coupling_forward,
+        coupling_inverse=coupling_inverse,
+        memory_mode=memory_mode,
+        target_device=target_device,
+        fused_optimizer=fused_optimizer,
+        beta=beta,
+        **kwargs,
+    )
     return nn.ModuleList([ReversibleStack(net, beta, len(blocks))])

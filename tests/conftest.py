@@ -1,4 +1,5 @@
 """Shared fixtures: every numerical test runs on each device kind present (cpu, xla, cuda)."""
+
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")

@@ -17,18 +17,20 @@ Couplings are described explicitly (a torch coupling is a closure whose constant
 ``"additive"`` (or ``None``), ``("momentum", beta)``, ``("affine", dim, scale_offset, eps)``; a list is cycled
 per layer, as in revlib_xla.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 # The reference runs on the host CPU; never let JAX claim an accelerator that torch (or torch_xla) is using.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 Params = Any  # a pytree of arrays
 
@@ -43,8 +45,14 @@ def linear(p, x):
 
 def conv2d(p, x, stride, padding, dilation, groups):
     y = jax.lax.conv_general_dilated(
-        x, p["weight"], window_strides=stride, padding=padding, rhs_dilation=dilation,
-        dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=groups)
+        x,
+        p["weight"],
+        window_strides=stride,
+        padding=padding,
+        rhs_dilation=dilation,
+        dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        feature_group_count=groups,
+    )
     return y if p.get("bias") is None else y + p["bias"][None, :, None, None]
 
 
@@ -113,6 +121,7 @@ def apply_block(spec, p, x):
 # ---------------------------------------------------------------------------------------------------------------
 # Couplings: couple(other_stream, f) -> new stream.
 
+
 def couple(spec, other, f):
     if spec is None or spec == "additive":
         return other + f
@@ -129,13 +138,14 @@ def couple(spec, other, f):
 # ---------------------------------------------------------------------------------------------------------------
 # The network.
 
+
 @dataclasses.dataclass(frozen=True)
 class ReversibleNet:
     """Static description of a reversible sequence: layer names, block specs, coupling per layer, split axis."""
 
-    names: Tuple[str, ...]
-    blocks: Tuple[Any, ...]
-    couplings: Tuple[Any, ...]
+    names: tuple[str, ...]
+    blocks: tuple[Any, ...]
+    couplings: tuple[Any, ...]
     split_dim: int
 
     def __call__(self, params: Params, x):
@@ -153,7 +163,7 @@ class ReversibleNet:
             return jax.jit(fn)(params, x)
 
 
-def torch_names(net: ReversibleNet, tree: Params, prefix: str = "wrapped_module.wrapped_module") -> Dict[str, Any]:
+def torch_names(net: ReversibleNet, tree: Params, prefix: str = "wrapped_module.wrapped_module") -> dict[str, Any]:
     """Flatten a params-shaped pytree (e.g. gradients) to the torch ``state_dict`` names
     (``'0-1.wrapped_module.wrapped_module.0.weight'``)."""
     out = {}
@@ -180,7 +190,7 @@ def _torch_activation(module) -> str:
     raise NotImplementedError(f"jax_reference: no JAX version of {type(module).__name__}")
 
 
-def _conv_padding(module) -> Tuple[Tuple[int, int], ...]:
+def _conv_padding(module) -> tuple[tuple[int, int], ...]:
     if module.padding_mode != "zeros":
         raise NotImplementedError(f"jax_reference: Conv2d padding_mode={module.padding_mode!r}")
     if module.padding == "valid":
@@ -194,7 +204,7 @@ def _conv_padding(module) -> Tuple[Tuple[int, int], ...]:
     return tuple((p, p) for p in module.padding)
 
 
-def _block_spec(module, state: Dict[str, np.ndarray], prefix: str):
+def _block_spec(module, state: dict[str, np.ndarray], prefix: str):
     """(spec, params) of one torch module; params are read from ``state`` under ``prefix``."""
     from torch import nn
 
@@ -228,10 +238,14 @@ def _block_spec(module, state: Dict[str, np.ndarray], prefix: str):
             raise NotImplementedError("jax_reference: only batch_first self-attention with a packed in-projection")
         if len(norm.normalized_shape) != 1:
             raise NotImplementedError("jax_reference: attention's LayerNorm must normalize the last dim only")
-        p = {"norm": {"weight": get("norm.weight", False), "bias": get("norm.bias", False)},
-             "attn": {"in_proj_weight": get("attn.in_proj_weight"), "in_proj_bias": get("attn.in_proj_bias", False),
-                      "out_proj": {"weight": get("attn.out_proj.weight"),
-                                   "bias": get("attn.out_proj.bias", False)}}}
+        p = {
+            "norm": {"weight": get("norm.weight", False), "bias": get("norm.bias", False)},
+            "attn": {
+                "in_proj_weight": get("attn.in_proj_weight"),
+                "in_proj_bias": get("attn.in_proj_bias", False),
+                "out_proj": {"weight": get("attn.out_proj.weight"), "bias": get("attn.out_proj.bias", False)},
+            },
+        }
         return ("pre_ln_attention", attn.num_heads, bool(module.causal), norm.eps), p
     return ("act", _torch_activation(module)), {}
 
@@ -242,7 +256,7 @@ def _drop_none(tree):
     return tree
 
 
-def from_torch(model, couplings: Sequence[Any] = ("additive",)) -> Tuple[ReversibleNet, Params]:
+def from_torch(model, couplings: Sequence[Any] = ("additive",)) -> tuple[ReversibleNet, Params]:
     """Describe a torch ``ReversibleSequential`` and copy its weights (from its ``state_dict``, any device) into a
     JAX pytree ``{layer_name: block_params}``; ``couplings`` is cycled over the layers (see the module docstring)."""
     import revlib_xla
@@ -256,8 +270,10 @@ def from_torch(model, couplings: Sequence[Any] = ("additive",)) -> Tuple[Reversi
         coupling = couplings[i % len(couplings)]
         is_additive = layer.wrapped_module.coupling_forward is revlib_xla.additive_coupling_forward
         if (coupling in (None, "additive")) != is_additive:
-            raise ValueError(f"jax_reference: layer {name} coupling spec {coupling!r} does not match the torch "
-                             f"model's coupling {layer.wrapped_module.coupling_forward!r}")
+            raise ValueError(
+                f"jax_reference: layer {name} coupling spec {coupling!r} does not match the torch "
+                f"model's coupling {layer.wrapped_module.coupling_forward!r}"
+            )
         names.append(name)
         blocks.append(spec)
         coupling_specs.append(coupling)

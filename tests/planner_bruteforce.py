@@ -7,25 +7,25 @@ x_i written to host memory meanwhile. Unlike the planner, the enumeration does n
 dropped or offloaded: ``evaluate`` runs every schedule on every chain of a batch with its own memory simulation
 and discards what cannot run there.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Sequence, Tuple
+from collections.abc import Sequence
 
 import numpy as np
 
-OpT = Tuple[str, int, int]
+OpT = tuple[str, int, int]
 
 
-def schedules(length: int, options: int = 1, extended: bool = False) -> List[Tuple[OpT, ...]]:
+def schedules(length: int, options: int = 1, extended: bool = False) -> list[tuple[OpT, ...]]:
     return list(segment_schedules(0, length, length, options, extended))
 
 
-@functools.lru_cache(maxsize=None)
-def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool = False  # noqa: E741
-                      ) -> Tuple[Tuple[OpT, ...], ...]:
+@functools.cache
+def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool = False) -> tuple[tuple[OpT, ...], ...]:
     """Every persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss)."""
-    out: List[Tuple[OpT, ...]] = []
+    out: list[tuple[OpT, ...]] = []
     if i == l:
         if i == n:
             return ((("L", n, 0),),)
@@ -47,7 +47,7 @@ def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool =
     return tuple(out)
 
 
-def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """Time and peak memory of one schedule on a batch of chains (arrays with a leading batch axis); infinite
     time where the schedule cannot run on that chain.
 
@@ -62,7 +62,7 @@ def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndar
     peak = level.copy()
     time = np.zeros(batch)
     ok = np.ones(batch, dtype=bool)
-    live: Dict[Tuple[str, int], np.ndarray] = {("x", 0): cw[:, 0]}
+    live: dict[tuple[str, int], np.ndarray] = {("x", 0): cw[:, 0]}
     owned = {("x", 0)}
     host = set()
     held = set()  # x_{i+1} after Fr_i, needed by Br_i
@@ -133,8 +133,9 @@ def evaluate(ops: Sequence[OpT], chains: Dict[str, np.ndarray]) -> Tuple[np.ndar
     return np.where(ok, time, np.inf), peak
 
 
-def best(all_schedules: Sequence[Tuple[OpT, ...]], chains: Dict[str, np.ndarray], budget: np.ndarray
-         ) -> Tuple[np.ndarray, np.ndarray]:
+def best(
+    all_schedules: Sequence[tuple[OpT, ...]], chains: dict[str, np.ndarray], budget: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Per chain: the least time of a schedule within ``budget`` (inf if none) and the least peak of any
     schedule that can run."""
     batch = budget.shape[0]
@@ -148,15 +149,15 @@ def best(all_schedules: Sequence[Tuple[OpT, ...]], chains: Dict[str, np.ndarray]
     return fastest, lowest
 
 
-@functools.lru_cache(maxsize=None)
-def _count(i: int, l: int) -> int:  # noqa: E741
+@functools.cache
+def _count(i: int, l: int) -> int:
     """How many persistent schedules (rotor's: chain and leaf steps) segment [i, l] has."""
     if i == l:
         return 1
     return _count(i + 1, l) + sum(_count(j, l) * _count(i, j - 1) for j in range(i + 1, l + 1))
 
 
-def sample(i: int, l: int, n: int, rng) -> Tuple[OpT, ...]:  # noqa: E741
+def sample(i: int, l: int, n: int, rng) -> tuple[OpT, ...]:
     """A persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss), drawn uniformly among
     all of them (rotor's chain and leaf steps, one option per stage)."""
     if i == l:
@@ -173,13 +174,13 @@ def sample(i: int, l: int, n: int, rng) -> Tuple[OpT, ...]:  # noqa: E741
     raise AssertionError("unreachable")
 
 
-def segments(ops: Sequence[OpT], n: int) -> List[Tuple[int, int, int, int]]:
+def segments(ops: Sequence[OpT], n: int) -> list[tuple[int, int, int, int]]:
     """The segments of a persistent schedule of an n-stage chain: (i, l, start, end), ops[start:end] running
     segment [i, l], the whole schedule first."""
-    out: List[Tuple[int, int, int, int]] = []
+    out: list[tuple[int, int, int, int]] = []
     pos = 0
 
-    def seg(i: int, l: int) -> None:  # noqa: E741
+    def seg(i: int, l: int) -> None:
         nonlocal pos
         start, k = pos, len(out)
         out.append((i, l, start, -1))
@@ -205,13 +206,17 @@ def segments(ops: Sequence[OpT], n: int) -> List[Tuple[int, int, int, int]]:
     return out
 
 
-def neighbours(ops: Sequence[OpT], n: int, count: int, rng, every_below: int = 5) -> List[Tuple[OpT, ...]]:
+def neighbours(ops: Sequence[OpT], n: int, count: int, rng, every_below: int = 5) -> list[tuple[OpT, ...]]:
     """Schedules that differ from ``ops`` in one segment run another way: every other way for segments of fewer
     than ``every_below`` stages after the first, and ``count`` drawn uniformly over all segments. Near an optimal
     schedule, where a better one would be if the optimum were a local mistake."""
     parts = segments(ops, n)
-    out = [tuple(ops[:start]) + other + tuple(ops[end:]) for i, l, start, end in parts if l - i < every_below
-           for other in segment_schedules(i, l, n)]
+    out = [
+        tuple(ops[:start]) + other + tuple(ops[end:])
+        for i, l, start, end in parts
+        if l - i < every_below
+        for other in segment_schedules(i, l, n)
+    ]
     for _ in range(count):
         i, l, start, end = parts[rng.randrange(len(parts))]
         out.append(tuple(ops[:start]) + sample(i, l, n, rng) + tuple(ops[end:]))

@@ -1,4 +1,5 @@
 """Checkpointable: planned schedules run, give the plain model's gradients, and stay within their budget."""
+
 import collections
 import copy
 import dataclasses
@@ -6,6 +7,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import SeededUnits, max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
@@ -13,8 +15,6 @@ from revlib_xla import atomic, backend
 from revlib_xla.memory import eager_peak
 from revlib_xla.models import TransformerConfig, gpt, resnet18
 from revlib_xla.planner import Chain, InfeasibleBudget, min_memory, no_checkpoint_memory, solve
-
-from conftest import SeededUnits, max_rel_err
 
 BUDGET_FRACTIONS = (0.02, 0.3, 0.6, 1.0)  # of the way from the smallest budget to the no-checkpoint peak
 
@@ -278,8 +278,9 @@ def test_cuda_peak_within_budget():
     checkpointed = revlib.Checkpointable(model, input=x)
     reference = gradients(SeededUnits(checkpointed.stages), step, x)  # the plain model, with the same masks
     for fraction in BUDGET_FRACTIONS:
-        budget = checkpointed.min_memory() + fraction * (checkpointed.no_checkpoint_memory() -
-                                                         checkpointed.min_memory())
+        budget = checkpointed.min_memory() + fraction * (
+            checkpointed.no_checkpoint_memory() - checkpointed.min_memory()
+        )
         checkpointed.compute_sequence(budget)
         step(checkpointed, x)
         torch.cuda.synchronize()
@@ -313,9 +314,12 @@ def test_stage_options_are_planned_and_run():
     # Measured sizes, but times fixed (forward 1, backward 2, the option a little slower), so that which plan
     # wins does not depend on this machine's timing noise.
     n = chain.length
-    chain = chain.replace(fw=[1.0] * n, bw=[2.0] * n + [0.0], inverse_time=[1.0] * n,
-                          options=[tuple(dataclasses.replace(o, fw=1.1, bw=2.1) for o in opts)
-                                   for opts in chain.options])
+    chain = chain.replace(
+        fw=[1.0] * n,
+        bw=[2.0] * n + [0.0],
+        inverse_time=[1.0] * n,
+        options=[tuple(dataclasses.replace(o, fw=1.1, bw=2.1) for o in opts) for opts in chain.options],
+    )
     plain_chain = chain.replace(options=[()] * chain.length)
     low, high = min_memory(plain_chain), no_checkpoint_memory(plain_chain)
     chosen = []
@@ -401,8 +405,12 @@ def test_planned_peak_tracks_what_the_tpu_compiler_keeps():
 
 # -- real use: containers, autograd's other entry points, frozen stages, budgets given as text ---------------------
 Pair = collections.namedtuple("Pair", "a b")
-CONTAINERS = {"dict": lambda a, b: {"a": a, "b": b}, "list": lambda a, b: [a, b], "tuple": lambda a, b: (a, b),
-              "namedtuple": Pair}
+CONTAINERS = {
+    "dict": lambda a, b: {"a": a, "b": b},
+    "list": lambda a, b: [a, b],
+    "tuple": lambda a, b: (a, b),
+    "namedtuple": Pair,
+}
 
 
 def _halves(x):
@@ -478,15 +486,26 @@ def test_containers_pytree_cannot_walk_are_refused():
             return Bag([x, 2 * x])
 
     model = nn.Sequential(nn.Linear(4, 4), ToBag(), nn.Identity())
-    with pytest.raises(TypeError, match=r"measuring stage 1 \(ToBag\).*inside a Bag, which torch.utils._pytree "
-                                        r"does not walk"):
+    with pytest.raises(
+        TypeError,
+        match=r"measuring stage 1 \(ToBag\).*inside a Bag, which torch.utils._pytree "
+        r"does not walk",
+    ):
         revlib.Checkpointable(model, input=torch.randn(2, 4))
 
 
 def _dropout_mlp():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    return nn.Sequential(
+        nn.Linear(6, 16),
+        nn.Tanh(),
+        nn.Dropout(0.3),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Tanh(),
+        nn.Linear(16, 3),
+    ).double()
 
 
 def test_double_backward_gives_the_plain_gradients_of_gradients():
@@ -501,7 +520,7 @@ def test_double_backward_gives_the_plain_gradients_of_gradients():
         inp = x.clone().requires_grad_(True)
         model.zero_grad(set_to_none=True)
         out = m(inp)
-        grad_x, = torch.autograd.grad(out.square().sum(), inp, create_graph=True)
+        (grad_x,) = torch.autograd.grad(out.square().sum(), inp, create_graph=True)
         (out.sum() + grad_x.square().sum()).backward()
         return [inp.grad] + [p.grad for p in model.parameters()]
 
@@ -583,8 +602,11 @@ def _tied_model(device):
     """Stages 0 and 3 share one Linear: its gradient is the sum of both uses."""
     torch.manual_seed(0)
     shared = nn.Linear(8, 8)
-    model = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), atomic(nn.Sequential(shared, nn.Tanh())),
-                          nn.Linear(8, 4)).double().to(device)
+    model = (
+        nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 8), atomic(nn.Sequential(shared, nn.Tanh())), nn.Linear(8, 4))
+        .double()
+        .to(device)
+    )
     return model, torch.randn(5, 8, dtype=torch.float64).to(device)
 
 
@@ -608,7 +630,7 @@ def test_autograd_grad_and_backward_inputs_through_checkpointable(device):
     for g, w in zip(got, want[1:]):
         assert max_rel_err(g, w) <= 1e-10
     inp = x.clone().requires_grad_(True)
-    got_x, = torch.autograd.grad(loss_of(checkpointed, inp), inp)
+    (got_x,) = torch.autograd.grad(loss_of(checkpointed, inp), inp)
     assert all(p.grad is None for p in params)
     assert max_rel_err(got_x, want[0]) <= 1e-10
     inp = x.clone().requires_grad_(True)
@@ -654,8 +676,13 @@ def test_multi_tensor_gradient_hooks_on_stage_outputs_complete():
 def test_budget_given_with_units():
     """mem_limit accepts bytes or text with a unit: decimal units are powers of 1000, binary ones of 1024."""
     model, x = _dropout_mlp(), torch.randn(5, 6, dtype=torch.float64)
-    for text, value in [("1GB", 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 1.5 * 2**30), ("2 kb", 2000),
-                        (12345, 12345)]:
+    for text, value in [
+        ("1GB", 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5 GiB", 1.5 * 2**30),
+        ("2 kb", 2000),
+        (12345, 12345),
+    ]:
         assert revlib.Checkpointable(model, mem_limit=text).mem_limit == value
     checkpointed = revlib.Checkpointable(model, input=x, mem_limit="1GB")
     assert checkpointed.get_expected_memory() == checkpointed.no_checkpoint_memory()
@@ -676,8 +703,11 @@ def test_stages_take_one_argument():
         def forward(self, a, b):
             return a + b
 
-    with pytest.raises(TypeError, match=r"stage 1 \(Two\) takes 2 inputs \(a, b\).*def forward\(self, inputs\): "
-                                        r"a, b = inputs"):
+    with pytest.raises(
+        TypeError,
+        match=r"stage 1 \(Two\) takes 2 inputs \(a, b\).*def forward\(self, inputs\): "
+        r"a, b = inputs",
+    ):
         revlib.Checkpointable(nn.Sequential(nn.Identity(), Two()))
     checkpointed = revlib.Checkpointable(_dropout_mlp())
     a = torch.randn(2, 6, dtype=torch.float64)

@@ -10,12 +10,15 @@
 * XLA: the codes saved on xla equal the cpu codes bit for bit.
 * Bad input: unsupported bit widths, integer tensors, activations with no few-bit form.
 """
+
+import itertools
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import to_host
 from torch import nn
 
 from revlib_xla import fewbit
@@ -24,8 +27,6 @@ from revlib_xla.fewbit import approximation as approx
 from revlib_xla.fewbit.error_table import DOC_FILE, gradient_error_markdown
 from revlib_xla.kernels import fewbit_reference as ref
 from revlib_xla.memory import saved_bytes
-
-from conftest import to_host
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,8 +62,13 @@ SMOOTH_CASES = [n for n in CASES if n not in PIECEWISE_CASES]
 def _inputs(dtype, n=3000, seed=0):
     """Normal samples, wide samples, and every breakpoint of the piecewise-linear activations, exactly."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.cat([torch.randn(n, generator=g), 4 * torch.randn(n, generator=g),
-                   torch.tensor([-3.0, -2.0, -0.5, 0.0, 0.5, 1.5, 3.0, 6.0, -0.0, 20.0, -20.0])])
+    x = torch.cat(
+        [
+            torch.randn(n, generator=g),
+            4 * torch.randn(n, generator=g),
+            torch.tensor([-3.0, -2.0, -0.5, 0.0, 0.5, 1.5, 3.0, 6.0, -0.0, 20.0, -20.0]),
+        ]
+    )
     return x.to(dtype)
 
 
@@ -92,8 +98,9 @@ def test_smooth_forward_exact_backward_stepwise(device, name):
             grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
             y, gx = _run(module, x, grad)
             assert torch.equal(y, to_host(make_torch()(x))), (name, dtype, bits)
-            table = fewbit.stepwise_table(module.name, bits, act._params(
-                module.name, act.SMOOTH[module.name].defaults, module.params))
+            table = fewbit.stepwise_table(
+                module.name, bits, act._params(module.name, act.SMOOTH[module.name].defaults, module.params)
+            )
             expected = _expected_stepwise_grad(x, grad, table.borders, table.levels)
             assert torch.equal(gx, expected), (name, dtype, bits, (gx.double() - expected.double()).abs().max())
 
@@ -112,8 +119,12 @@ def test_piecewise_gradients_equal_torch_elementwise(device, name):
         assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref), (name, dtype)
 
 
-_SPECIAL_INPUTS = ((float("nan"), float("inf"), -float("inf")), (float("nan"), 0.5, -0.5),
-                   (float("inf"), 0.5, -0.5), (-float("inf"), 0.5, -0.5))
+_SPECIAL_INPUTS = (
+    (float("nan"), float("inf"), -float("inf")),
+    (float("nan"), 0.5, -0.5),
+    (float("inf"), 0.5, -0.5),
+    (-float("inf"), 0.5, -0.5),
+)
 
 
 def _non_finite_case(dtype, device, special, seed=5):
@@ -150,8 +161,9 @@ def test_nan_and_inf_propagate_as_in_torch(device, name):
                 torch.testing.assert_close(gx, torch_gx, rtol=0, atol=0, equal_nan=True, msg=str(where))
                 continue
             module = make(bits)
-            table = fewbit.stepwise_table(module.name, bits, act._params(
-                module.name, act.SMOOTH[module.name].defaults, module.params))
+            table = fewbit.stepwise_table(
+                module.name, bits, act._params(module.name, act.SMOOTH[module.name].defaults, module.params)
+            )
             top = len(table.levels) - 1
             code = torch.bucketize(x.double(), torch.tensor(table.borders, dtype=torch.float64))
             _, torch_at_nan = _run(make_torch(), torch.tensor([float("nan")]), torch.ones(1))
@@ -175,13 +187,14 @@ def test_functional_forms_match_modules():
             a, b = fewbit.functional.threshold(x, 0.5, -2.0), cls(0.5, -2.0)(x)
         else:
             a, b = getattr(fewbit.functional, name)(x, bits=1), cls(bits=1)(x)
-        ga, = torch.autograd.grad(a.sum(), x)
-        gb, = torch.autograd.grad(b.sum(), x)
+        (ga,) = torch.autograd.grad(a.sum(), x)
+        (gb,) = torch.autograd.grad(b.sum(), x)
         assert torch.equal(a, b) and torch.equal(ga, gb), name
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Bytes saved for backward
+
 
 def test_saved_bytes_are_bits_per_element(device):
     x32 = torch.randn(64, 1024).to(device).requires_grad_(True)
@@ -202,7 +215,7 @@ def test_packing_is_exact_for_odd_sizes():
     g = torch.Generator().manual_seed(3)
     for bits in (1, 2, 3, 4):
         for n in (1, 7, 8, 9, 1001):
-            codes = torch.randint(0, 2 ** bits, (n,), generator=g, dtype=torch.uint8)
+            codes = torch.randint(0, 2**bits, (n,), generator=g, dtype=torch.uint8)
             packed = ref.pack(codes, bits)
             assert packed.dtype == torch.uint8 and packed.numel() == ref.packed_bytes(n, bits)
             assert packed.numel() * 8 < bits * n + 8 * bits  # bits per element plus less than one group
@@ -218,6 +231,7 @@ def test_no_grad_saves_nothing():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Optimality of the borders and levels
+
 
 def _moments(name):
     spec = act.SMOOTH[name]
@@ -245,7 +259,7 @@ def test_no_perturbation_of_the_borders_lowers_the_error(name):
         assert best == pytest.approx(table.error, rel=1e-9, abs=1e-15)
         # the stored levels are the weighted means of f' over the stored borders' intervals (a level 1 % off fails)
         np.testing.assert_allclose(table.levels, approx._levels_and_error(moments, borders)[0], rtol=0, atol=1e-12)
-        tol = 1e-13 * max(best, 1e-3)   # quadrature round-off
+        tol = 1e-13 * max(best, 1e-3)  # quadrature round-off
         trials = []
         for k in range(len(borders)):
             for delta in (1e-1, 1e-2, 1e-3, 1e-4, -1e-4, -1e-3, -1e-2, -1e-1):
@@ -278,7 +292,7 @@ def test_builtin_tables_are_what_the_optimiser_computes(name, bits):
     kwargs = dict(act._params(name, spec.defaults, {}))
     fresh = approx.optimal_stepwise(lambda t: spec.forward(t, **kwargs), bits, spec.kinks(**kwargs))
     stored = fewbit.stepwise_table(name, bits)
-    assert fresh.bits == stored.bits == bits and len(fresh.borders) == len(stored.borders) == 2 ** bits - 1
+    assert fresh.bits == stored.bits == bits and len(fresh.borders) == len(stored.borders) == 2**bits - 1
     round_off = approx._TIE * max(fresh.error, approx._ERROR_FLOOR)
     assert abs(fresh.error - stored.error) <= round_off, (fresh.error, stored.error)
     moments = _moments(name)
@@ -307,24 +321,25 @@ def test_error_table_doc_is_current():
 
 @pytest.mark.parametrize("name", ["gelu", "silu", "tanh", "selu"])
 def test_table_error_matches_sampled_gradients(name):
-    x = torch.randn(2 ** 20, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    x = torch.randn(2**20, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     exact = torch.tensor(approx.derivative_of(getattr(F, name) if name != "tanh" else torch.tanh)(x.numpy()))
     for bits in approx.SUPPORTED_BITS:
         xx = x.clone().requires_grad_(True)
         getattr(fewbit.functional, name)(xx, bits=bits).sum().backward()
-        sampled = float(((xx.grad - exact).norm() / exact.norm()))
+        sampled = float((xx.grad - exact).norm() / exact.norm())
         assert sampled == pytest.approx(fewbit.stepwise_table(name, bits).relative_error, rel=0.03), (name, bits)
 
 
 def test_gelu_errors_fall_with_bits():
     errors = [fewbit.stepwise_table("gelu", b).relative_error for b in approx.SUPPORTED_BITS]
-    assert all(a > b for a, b in zip(errors, errors[1:]))
+    assert all(a > b for a, b in itertools.pairwise(errors))
     # each extra bit at least ~halves the error: the 2^bits levels are used, not 2^(bits-1)
-    assert all(b < 0.6 * a for a, b in zip(errors, errors[1:]))
+    assert all(b < 0.6 * a for a, b in itertools.pairwise(errors))
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # XLA: the saved codes are the cpu codes
+
 
 def _saved_codes(module, x):
     saved = []
@@ -336,18 +351,19 @@ def _saved_codes(module, x):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         module(x.detach().clone().requires_grad_(True))
     assert saved[0].dtype == torch.uint8 and [t.dtype for t in saved[1:]] in ([], [torch.bool])
-    return torch.cat([to_host(t).view(torch.uint8) for t in saved])   # the codes, then any NaN flags
+    return torch.cat([to_host(t).view(torch.uint8) for t in saved])  # the codes, then any NaN flags
 
 
 def test_xla_codes_equal_cpu_codes_bit_for_bit():
     from revlib_xla import backend
+
     if not backend.xla_available():
         pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
     xla = backend.device_for("xla")
     for name, (make, _) in CASES.items():
         for dtype in DTYPES:
             x = _inputs(dtype, n=999)
-            for bits in ((1, 2, 3, 4) if name in SMOOTH_CASES else (1,)):
+            for bits in (1, 2, 3, 4) if name in SMOOTH_CASES else (1,):
                 cpu_codes = _saved_codes(make(bits), x)
                 xla_codes = _saved_codes(make(bits), x.to(xla))
                 assert torch.equal(cpu_codes, xla_codes), (name, dtype, bits)
@@ -355,6 +371,7 @@ def test_xla_codes_equal_cpu_codes_bit_for_bit():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input
+
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="bits=5.*1, 2, 3 and 4"):
@@ -398,6 +415,6 @@ def test_table_made_inside_saved_tensor_hooks_ignores_them():
 
     params = (("alpha", 0.3),)
     with memory_efficient_intermediates(torch.bfloat16):
-        inside = fewbit.stepwise_table("elu", 1, params)      # computed now, on first use
+        inside = fewbit.stepwise_table("elu", 1, params)  # computed now, on first use
     outside = approx.optimal_stepwise(lambda t: F.elu(t, 0.3), 1, (0.0,))
     assert inside == outside

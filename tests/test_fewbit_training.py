@@ -9,6 +9,7 @@
   a sketch (converting it too leaves the loss ~2.4 % above plain after the same steps).
 * XLA: a training step (forward, backward, AdamW) with few-bit GELU and RandomizedLinear compiles once.
 """
+
 import copy
 
 import pytest
@@ -27,7 +28,8 @@ class Encoder(nn.Module):
         self.position = nn.Parameter(torch.randn(LENGTH, WIDTH) * 0.1)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, activation=nn.GELU(), batch_first=True)
-            for _ in range(2))
+            for _ in range(2)
+        )
         self.head = nn.Linear(WIDTH, 2)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -50,8 +52,8 @@ def convert(model, few_bit_gelu, ratio):
         model = fewbit.map_module(model, lambda m: fewbit.convert_activation(m, bits=3))
     if ratio:
         model = fewbit.map_module(
-            model, lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=ratio),
-            patt=r"layers\..*")
+            model, lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=ratio), patt=r"layers\..*"
+        )
     return model
 
 
@@ -98,8 +100,10 @@ def test_bert_like_final_loss_within_two_percent_of_plain(initial, plain_loss, f
     assert kinds.count(fewbit.GELU) == (2 if few_bit_gelu else 0)
     assert kinds.count(fewbit.RandomizedLinear) == (4 if ratio else 0)
     loss = train(model)
-    print(f"few-bit GELU={few_bit_gelu} RandomizedLinear={ratio}: loss {loss:.4f} vs plain {plain_loss:.4f} "
-          f"({100 * (loss / plain_loss - 1):+.2f} %)")
+    print(
+        f"few-bit GELU={few_bit_gelu} RandomizedLinear={ratio}: loss {loss:.4f} vs plain {plain_loss:.4f} "
+        f"({100 * (loss / plain_loss - 1):+.2f} %)"
+    )
     assert plain_loss < 0.4  # the plain model learned the task (chance: 0.69; 10 % label noise: ~0.33)
     assert abs(loss / plain_loss - 1) <= 0.02
 
@@ -153,7 +157,10 @@ def test_xla_graph_ties_codes_and_sketches_to_the_forward():
     x = torch.randn(64, 16)
     plain = memory.step_stablehlo(step, mlp(), x)
     gelu = memory.step_stablehlo(step, fewbit.map_module(mlp(), lambda m: fewbit.convert_activation(m, bits=3)), x)
-    sketch = memory.step_stablehlo(step, fewbit.map_module(
-        mlp(), lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=0.2)), x)
+    sketch = memory.step_stablehlo(
+        step,
+        fewbit.map_module(mlp(), lambda m: fewbit.convert_linear(m, fewbit.RandomizedLinear, proj_dim_ratio=0.2)),
+        x,
+    )
     barrier = "stablehlo.optimization_barrier"
     assert (plain.count(barrier), gelu.count(barrier), sketch.count(barrier)) == (0, 3, 6)

@@ -15,6 +15,7 @@
   float16 autocast, at ``GradScaler.step`` otherwise); gradient accumulation is refused; ``.double()`` and
   ``.to(device)`` after steps, ``copy.deepcopy`` and ``torch.save`` of a fused model train as the unfused run does.
 """
+
 import copy
 import functools
 import io
@@ -22,12 +23,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import to_host
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import FusedOptimizerError, backend, memory
-
-from conftest import to_host
 
 WIDTH = 8
 DEPTH = 4
@@ -52,8 +52,12 @@ def _reversible(fused=None, seed=0):
 def _mixed(seed=0):
     """Plain layers around a reversible sequence: fuse_optimizer must handle both kinds of parameters."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), revlib.ReversibleSequential(*[_block() for _ in range(DEPTH)]),
-                         nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH))
+    return nn.Sequential(
+        nn.Linear(WIDTH, 2 * WIDTH),
+        revlib.ReversibleSequential(*[_block() for _ in range(DEPTH)]),
+        nn.Tanh(),
+        nn.Linear(2 * WIDTH, WIDTH),
+    )
 
 
 def _plain(seed=0):
@@ -99,13 +103,15 @@ def test_reversible_fused_losses_equal_unfused_bit_for_bit(device, opt):
     assert fused.fused_optimizer.steps_taken == STEPS * DEPTH  # one optimizer per layer, stepped once per step
 
 
-@pytest.mark.parametrize("make, opt", [(_plain, "sgd_momentum"), (_mixed, "adamw")],
-                         ids=["plain-sgd_momentum", "plain_and_reversible-adamw"])
+@pytest.mark.parametrize(
+    "make, opt", [(_plain, "sgd_momentum"), (_mixed, "adamw")], ids=["plain-sgd_momentum", "plain_and_reversible-adamw"]
+)
 def test_fuse_optimizer_equals_unfused_bit_for_bit(device, opt, make):
     factory = OPTIMIZERS[opt]
     unfused = make().to(device)
-    ref_losses, ref_weights = _train(unfused, device, factory(unfused.parameters()), 2 * WIDTH if make is _plain
-                                     else WIDTH)
+    ref_losses, ref_weights = _train(
+        unfused, device, factory(unfused.parameters()), 2 * WIDTH if make is _plain else WIDTH
+    )
     model = make().to(device)
     fused = revlib.fuse_optimizer(model, factory)
     losses, weights = _train(model, device, fused, 2 * WIDTH if make is _plain else WIDTH)  # step(): a no-op
@@ -123,8 +129,7 @@ class Checkpointed(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2 * WIDTH, 2 * WIDTH), nn.GELU())
-                                    for _ in range(DEPTH))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(2 * WIDTH, 2 * WIDTH), nn.GELU()) for _ in range(DEPTH))
 
     def forward(self, x):
         for b in self.blocks:
@@ -203,6 +208,7 @@ def test_learning_rate_changes_reach_every_fused_step():
 # ---------------------------------------------------------------------------------------------------------------
 # Memory: the seed's fused-optimizer example (Linear-ReLU-Linear blocks, SGD), scaled down to 16 blocks of width 512.
 
+
 def _seed_block(width=512):
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
 
@@ -227,12 +233,15 @@ def test_fused_sgd_peak_is_at_most_55_percent_of_unfused(device):
     print(f"\nunfused: {ref}\nfused:   {got}\nratio {got.total / ref.total:.3f}")
     assert got.total <= 0.55 * ref.total, (got, ref)
     assert got.gradients + got.temporaries < 2 * (ref.parameters // 16) + (2 << 20)  # about one layer's gradients
-    assert torch.equal(to_host(unfused[0].wrapped_module.wrapped_module[0].weight),
-                       to_host(fused[0].wrapped_module.wrapped_module[0].weight))
+    assert torch.equal(
+        to_host(unfused[0].wrapped_module.wrapped_module[0].weight),
+        to_host(fused[0].wrapped_module.wrapped_module[0].weight),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # XLA: one graph per step, compiled once.
+
 
 def test_xla_fused_steps_are_traced_into_the_single_step_graph():
     if not backend.xla_available():
@@ -262,6 +271,7 @@ def test_xla_fused_steps_are_traced_into_the_single_step_graph():
 # ---------------------------------------------------------------------------------------------------------------
 # Bad input
 
+
 def test_shared_weights_are_refused():
     shared = _block()
     model = revlib.ReversibleSequential(shared, _block(), shared, fused_optimizer=OPTIMIZERS["sgd"])
@@ -282,8 +292,9 @@ def test_factory_must_return_an_optimizer():
     with pytest.raises(FusedOptimizerError, match="must be a callable"):
         revlib.ReversibleSequential(_block(), fused_optimizer=torch.optim.SGD(_block().parameters(), lr=1))
     with pytest.raises(FusedOptimizerError, match="no_savings"):
-        revlib.ReversibleSequential(_block(), memory_mode=revlib.MemoryModes.no_savings,
-                                    fused_optimizer=OPTIMIZERS["sgd"])
+        revlib.ReversibleSequential(
+            _block(), memory_mode=revlib.MemoryModes.no_savings, fused_optimizer=OPTIMIZERS["sgd"]
+        )
     with pytest.raises(FusedOptimizerError, match="does not hold exactly the parameters"):
         revlib.fuse_optimizer(nn.Linear(2, 2), lambda params: torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1))
 
@@ -291,6 +302,7 @@ def test_factory_must_return_an_optimizer():
 # ---------------------------------------------------------------------------------------------------------------
 # Only a training backward steps (issue 15, 2.1): autograd runs post-accumulate-grad hooks only when it accumulates
 # into .grad.
+
 
 def _weights(model):
     return [p.detach().clone() for p in model.parameters()]
@@ -310,7 +322,7 @@ def test_fuse_optimizer_steps_only_what_a_backward_accumulates(make):
         return (m(x) - 1).square().mean()
 
     # input gradient only (saliency, FGSM, gradient penalty): returned, no weight moves
-    got, = torch.autograd.grad(loss_of(model), x)
+    (got,) = torch.autograd.grad(loss_of(model), x)
     assert torch.equal(got, torch.autograd.grad(loss_of(ref), x)[0])
     # parameter gradients returned to the caller: nothing is accumulated, nothing steps
     got = torch.autograd.grad(loss_of(model), list(model.parameters()))
@@ -341,8 +353,13 @@ SCHEDULERS = {
     "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS),
     "one_cycle": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS),
     "linear_then_step": lambda opt: torch.optim.lr_scheduler.SequentialLR(
-        opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=3),
-              torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)], milestones=[3]),
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.2, total_iters=3),
+            torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        ],
+        milestones=[3],
+    ),
     "plateau": lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0, threshold=0.5),
 }
 
@@ -373,8 +390,9 @@ def test_a_scheduler_drives_a_reversible_sequences_own_fused_optimizer():
     ref_opt = factory(unfused.parameters())
     ref_losses, ref_weights = _train(unfused, torch.device("cpu"), ref_opt, 2 * WIDTH, schedule(ref_opt))
     model = _reversible(fused=factory)
-    losses, weights = _train(model, torch.device("cpu"), model.fused_optimizer, 2 * WIDTH,
-                             schedule(model.fused_optimizer))
+    losses, weights = _train(
+        model, torch.device("cpu"), model.fused_optimizer, 2 * WIDTH, schedule(model.fused_optimizer)
+    )
     assert torch.equal(losses, ref_losses), (losses - ref_losses).abs().max()
     assert all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
 
@@ -395,8 +413,7 @@ def test_fused_optimizer_and_scheduler_resume_mid_run(sched):
     scheduler = schedule(fused)
     first, _ = _train(model, torch.device("cpu"), fused, 2 * WIDTH, scheduler, batches[:4])
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": fused.state_dict(), "scheduler": scheduler.state_dict()},
-               buf)
+    torch.save({"model": model.state_dict(), "optimizer": fused.state_dict(), "scheduler": scheduler.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
     resumed = _plain(seed=5)
@@ -414,6 +431,7 @@ def test_fused_optimizer_and_scheduler_resume_mid_run(sched):
 # Loss scaling (issue 15, 2.2) cannot be fused: refused before any weight moves under float16 autocast, and at
 # GradScaler.step; a disabled scaler (torch.cuda.amp's without CUDA) changes nothing.
 
+
 @pytest.mark.parametrize("kind", ["fuse_optimizer", "reversible"])
 def test_float16_autocast_backward_is_refused_before_any_weight_moves(kind):
     if kind == "reversible":
@@ -426,8 +444,10 @@ def test_float16_autocast_backward_is_refused_before_any_weight_moves(kind):
     x = torch.randn(5, 2 * WIDTH)
     with torch.autocast("cpu", dtype=torch.float16):
         loss = (model(x).float() - x).square().mean()
-    with pytest.raises(FusedOptimizerError, match="float16 autocast on cpu.*loss scaling cannot be fused.*bfloat16.*"
-                                                   "No weight was changed"):
+    with pytest.raises(
+        FusedOptimizerError,
+        match="float16 autocast on cpu.*loss scaling cannot be fused.*bfloat16.*No weight was changed",
+    ):
         scaler.scale(loss).backward()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bfloat16 needs no scaler, and trains fused
@@ -456,8 +476,11 @@ def test_grad_scaler_step_on_a_fused_optimizer_is_refused(spelling):
     fused = revlib.fuse_optimizer(model, OPTIMIZERS["sgd"])
     x = torch.randn(5, 2 * WIDTH)
     scaler.scale((model(x) - x).square().mean()).backward()
-    with pytest.raises(FusedOptimizerError, match=f"GradScaler.step.*cannot be fused.*stepped {2 * DEPTH} of "
-                                                   f"{2 * DEPTH} parameter groups on the scaled gradients"):
+    with pytest.raises(
+        FusedOptimizerError,
+        match=f"GradScaler.step.*cannot be fused.*stepped {2 * DEPTH} of "
+        f"{2 * DEPTH} parameter groups on the scaled gradients",
+    ):
         scaler.step(fused)
     scaler = _grad_scaler(spelling)
     scaler.scale((model(x) - x).square().mean()).backward()
@@ -486,14 +509,18 @@ def test_a_disabled_grad_scaler_leaves_fused_training_unchanged(spelling):
 # ---------------------------------------------------------------------------------------------------------------
 # Gradient accumulation and clipping (issue 15, 2.3)
 
+
 def test_gradient_accumulation_is_refused():
     model = _plain()
     fused = revlib.fuse_optimizer(model, OPTIMIZERS["sgd"])
     x = torch.randn(5, 2 * WIDTH)
     for _ in range(2):  # two micro-batches, then step(): the first step() finds each parameter stepped twice
         (model(x) - x).square().mean().backward()
-    with pytest.raises(FusedOptimizerError, match=r"parameter '.*' is stepped 2 times between two step\(\) "
-                                                   r"calls.*gradient accumulation.*Call step\(\) after every backward"):
+    with pytest.raises(
+        FusedOptimizerError,
+        match=r"parameter '.*' is stepped 2 times between two step\(\) "
+        r"calls.*gradient accumulation.*Call step\(\) after every backward",
+    ):
         fused.step()
     (model(x) - x).square().mean().backward()
     fused.step()
@@ -515,6 +542,7 @@ def test_clipping_after_a_fused_backward_finds_no_gradient():
 
 # ---------------------------------------------------------------------------------------------------------------
 # Converting, copying and pickling a fused model after its first step (issue 15, 3)
+
 
 @pytest.mark.parametrize("kind", ["fuse_optimizer", "reversible"])
 @pytest.mark.parametrize("conversion", ["double", "to_device"])
@@ -539,8 +567,9 @@ def test_converting_a_fused_model_after_adamw_steps(device, conversion, kind):
     convert_after_two_steps(unfused, ref_opt)
     converted_opt = factory(unfused.parameters())
     converted_opt.load_state_dict(ref_opt.state_dict())
-    ref_losses, ref_weights = _train(unfused, device, converted_opt, 2 * WIDTH,
-                                     batches=[b.to(dtype) for b in batches[2:]])
+    ref_losses, ref_weights = _train(
+        unfused, device, converted_opt, 2 * WIDTH, batches=[b.to(dtype) for b in batches[2:]]
+    )
     model = make(fused=factory) if kind == "reversible" else make()
     fused = model.fused_optimizer if kind == "reversible" else revlib.fuse_optimizer(model, factory)
     convert_after_two_steps(model, fused)
@@ -572,8 +601,9 @@ def test_a_copy_of_a_fused_model_trains_on_its_own(kind, copier):
     unfused = _mixed() if kind == "fuse_optimizer" else _reversible()
     in_width = WIDTH if kind == "fuse_optimizer" else 2 * WIDTH
     batches = _batches(in_width, 6)
-    ref_losses, ref_weights = _train(unfused, torch.device("cpu"), factory(unfused.parameters()), in_width,
-                                     batches=batches)
+    ref_losses, ref_weights = _train(
+        unfused, torch.device("cpu"), factory(unfused.parameters()), in_width, batches=batches
+    )
     if kind == "fuse_optimizer":
         model = _mixed()
         fused = revlib.fuse_optimizer(model, factory)

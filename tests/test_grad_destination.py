@@ -1,4 +1,7 @@
 """grad_destination: what the running backward does with a leaf's gradient, read from inside a custom backward."""
+
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -9,7 +12,8 @@ A, C, U = GradDestination.ACCUMULATE, GradDestination.CAPTURE, GradDestination.U
 
 class _Probe(torch.autograd.Function):
     """y = x * w; its backward records where the engine sends x's and w's gradients."""
-    seen = []
+
+    seen: ClassVar[list] = []
 
     @staticmethod
     def forward(ctx, x, w):
@@ -38,15 +42,19 @@ def _run(request):
     return _Probe.seen[0]
 
 
-@pytest.mark.parametrize("request_, expected", [
-    (lambda f, x, w: f().backward(), (A, A)),
-    (lambda f, x, w: f().backward(inputs=[x]), (A, U)),
-    (lambda f, x, w: f().backward(inputs=[w]), (U, A)),
-    (lambda f, x, w: torch.autograd.grad(f(), x), (C, U)),
-    (lambda f, x, w: torch.autograd.grad(f(), w), (U, C)),
-    (lambda f, x, w: torch.autograd.grad(f(), [x, w]), (C, C)),
-    (lambda f, x, w: torch.autograd.grad(f(), [x], create_graph=True), (C, U)),
-], ids=["backward", "backward-inputs-x", "backward-inputs-w", "grad-x", "grad-w", "grad-both", "grad-x-create-graph"])
+@pytest.mark.parametrize(
+    "request_, expected",
+    [
+        (lambda f, x, w: f().backward(), (A, A)),
+        (lambda f, x, w: f().backward(inputs=[x]), (A, U)),
+        (lambda f, x, w: f().backward(inputs=[w]), (U, A)),
+        (lambda f, x, w: torch.autograd.grad(f(), x), (C, U)),
+        (lambda f, x, w: torch.autograd.grad(f(), w), (U, C)),
+        (lambda f, x, w: torch.autograd.grad(f(), [x, w]), (C, C)),
+        (lambda f, x, w: torch.autograd.grad(f(), [x], create_graph=True), (C, U)),
+    ],
+    ids=["backward", "backward-inputs-x", "backward-inputs-w", "grad-x", "grad-w", "grad-both", "grad-x-create-graph"],
+)
 def test_destination_of_each_leaf(request_, expected):
     assert _run(request_) == expected
 

@@ -1,37 +1,61 @@
 """HuggingFace decoder stacks converted by ``utils.module_list_to_momentum_net`` (tiny configs, random weights, built
 from configs: nothing is downloaded): training gives plain autograd's gradients, or a clear error."""
+
 import copy
 
 import pytest
 import torch
-
-from revlib_xla import MemoryModes, ReversibleError, reversible, utils
 from conftest import max_rel_err
 
+from revlib_xla import MemoryModes, ReversibleError, reversible, utils
+
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)")
+    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
+)
 if not transformers.is_torch_available():
-    pytest.skip(f"transformers {transformers.__version__} does not support torch {torch.__version__}",
-                allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
+    )
 
 
 def gpt2(depth):
-    config = transformers.GPT2Config(n_layer=depth, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=depth,
+        n_embd=16,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config), "transformer", "h"
 
 
 def llama(depth):
-    config = transformers.LlamaConfig(num_hidden_layers=depth, hidden_size=16, intermediate_size=32,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
-                                      max_position_embeddings=16)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=depth,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=32,
+        max_position_embeddings=16,
+    )
     return transformers.LlamaForCausalLM(config), "model", "layers"
 
 
 def gpt_neox(depth):
-    config = transformers.GPTNeoXConfig(num_hidden_layers=depth, hidden_size=16, intermediate_size=32,
-                                        num_attention_heads=2, vocab_size=32, max_position_embeddings=16,
-                                        hidden_dropout=0.0, attention_dropout=0.0)
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=depth,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        vocab_size=32,
+        max_position_embeddings=16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     return transformers.GPTNeoXForCausalLM(config), "gpt_neox", "layers"
 
 
@@ -47,8 +71,11 @@ def converted(name, depth, dtype=torch.float64, beta=0.5, **kw):
     for mode in (MemoryModes.autograd_function, MemoryModes.no_savings):
         model = copy.deepcopy(base)
         stack = getattr(model, stack_name)
-        setattr(stack, attr, utils.module_list_to_momentum_net(getattr(stack, attr), residual=True, beta=beta,
-                                                               memory_mode=mode, **kw))
+        setattr(
+            stack,
+            attr,
+            utils.module_list_to_momentum_net(getattr(stack, attr), residual=True, beta=beta, memory_mode=mode, **kw),
+        )
         models.append(model.to(dtype).train())
     return models
 

@@ -1,8 +1,13 @@
 """hlo_liveness: the peak of a compiled program's live values, read from a buffer-assignment dump."""
+
 import pytest
 
-from revlib_xla.hlo_liveness import (LivenessParseError, forward_backward_split, live_peak,
-                                      optimization_barrier_arguments)
+from revlib_xla.hlo_liveness import (
+    LivenessParseError,
+    forward_backward_split,
+    live_peak,
+    optimization_barrier_arguments,
+)
 
 # The shape of an XLA buffer-assignment dump (jax 0.7.1 + libtpu 0.0.20), cut down: a parameter, an output
 # allocation that first holds a temporary ("a", parked there before the output "grad" is written), and a heap
@@ -133,9 +138,11 @@ def test_forward_backward_split_bad_input():
 
 
 def test_optimization_barrier_arguments():
-    text = ("func.func @main(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {\n"
-            "    %0 = stablehlo.sine %arg0 : tensor<4xf32>\n"
-            "    %1:2 = stablehlo.optimization_barrier %0, %arg1 : tensor<4xf32>, tensor<4xf32>\n")
+    text = (
+        "func.func @main(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {\n"
+        "    %0 = stablehlo.sine %arg0 : tensor<4xf32>\n"
+        "    %1:2 = stablehlo.optimization_barrier %0, %arg1 : tensor<4xf32>, tensor<4xf32>\n"
+    )
     assert optimization_barrier_arguments(text) == [None, 1]
     with pytest.raises(LivenessParseError, match="no stablehlo.optimization_barrier"):
         optimization_barrier_arguments("func.func @main() {}")

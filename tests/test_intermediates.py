@@ -8,6 +8,7 @@
   TPU v5e compiler plans the saved activations in host memory: the HBM peak falls.
 * One context may wrap many steps: nothing it stored outlives the step's graph.
 """
+
 import contextlib
 import gc
 import importlib.util
@@ -15,13 +16,12 @@ import weakref
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 
 from revlib_xla import backend, memory
 from revlib_xla.intermediates import _Stored
 from revlib_xla.utils import memory_efficient_intermediates
-
-from conftest import max_rel_err, to_host
 
 DEPTH, WIDTH, ROWS = 8, 256, 512
 F32 = 4
@@ -54,7 +54,7 @@ def _grads(device, context):
 
 
 def test_bfloat16_storage_halves_the_saved_bytes():
-    output = ROWS * WIDTH * F32   # the kept output, in float32 either way
+    output = ROWS * WIDTH * F32  # the kept output, in float32 either way
     plain = _kept_after_forward(contextlib.nullcontext())
     assert plain == DEPTH * ROWS * WIDTH * F32  # each tanh output (the last one is the output), saved once
     for dtype, scales in ((torch.bfloat16, 0), (torch.float16, DEPTH * F32)):
@@ -113,12 +113,13 @@ def test_float16_storage_scales_what_exceeds_its_range(device):
         context = memory_efficient_intermediates(torch.float16)
         restored = context.unpack_hook(context.pack_hook(values.to(dtype).to(device)))
         assert restored.dtype == dtype
-        assert (to_host(restored).double() / values - 1).abs().max() <= 2.0 ** -11
+        assert (to_host(restored).double() / values - 1).abs().max() <= 2.0**-11
     # inf and NaN are kept, unscaled
     special = torch.tensor([float("inf"), float("nan"), 1.0]).to(device)
     context = memory_efficient_intermediates(torch.float16)
-    torch.testing.assert_close(to_host(context.unpack_hook(context.pack_hook(special))), to_host(special),
-                               equal_nan=True)
+    torch.testing.assert_close(
+        to_host(context.unpack_hook(context.pack_hook(special))), to_host(special), equal_nan=True
+    )
 
 
 def test_offload_to_cpu_gives_the_same_gradients(device):
@@ -193,6 +194,7 @@ def test_bad_arguments_are_named():
 # ---------------------------------------------------------------------------------------------------------------
 # XLA: annotations in the graph, HBM peak from the TPU compiler
 
+
 def _step(context):
     def step(model, x):
         with context:
@@ -220,7 +222,9 @@ def test_xla_offload_annotations_and_tpu_hbm_peak():
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'revlib_xla[tpu-compile]')")
     plain_mem, off_mem, cast_mem = memory.tpu_memory_many([plain, offloaded, cast], "v5e")
-    print(f"TPU v5e HBM peak: plain {plain_mem.hbm_peak_bytes}, offloaded {off_mem.hbm_peak_bytes} "
-          f"(+{off_mem.host_bytes} host), bf16-stored {cast_mem.hbm_peak_bytes}")
+    print(
+        f"TPU v5e HBM peak: plain {plain_mem.hbm_peak_bytes}, offloaded {off_mem.hbm_peak_bytes} "
+        f"(+{off_mem.host_bytes} host), bf16-stored {cast_mem.hbm_peak_bytes}"
+    )
     assert off_mem.host_bytes > 0 and off_mem.hbm_peak_bytes < plain_mem.hbm_peak_bytes
     assert cast_mem.hbm_peak_bytes < plain_mem.hbm_peak_bytes

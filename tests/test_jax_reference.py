@@ -6,27 +6,29 @@ copied from the torch model. Loss, every parameter gradient and the input gradie
 max|torch - jax| / max|jax| <= 1e-5 in float32 (and <= 1e-12 in float64, which separates rounding noise from a
 semantic difference).
 """
+
 import contextlib
 
 import pytest
 
-jax = pytest.importorskip("jax", reason="the JAX reference needs jax (pip install 'revlib_xla[jax]')")
-import jax.experimental  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+pytest.importorskip("jax", reason="the JAX reference needs jax (pip install 'revlib_xla[jax]')")
+import jax.experimental
+import jax.numpy as jnp
+import numpy as np
+import torch
+from conftest import max_rel_err
+from jax_reference import from_torch, torch_names
+from torch import nn
 
-import revlib_xla as revlib  # noqa: E402
-from conftest import max_rel_err  # noqa: E402
-from jax_reference import from_torch, torch_names  # noqa: E402
-from revlib_xla import backend  # noqa: E402
+import revlib_xla as revlib
+from revlib_xla import backend
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # torch blocks
+
 
 class PreLNSelfAttention(nn.Module):
     """f(x) = MultiheadAttention(LN(x)) on (batch, seq, dim), causal or unmasked."""
@@ -57,6 +59,7 @@ def transformer_mlp(dim):
 # ---------------------------------------------------------------------------------------------------------------
 # cases: (torch model, JAX coupling specs, input shape)
 
+
 def case_mlp():
     acts = [nn.ReLU(), nn.GELU(approximate="tanh"), nn.Tanh(), nn.SiLU()]
     model = revlib.ReversibleSequential(*[mlp(8, 16, a) for a in acts], split_dim=1)
@@ -68,8 +71,9 @@ def case_conv():
         nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1)),
         # even kernel with padding='same': torch pads one more on the right/bottom
         nn.Sequential(nn.Conv2d(4, 4, (2, 4), padding="same"), nn.GELU(), nn.Conv2d(4, 4, 1, bias=False)),
-        nn.Sequential(nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2), nn.Tanh(),
-                      nn.Conv2d(8, 4, 3, padding="same", groups=4)),
+        nn.Sequential(
+            nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2), nn.Tanh(), nn.Conv2d(8, 4, 3, padding="same", groups=4)
+        ),
         nn.Sequential(nn.Conv2d(4, 4, 5, padding=2), nn.Sigmoid()),
     ]
     return revlib.ReversibleSequential(*blocks, split_dim=1), ["additive"], (2, 8, 6, 6)
@@ -77,8 +81,12 @@ def case_conv():
 
 def case_transformer():
     dim, heads = 16, 4
-    blocks = [PreLNSelfAttention(dim, heads, causal=True), transformer_mlp(dim),
-              PreLNSelfAttention(dim, heads, causal=False), transformer_mlp(dim)]
+    blocks = [
+        PreLNSelfAttention(dim, heads, causal=True),
+        transformer_mlp(dim),
+        PreLNSelfAttention(dim, heads, causal=False),
+        transformer_mlp(dim),
+    ]
     return revlib.ReversibleSequential(*blocks, split_dim=-1), ["additive"], (2, 6, 2 * dim)
 
 
@@ -89,28 +97,41 @@ def case_coupled_mlp():
     specs = [("momentum", 0.8), ("affine", 1, 2.0, 1e-3), "additive"]
     acts = [nn.Tanh(), nn.GELU(), nn.ReLU(), nn.SiLU(), nn.Tanh()]
     blocks = [mlp(8, 16, a, out=16 if i % 3 == 1 else 8) for i, a in enumerate(acts)]
-    model = revlib.ReversibleSequential(*blocks, split_dim=1, coupling_forward=[p.forward for p in pairs],
-                                        coupling_inverse=[p.inverse for p in pairs])
+    model = revlib.ReversibleSequential(
+        *blocks, split_dim=1, coupling_forward=[p.forward for p in pairs], coupling_inverse=[p.inverse for p in pairs]
+    )
     return model, specs, (4, 16)
 
 
 def case_coupled_conv():
     """Affine coupling along channels and momentum coupling on Conv2d blocks."""
     affine, momentum = revlib.affine_coupling(dim=1, scale_offset=1.0, eps=1e-2), revlib.momentum_coupling(0.5)
-    blocks = [nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 8, 1)),
-              nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()),
-              nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 1))]
-    model = revlib.ReversibleSequential(*blocks, split_dim=1, coupling_forward=[affine.forward, momentum.forward],
-                                        coupling_inverse=[affine.inverse, momentum.inverse])
+    blocks = [
+        nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Tanh(), nn.Conv2d(8, 8, 1)),
+        nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 1)),
+    ]
+    model = revlib.ReversibleSequential(
+        *blocks,
+        split_dim=1,
+        coupling_forward=[affine.forward, momentum.forward],
+        coupling_inverse=[affine.inverse, momentum.inverse],
+    )
     return model, [("affine", 1, 1.0, 1e-2), ("momentum", 0.5)], (2, 8, 5, 5)
 
 
-CASES = {"mlp": case_mlp, "conv": case_conv, "transformer": case_transformer, "coupled_mlp": case_coupled_mlp,
-         "coupled_conv": case_coupled_conv}
+CASES = {
+    "mlp": case_mlp,
+    "conv": case_conv,
+    "transformer": case_transformer,
+    "coupled_mlp": case_coupled_mlp,
+    "coupled_conv": case_coupled_conv,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # helpers
+
 
 @pytest.fixture
 def full_precision(device):
@@ -134,11 +155,11 @@ def full_precision(device):
 
 
 def loss_torch(out, w):
-    return (out * w).sum() + (out ** 2).mean()
+    return (out * w).sum() + (out**2).mean()
 
 
 def loss_jax(out, w):
-    return jnp.sum(out * w) + jnp.mean(out ** 2)
+    return jnp.sum(out * w) + jnp.mean(out**2)
 
 
 def ran_reversible_backward(out):
@@ -186,6 +207,7 @@ def jax_reference(case, dtype, model, coupling_specs, x_host, w_host):
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_jax_reference(case, dtype, device, full_precision):
@@ -209,8 +231,10 @@ def test_matches_jax_reference(case, dtype, device, full_precision):
     loss.backward()
     backend.sync(device)  # one XLA graph for the loss and all gradients (not one per tensor read)
 
-    errors = {"loss": max_rel_err(loss, torch.from_numpy(ref_loss)),
-              "input": max_rel_err(x.grad, torch.from_numpy(ref_x_grad))}
+    errors = {
+        "loss": max_rel_err(loss, torch.from_numpy(ref_loss)),
+        "input": max_rel_err(x.grad, torch.from_numpy(ref_x_grad)),
+    }
     grads = {name: p.grad for name, p in model.named_parameters()}
     assert set(grads) == set(ref_param_grads), "every torch parameter must have a JAX counterpart"
     for name, g in grads.items():

@@ -3,6 +3,7 @@ bit for bit equal to the pure-PyTorch reference on the same data (a NaN only has
 are the hardware's), for every bit width, float32 / bfloat16 / float16, sizes that need padding, inf/NaN inputs and
 gradients, NaN coded high or low, NaN and zero levels; and the dispatch that picks them by device.
 """
+
 import importlib.util
 import os
 import subprocess
@@ -44,8 +45,14 @@ def test_triton_kernels_equal_the_reference_bit_for_bit():
         pytest.skip("triton is not installed (it comes with torch on Linux x86-64; pip install triton)")
     # A child process: TRITON_INTERPRET must be set before triton is imported, and this one may have imported it.
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, str(Path(__file__).with_name("triton_interpret_check.py"))],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("triton_interpret_check.py"))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("bit-exact") == 4 * 3 * 3
 
@@ -88,13 +95,15 @@ def test_pallas_kernels_equal_the_reference_bit_for_bit():
             odd_levels = (float("nan"), 0.0) + tuple(table.levels[2:])
             for nan_high, levels, select_zero in ((False, table.levels, False), (True, odd_levels, True)):
                 expected_packed = ref.pack(ref.stepwise_codes(x, table.borders, nan_high), bits)
-                packed = fewbit_pallas.encode_stepwise(_to_jax(jnp, x), table.borders, bits, interpret=True,
-                                                       nan_high=nan_high)
+                packed = fewbit_pallas.encode_stepwise(
+                    _to_jax(jnp, x), table.borders, bits, interpret=True, nan_high=nan_high
+                )
                 assert np.array_equal(np.asarray(packed), expected_packed.numpy()), (bits, dtype, n)
                 levels_t = torch.tensor(levels, dtype=torch.float32)
                 expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels_t, select_zero=select_zero)
-                got = fewbit_pallas.stepwise_grad(packed, _to_jax(jnp, grad), levels_t.numpy(), bits, interpret=True,
-                                                  select_zero=select_zero)
+                got = fewbit_pallas.stepwise_grad(
+                    packed, _to_jax(jnp, grad), levels_t.numpy(), bits, interpret=True, select_zero=select_zero
+                )
                 assert got.dtype == jnp.dtype(_JAX_DTYPES[dtype])
                 exp_bits = expected.view(torch.int16 if dtype != torch.float32 else torch.int32).numpy()
                 nan = expected.isnan().numpy()

@@ -3,6 +3,7 @@
 Every number asserted here is exact and reproducible: storage sizes for the eager tools, compiler plans for XLA.
 The TPU figures come from libtpu's deviceless compiler (no TPU is used).
 """
+
 import dataclasses
 import hashlib
 import importlib.util
@@ -20,8 +21,19 @@ import torch.nn as nn
 
 from revlib_xla import backend, memory
 from revlib_xla.memory import (
-    CompiledMemory, EagerPeak, MissingDependencyError, SavedTensorCounter, TpuCompileError, allocator_peak,
-    eager_peak, saved_bytes, step_stablehlo, tensor_bytes, tpu_memory, tpu_memory_many, xla_cpu_memory,
+    CompiledMemory,
+    EagerPeak,
+    MissingDependencyError,
+    SavedTensorCounter,
+    TpuCompileError,
+    allocator_peak,
+    eager_peak,
+    saved_bytes,
+    step_stablehlo,
+    tensor_bytes,
+    tpu_memory,
+    tpu_memory_many,
+    xla_cpu_memory,
 )
 
 F32 = 4
@@ -113,8 +125,15 @@ def test_eager_peak_categories(eager_device):
     assert isinstance(peak, EagerPeak) and peak.device.startswith(eager_device.type)
     assert peak.parameters == params
     assert peak.other == nbytes(x) and peak.buffers == 0 and peak.optimizer == 0
-    parts = (peak.parameters, peak.gradients, peak.activations, peak.temporaries, peak.optimizer, peak.buffers,
-             peak.other)
+    parts = (
+        peak.parameters,
+        peak.gradients,
+        peak.activations,
+        peak.temporaries,
+        peak.optimizer,
+        peak.buffers,
+        peak.other,
+    )
     assert peak.total == sum(parts)
     # Above what exists before the step: at least the hidden activation (32x256) is alive at the peak.
     assert peak.total >= params + nbytes(x) + 32 * 256 * F32
@@ -156,6 +175,7 @@ def test_eager_peak_fake_matches_real():
 def test_eager_peak_fake_explains_a_factory_that_moves_a_fake_module():
     """Newer torch (2.13) cannot move a module built under FakeTensorMode with ``.to`` ("Couldn't swap"); the error
     says to build on the device instead. Where torch can, the factory simply works."""
+
     def moved():
         return eager_mlp().to("cpu")
 
@@ -216,8 +236,7 @@ def test_saved_bytes_count_what_a_compiled_graph_saves():
     (what ``activation_memory_budget`` decides), so bench/planner.py can size compiled steps with them.
     ``aot_eager_decomp_partition`` runs the same partitioner as inductor without a C++ compile."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64),
-                          nn.Tanh())
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 64), nn.Tanh())
     x = torch.randn(32, 64)
     params = list(model.parameters())
     eager = saved_bytes(model, x, exclude=params)
@@ -257,8 +276,9 @@ def test_allocator_peak_agrees_with_eager_peak_on_an_eager_step(eager_device):
     so the step accumulates into them; the input existed before the step and is MemTracker's "other"): the two
     yardsticks agree, so eager and compiled steps can share one."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64)
-                          ).to(eager_device)
+    model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 64)).to(
+        eager_device
+    )
     x = torch.randn(256, 64, device=eager_device)
     train_step(model, x)  # .grad exists from here on
     tracked = eager_peak(train_step, model, x, zero_grad=False)
@@ -272,8 +292,9 @@ def test_allocator_peak_agrees_with_eager_peak_on_an_eager_step(eager_device):
 
 needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
 needs_jax = pytest.mark.skipif(importlib.util.find_spec("jaxlib") is None, reason="jax/jaxlib are not installed")
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')")
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')"
+)
 PINNED = memory._compile_helpers().versions() == {"jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.20"}
 
 DEPTH, WIDTH, BATCH = 4, 128, 256
@@ -354,8 +375,10 @@ def texts():
     plain, ckpt = Net(False), Net(True)
     ckpt.load_state_dict(plain.state_dict())
     return {
-        "plain": traced(plain, BATCH, WIDTH), "checkpointed": traced(ckpt, BATCH, WIDTH),
-        "stack": traced(TanhStack(False), 512, 256), "offloaded": traced(TanhStack(True), 512, 256),
+        "plain": traced(plain, BATCH, WIDTH),
+        "checkpointed": traced(ckpt, BATCH, WIDTH),
+        "stack": traced(TanhStack(False), 512, 256),
+        "offloaded": traced(TanhStack(True), 512, 256),
     }
 
 
@@ -480,11 +503,13 @@ def test_tpu_compiler_errors_are_reported():
 
 def test_tpu_worker_crash_reports_stderr_tail(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         print("libtpu: something went badly wrong", file=sys.stderr)
         sys.exit(3)
-    """))
+    """)
+    )
 
     class FakeHelpers:
         __file__ = str(script)
@@ -499,8 +524,9 @@ def test_tpu_worker_crash_reports_stderr_tail(tmp_path):
 
 def test_missing_tpu_compiler_names_the_extra(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "libtpu" else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real_find_spec(name, *a)
+    )
     monkeypatch.delenv("TPU_LIBRARY_PATH", raising=False)
     with pytest.raises(MissingDependencyError, match=r"libtpu.*pip install 'revlib_xla\[tpu-compile\]'"):
         tpu_memory("module {}")
@@ -558,8 +584,13 @@ def test_step_stablehlo_works_after_a_cpu_backward(tmp_path):
     its CPU backward (this worker's conftest does); the StableHLO equals this process's."""
     script = tmp_path / "step_after_cpu_backward.py"
     script.write_text(STEP_AFTER_A_CPU_BACKWARD.format(tests=str(Path(__file__).parent)))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PJRT_DEVICE="CPU"))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PJRT_DEVICE="CPU"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     torch.manual_seed(0)
     model, x = small_mlp(), torch.randn(8, 16)
@@ -582,7 +613,9 @@ def test_disk_cache_recompiles_a_damaged_entry(tmp_path, monkeypatch, damage):
     entry = json.loads(path.read_text())
     text = path.read_text()
     broken = {
-        "truncated": text[: len(text) // 2], "not json": "\x00\xff", "a list": "[]",
+        "truncated": text[: len(text) // 2],
+        "not json": "\x00\xff",
+        "a list": "[]",
         "other key": json.dumps({**entry, "key": "0" * 64}),
         "field missing": json.dumps({k: v for k, v in entry.items() if k != "peak_memory_in_bytes"}),
         "wrong type": json.dumps({**entry, "optimized_hlo": 3}),
@@ -618,9 +651,9 @@ def test_disk_cache_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="REVLIB_XLA_CACHE_MAX_BYTES='lots' is not a size.*512MiB"):
         compile_cache.max_bytes()
     monkeypatch.setenv("REVLIB_XLA_CACHE_MAX_BYTES", "2 GB")
-    assert compile_cache.max_bytes() == 2 * 10 ** 9
+    assert compile_cache.max_bytes() == 2 * 10**9
     monkeypatch.delenv("REVLIB_XLA_CACHE_MAX_BYTES")
-    assert compile_cache.max_bytes() == compile_cache.DEFAULT_MAX_BYTES == 2 ** 30
+    assert compile_cache.max_bytes() == compile_cache.DEFAULT_MAX_BYTES == 2**30
     monkeypatch.delenv("REVLIB_XLA_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache.directory_for(True) == tmp_path / "xdg" / "revlib_xla"

@@ -13,16 +13,16 @@ the XLA device; on cuda (when lent) the GPU, whose allocator peak is checked too
 * Normalization statistics are updated once, on the host buffers; the fused optimizer steps the host parameters
   (its state stays on the host) with the same losses, bit for bit, as an unfused run without offload.
 """
+
 import copy
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import ParameterStreamer, backend, offload_tensor
-
-from conftest import max_rel_err, to_host
 
 WIDTH = 8
 DEPTH = 6
@@ -82,7 +82,7 @@ def test_gradients_equal_no_offload(device, mode):
 
 
 def test_at_most_two_layers_on_the_device(device):
-    ref, off = _models(device, torch.float32)
+    _, off = _models(device, torch.float32)
     x = torch.randn(4, 2 * WIDTH).to(device)
     off(x).sum().backward()  # builds the streamer
     streamer = off.streamer
@@ -117,7 +117,7 @@ def test_cuda_allocator_peak_holds_about_two_layers(device):
 
 
 def test_deepcopy_after_use_leaves_the_streamer_behind():
-    ref, off = _models(torch.device("cpu"), torch.float64)
+    _, off = _models(torch.device("cpu"), torch.float64)
     x = torch.randn(3, 2 * WIDTH, dtype=torch.float64)
     torch.manual_seed(1)  # the same dropout masks in both calls
     off(x).sum().backward()
@@ -158,7 +158,7 @@ def test_batchnorm_statistics_updated_once_on_the_host():
 
 
 def test_fused_optimizer_with_offload_steps_host_parameters():
-    sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)  # noqa: E731
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
     torch.manual_seed(0)
     blocks = [Block(p=0.0) for _ in range(DEPTH)]
     ref = revlib.ReversibleSequential(*copy.deepcopy(blocks))

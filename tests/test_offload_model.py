@@ -13,24 +13,32 @@ Parameters live on the cpu (``offload_device``) and are streamed slice by slice 
   graph keeps references to the host parameters instead of device copies) or after the backward;
 * bad input: a non-sequential model, ``num_microbatches`` larger than the batch, a slice returning a non-tensor.
 """
+
 import copy
 
 import pytest
 import torch
+from conftest import SeededUnits, max_rel_err, to_host
 from torch import nn
 
 from revlib_xla import OffloadModel, OffloadModelError, backend
 from revlib_xla.offload_model import split_by_parameters
-
-from conftest import SeededUnits, max_rel_err, to_host
 
 
 def _layers(p=0.25):
     """Dropout and BatchNorm (after a Linear without bias: a bias there has a gradient that is zero up to rounding,
     which no relative tolerance can compare)."""
     torch.manual_seed(0)
-    return [nn.Linear(8, 16), nn.GELU(), nn.Dropout(p), nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16), nn.Tanh(),
-            nn.Linear(16, 16), nn.Linear(16, 4)]
+    return [
+        nn.Linear(8, 16),
+        nn.GELU(),
+        nn.Dropout(p),
+        nn.Linear(16, 16, bias=False),
+        nn.BatchNorm1d(16),
+        nn.Tanh(),
+        nn.Linear(16, 16),
+        nn.Linear(16, 4),
+    ]
 
 
 def _step(model, device, dtype):
@@ -59,8 +67,7 @@ def test_gradients_equal_plain_model(device, checkpoint):
     # model draws other masks; on xla the replay is checked by test_checkpointed_recomputation_replays_dropout.
     p = 0.0 if device.type == "xla" else 0.25
     ref = nn.Sequential(*_layers(p)).to(device=device, dtype=dtype)
-    model = OffloadModel(nn.Sequential(*_layers(p)).to(dtype), device, num_slices=3,
-                         checkpoint_activation=checkpoint)
+    model = OffloadModel(nn.Sequential(*_layers(p)).to(dtype), device, num_slices=3, checkpoint_activation=checkpoint)
     assert len(model.model_slices) == 3
     if checkpoint:  # checkpointed slices draw from generators of their own: the plain model with those masks
         ref = SeededUnits([nn.Sequential(*group) for group in split_by_parameters(list(ref), 3)])
@@ -114,8 +121,7 @@ def test_multi_tensor_slices_and_micro_batches(checkpoint, micro):
     torch.manual_seed(0)
     slices = [Split(), Gate(), Head()]
     ref = copy.deepcopy(slices)
-    model = OffloadModel([s.double() for s in slices], "cpu", checkpoint_activation=checkpoint,
-                         num_microbatches=micro)
+    model = OffloadModel([s.double() for s in slices], "cpu", checkpoint_activation=checkpoint, num_microbatches=micro)
     x = torch.randn(7, 8, dtype=torch.float64, requires_grad=True)  # 7 samples in 3 micro-batches: 3, 2, 2
     out = model(x)
     assert out.shape == (7, 1)
@@ -136,10 +142,16 @@ def test_multi_tensor_slices_and_micro_batches(checkpoint, micro):
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["activations_kept", "checkpointed"])
 def test_at_most_two_slices_on_the_device(device, checkpoint):
     if device.type == "xla" and not checkpoint:
-        pytest.skip("on xla the lazy graph keeps every slice's uploaded parameters until the backward has run (a "
-                    "graph's inputs cannot be fetched again); use checkpoint_activation=True there")
-    model = OffloadModel(nn.Sequential(*_layers(0.0), nn.Linear(4, 4), nn.Linear(4, 4)), device, num_slices=5,
-                         checkpoint_activation=checkpoint)
+        pytest.skip(
+            "on xla the lazy graph keeps every slice's uploaded parameters until the backward has run (a "
+            "graph's inputs cannot be fetched again); use checkpoint_activation=True there"
+        )
+    model = OffloadModel(
+        nn.Sequential(*_layers(0.0), nn.Linear(4, 4), nn.Linear(4, 4)),
+        device,
+        num_slices=5,
+        checkpoint_activation=checkpoint,
+    )
     x = torch.randn(6, 8).to(device)
     streamer = model.streamer
     out = model(x)
@@ -155,8 +167,9 @@ def test_at_most_two_slices_on_the_device(device, checkpoint):
 def test_checkpointed_recomputation_replays_dropout(device):
     """out = x * mask / (1 - p) and dx = mask / (1 - p): the backward's recomputation must draw the forward's mask
     (fairscale replayed only the CPU's random state, so GPU dropout differed)."""
-    model = OffloadModel([nn.Linear(16, 16), nn.Dropout(0.5), nn.Identity()], device, checkpoint_activation=True,
-                         num_microbatches=2)
+    model = OffloadModel(
+        [nn.Linear(16, 16), nn.Dropout(0.5), nn.Identity()], device, checkpoint_activation=True, num_microbatches=2
+    )
     x = torch.rand(4, 16).add(0.5).to(device).requires_grad_()
     out = model(x)
     out.sum().backward()

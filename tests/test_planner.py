@@ -1,19 +1,29 @@
 """The planner's solver: rotor's published values, optimality against exhaustive search, budgets, bad input."""
+
 import math
 import random
 
 import numpy as np
 import pytest
-
-from revlib_xla.planner import (Chain, InfeasibleBudget, Op, ScheduleError, StageOption, min_memory,
-                                no_checkpoint_memory, simulate, solve)
-
 from planner_bruteforce import best, evaluate, neighbours, sample, schedules
+
+from revlib_xla.planner import (
+    Chain,
+    InfeasibleBudget,
+    Op,
+    ScheduleError,
+    StageOption,
+    min_memory,
+    no_checkpoint_memory,
+    simulate,
+    solve,
+)
 
 
 def homogeneous(length=10):
-    return Chain([1] * length, [2] * length + [0], [1] * (length + 1), [1] + [3] * length, [0] * length,
-                 [0] * (length + 1))
+    return Chain(
+        [1] * length, [2] * length + [0], [1] * (length + 1), [1] + [3] * length, [0] * length, [0] * (length + 1)
+    )
 
 
 @pytest.mark.parametrize("budget, ops, makespan", [(7, 66, 75), (8, 41, 50), (9, 36, 45), (15, 28, 37)])
@@ -50,12 +60,30 @@ def random_chain(rng, length, extended=False, options=1):
         kw["inverse_time"] = [rng.randint(0, 3) for _ in range(length)]
         kw["offload_time"] = [rng.randint(1, 6) if rng.random() < 0.5 else None for _ in range(length)]
     if options > 1:
-        kw["options"] = [[StageOption(f"c{c}", rng.randint(1, 6), rng.randint(1, 9),
-                                      cbw[i + 1] - rng.randint(0, cbw[i + 1] - cw[i + 1]), rng.randint(0, 2),
-                                      rng.randint(0, 2)) for c in range(1, options) if rng.random() < 0.7]
-                         for i in range(length)]
-    return Chain([rng.randint(1, 5) for _ in range(length)], [rng.randint(1, 8) for _ in range(length + 1)], cw, cbw,
-                 [rng.randint(0, 2) for _ in range(length)], [rng.randint(0, 2) for _ in range(length + 1)], **kw)
+        kw["options"] = [
+            [
+                StageOption(
+                    f"c{c}",
+                    rng.randint(1, 6),
+                    rng.randint(1, 9),
+                    cbw[i + 1] - rng.randint(0, cbw[i + 1] - cw[i + 1]),
+                    rng.randint(0, 2),
+                    rng.randint(0, 2),
+                )
+                for c in range(1, options)
+                if rng.random() < 0.7
+            ]
+            for i in range(length)
+        ]
+    return Chain(
+        [rng.randint(1, 5) for _ in range(length)],
+        [rng.randint(1, 8) for _ in range(length + 1)],
+        cw,
+        cbw,
+        [rng.randint(0, 2) for _ in range(length)],
+        [rng.randint(0, 2) for _ in range(length + 1)],
+        **kw,
+    )
 
 
 def as_arrays(chains, options):
@@ -127,8 +155,9 @@ def test_extensions_lower_the_time():
     alone recomputes them from checkpoints, and is faster; at every budget it is at least as fast. Offloading a
     checkpoint buys time at a tight budget."""
     length = 12
-    plain = Chain([1] * length, [2] * length + [1], [4] * (length + 1), [0] + [8] * length, [1] * length,
-                  [1] * (length + 1))
+    plain = Chain(
+        [1] * length, [2] * length + [1], [4] * (length + 1), [0] + [8] * length, [1] * length, [1] * (length + 1)
+    )
     rev = plain.replace(reversible=[True] * length)
     budget = int(min_memory(plain)) + 4
     rotor_only, hybrid = solve(plain, budget, mem_slots=budget), solve(rev, budget, mem_slots=budget)
@@ -146,9 +175,12 @@ def test_discretization_stays_within_the_limit():
     rng = random.Random(7)
     for _ in range(8):
         chain = random_chain(rng, 30)
-        chain = chain.replace(cw=[c * 1e6 + rng.randint(0, 999) for c in chain.cw],
-                              cbw=[c * 1e6 + 1000 for c in chain.cbw], fwd_tmp=[c * 1e6 for c in chain.fwd_tmp],
-                              bwd_tmp=[c * 1e6 for c in chain.bwd_tmp])
+        chain = chain.replace(
+            cw=[c * 1e6 + rng.randint(0, 999) for c in chain.cw],
+            cbw=[c * 1e6 + 1000 for c in chain.cbw],
+            fwd_tmp=[c * 1e6 for c in chain.fwd_tmp],
+            bwd_tmp=[c * 1e6 for c in chain.bwd_tmp],
+        )
         low, high = min_memory(chain), no_checkpoint_memory(chain)
         for frac in (0.2, 0.6, 1.0):
             limit = low * 1.05 + frac * (high - low)
@@ -170,13 +202,16 @@ def test_schedule_printout():
     assert "makespan" in text and "reversible (input rebuilt)" in text and "ops: " in text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(fw=[1, 2], bw=[1, 1], cw=[1, 1, 1], cbw=[0, 1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0, 0]), "bw needs 3"),
-    (dict(fw=[1], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[-1], bwd_tmp=[0, 0]), "fwd_tmp[0] = -1.0"),
-    (dict(fw=[1], bw=[1, 1], cw=[1, 3], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "cbw[1] = 1.0 < cw[1]"),
-    (dict(fw=["a"], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "fw[0] is 'a'"),
-    (dict(fw=[], bw=[1], cw=[1], cbw=[0], fwd_tmp=[], bwd_tmp=[0]), "at least one stage"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(fw=[1, 2], bw=[1, 1], cw=[1, 1, 1], cbw=[0, 1, 1], fwd_tmp=[0, 0], bwd_tmp=[0, 0, 0]), "bw needs 3"),
+        (dict(fw=[1], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[-1], bwd_tmp=[0, 0]), "fwd_tmp[0] = -1.0"),
+        (dict(fw=[1], bw=[1, 1], cw=[1, 3], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "cbw[1] = 1.0 < cw[1]"),
+        (dict(fw=["a"], bw=[1, 1], cw=[1, 1], cbw=[0, 1], fwd_tmp=[0], bwd_tmp=[0, 0]), "fw[0] is 'a'"),
+        (dict(fw=[], bw=[1], cw=[1], cbw=[0], fwd_tmp=[], bwd_tmp=[0]), "at least one stage"),
+    ],
+)
 def test_chain_bad_input(kwargs, message):
     with pytest.raises((ValueError, TypeError)) as info:
         Chain(**kwargs)
@@ -218,7 +253,7 @@ def test_optimal_against_sampled_schedules(length):
     fastest, lowest = best(drawn, arrays, np.array(budgets, float))
     for k, (chain, budget) in enumerate(zip(chains, budgets)):
         plan = solve(chain, budget, mem_slots=budget)
-        one = {key: value[k:k + 1] for key, value in arrays.items()}
+        one = {key: value[k : k + 1] for key, value in arrays.items()}
         time, peak = evaluate(_as_bruteforce(plan), one)
         assert (time[0], peak[0]) == (plan.makespan, plan.peak_memory) and peak[0] <= budget
         assert plan.makespan <= fastest[k] and min_memory(chain) <= lowest[k]
@@ -229,12 +264,32 @@ def test_optimal_against_sampled_schedules(length):
 # Chains (10 stages, small integer costs) whose plans rotor's dynamic program (topal-team/rockmate,
 # rotor/algorithms/persistent.py, force_python=True, the same Chain, memory slots = budget) makes slower: 109 and 104.
 ROTOR_MISSES = [
-    (dict(fw=[5, 3, 4, 4, 2, 3, 2, 2, 2, 3], bw=[6, 8, 7, 7, 7, 6, 8, 5, 5, 2, 4], cw=[3, 4, 2, 3, 1, 3, 4, 3, 1, 1, 2],
-          cbw=[0, 5, 5, 7, 1, 3, 8, 6, 1, 1, 6], fwd_tmp=[1, 0, 1, 2, 0, 1, 1, 0, 1, 2],
-          bwd_tmp=[0, 1, 1, 0, 0, 2, 0, 1, 0, 0, 1]), 33, 107, "Fe_9 L"),
-    (dict(fw=[3, 3, 4, 5, 1, 4, 1, 2, 2, 3], bw=[6, 5, 5, 2, 2, 7, 8, 5, 2, 8, 8], cw=[1, 2, 2, 1, 1, 3, 3, 1, 2, 1, 4],
-          cbw=[0, 3, 4, 3, 5, 6, 5, 1, 2, 4, 8], fwd_tmp=[1, 2, 2, 2, 1, 1, 2, 0, 0, 2],
-          bwd_tmp=[1, 0, 2, 2, 0, 1, 2, 0, 0, 0, 1]), 26, 103, "Fe_9 L"),
+    (
+        dict(
+            fw=[5, 3, 4, 4, 2, 3, 2, 2, 2, 3],
+            bw=[6, 8, 7, 7, 7, 6, 8, 5, 5, 2, 4],
+            cw=[3, 4, 2, 3, 1, 3, 4, 3, 1, 1, 2],
+            cbw=[0, 5, 5, 7, 1, 3, 8, 6, 1, 1, 6],
+            fwd_tmp=[1, 0, 1, 2, 0, 1, 1, 0, 1, 2],
+            bwd_tmp=[0, 1, 1, 0, 0, 2, 0, 1, 0, 0, 1],
+        ),
+        33,
+        107,
+        "Fe_9 L",
+    ),
+    (
+        dict(
+            fw=[3, 3, 4, 5, 1, 4, 1, 2, 2, 3],
+            bw=[6, 5, 5, 2, 2, 7, 8, 5, 2, 8, 8],
+            cw=[1, 2, 2, 1, 1, 3, 3, 1, 2, 1, 4],
+            cbw=[0, 3, 4, 3, 5, 6, 5, 1, 2, 4, 8],
+            fwd_tmp=[1, 2, 2, 2, 1, 1, 2, 0, 0, 2],
+            bwd_tmp=[1, 0, 2, 2, 0, 1, 2, 0, 0, 0, 1],
+        ),
+        26,
+        103,
+        "Fe_9 L",
+    ),
 ]
 
 
@@ -278,8 +333,12 @@ def test_budget_between_the_smallest_and_its_rounding():
     below the smallest one."""
     rng = random.Random(11)
     chain = random_chain(rng, 12)
-    chain = chain.replace(cw=[c * 1000 + 8 for c in chain.cw], cbw=[c * 1000 + 8 for c in chain.cbw],
-                          fwd_tmp=[c * 1000 for c in chain.fwd_tmp], bwd_tmp=[c * 1000 for c in chain.bwd_tmp])
+    chain = chain.replace(
+        cw=[c * 1000 + 8 for c in chain.cw],
+        cbw=[c * 1000 + 8 for c in chain.cbw],
+        fwd_tmp=[c * 1000 for c in chain.fwd_tmp],
+        bwd_tmp=[c * 1000 for c in chain.bwd_tmp],
+    )
     low = min_memory(chain)
     schedule = solve(chain, low, mem_slots=7)
     assert schedule.peak_memory == low
@@ -288,7 +347,8 @@ def test_budget_between_the_smallest_and_its_rounding():
     low = min_memory(fractional)
     schedule = solve(fractional, low * 1.001, mem_slots=7)
     assert schedule.peak_memory <= low * 1.001
-    with pytest.raises(InfeasibleBudget, match="smallest budget .* is .* and mem_limit is .* rounds every size up") \
-            as info:
+    with pytest.raises(
+        InfeasibleBudget, match="smallest budget .* is .* and mem_limit is .* rounds every size up"
+    ) as info:
         solve(fractional, low, mem_slots=7)
     assert info.value.minimum == low and 0 < info.value.unit < low / 1000

@@ -8,17 +8,17 @@
 * FewBit's README conversion (``map_module(model, lambda m: convert_linear(m, RandomizedLinear, ...))``) works and
   keeps the weights and state-dict keys.
 """
+
 import importlib
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 
 from revlib_xla import fewbit
 from revlib_xla.fewbit.util import convert_linear, map_module
 from revlib_xla.memory import saved_bytes
-
-from conftest import max_rel_err, to_host
 
 rl = importlib.import_module("revlib_xla.fewbit.randomized_linear")  # the package exports a function of that name
 
@@ -86,11 +86,11 @@ def test_sketch_second_moment_is_the_identity(matmul):
     s = rl._sketch(matmul, k, n, 123, torch.empty((), dtype=torch.float64))
     assert s.shape == (k, n) and s.dtype == torch.float64
     if matmul == "rademacher":
-        assert torch.equal(s.abs(), torch.full_like(s, 1 / k ** 0.5))
+        assert torch.equal(s.abs(), torch.full_like(s, 1 / k**0.5))
         assert abs(float(s.sign().mean())) < 5 * (1 / (k * n)) ** 0.5
     else:
         assert abs(float((s * s).mean() * k) - 1) < 5e-3
-        assert abs(float(s.mean() * k ** 0.5)) < 5 * (1 / (k * n)) ** 0.5
+        assert abs(float(s.mean() * k**0.5)) < 5 * (1 / (k * n)) ** 0.5
 
 
 def test_saved_bytes_at_most_ratio_of_linear(device):
@@ -120,8 +120,11 @@ def test_state_dict_and_readme_conversion():
     # fn(module, path) and a pattern: only the nested block is converted
     seen = []
     other = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16)))
-    map_module(other, lambda m, path: seen.append(path) or convert_linear(m, fewbit.RandomizedLinear, proj_dim=4),
-               patt=r"1\..*")
+    map_module(
+        other,
+        lambda m, path: seen.append(path) or convert_linear(m, fewbit.RandomizedLinear, proj_dim=4),
+        patt=r"1\..*",
+    )
     assert seen == ["1.0"] and type(other[0]) is nn.Linear and type(other[1][0]) is fewbit.RandomizedLinear
 
 

@@ -2,18 +2,27 @@
 
 Blocks run in the order they appear; the blocks of one section (a ``## `` heading and its subsections) share one
 namespace, so a block may use what an earlier block of its section defined. A block whose first line says
-``# needs CUDA`` or ``# needs a TPU`` is skipped, visibly, where that hardware is missing (with the rest of its
-section, which may build on it). The test finds whatever blocks the README holds: nothing here lists them.
+``# needs CUDA``, ``# needs a TPU`` or ``# needs torch_xla`` is skipped, visibly, where that is missing (with the
+rest of its section, which may build on it). The test finds whatever blocks the README holds: nothing here lists them.
 """
+
+import importlib.util
 import re
 from pathlib import Path
-from typing import Dict, List, NamedTuple
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from revlib_xla import backend
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-_NEEDS = {"cuda": torch.cuda.is_available, "a tpu": lambda: False}
+_NEEDS = {
+    "cuda": torch.cuda.is_available,
+    "a tpu": lambda: False,
+    "torch_xla": lambda: backend.xla_available() and importlib.util.find_spec("libtpu") is not None,
+}
+_NAMES = {"cuda": "CUDA", "a tpu": "a TPU", "torch_xla": "torch_xla and libtpu"}
 
 
 class Block(NamedTuple):
@@ -21,9 +30,9 @@ class Block(NamedTuple):
     code: str
 
 
-def python_blocks(text: str) -> Dict[str, List[Block]]:
+def python_blocks(text: str) -> dict[str, list[Block]]:
     """Section title -> its ```python blocks, in order."""
-    sections: Dict[str, List[Block]] = {}
+    sections: dict[str, list[Block]] = {}
     section, block, start = "(before any section)", None, 0
     for number, line in enumerate(text.splitlines(), 1):
         if block is None and line.startswith("## "):
@@ -40,11 +49,12 @@ def python_blocks(text: str) -> Dict[str, List[Block]]:
 
 
 def missing_hardware(block: Block):
-    """'CUDA' or 'a TPU' when the block's first line says it needs that and this machine has none, else None."""
+    """What is missing ('CUDA', 'a TPU', 'torch_xla and libtpu') when the block's first line says it needs that
+    and this machine has none, else None."""
     first = block.code.strip().splitlines()[0].lower() if block.code.strip() else ""
-    need = re.match(r"#\s*needs\s+(cuda|a tpu)\b", first)
+    need = re.match(r"#\s*needs\s+(cuda|a tpu|torch_xla)\b", first)
     if need and not _NEEDS[need.group(1)]():
-        return {"cuda": "CUDA", "a tpu": "a TPU"}[need.group(1)]
+        return _NAMES[need.group(1)]
     return None
 
 
@@ -52,8 +62,10 @@ SECTIONS = python_blocks(README.read_text(encoding="utf-8"))
 
 
 def test_blocks_are_found_by_section_and_hardware_marks_are_read():
-    text = "# t\n## One\n```python\nx = 1\n```\n```bash\nls\n```\n### Sub\n```python\n# needs a TPU\ny = x\n```\n" \
-           "## Two\n```python\n# Needs CUDA: a GPU\n```\n"
+    text = (
+        "# t\n## One\n```python\nx = 1\n```\n```bash\nls\n```\n### Sub\n```python\n# needs a TPU\ny = x\n```\n"
+        "## Two\n```python\n# Needs CUDA: a GPU\n```\n"
+    )
     sections = python_blocks(text)
     assert list(sections) == ["One", "Two"]
     assert sections["One"] == [Block(4, "x = 1\n"), Block(11, "# needs a TPU\ny = x\n")]
@@ -67,11 +79,13 @@ def test_the_readme_has_python_blocks():
 
 @pytest.mark.parametrize("section", list(SECTIONS))
 def test_readme_section_runs(section, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)   # whatever a block writes lands in a temporary directory
-    namespace: Dict[str, object] = {"__name__": "__readme__"}
+    monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary directory
+    namespace: dict[str, object] = {"__name__": "__readme__"}
     for block in SECTIONS[section]:
         missing = missing_hardware(block)
         if missing:
-            pytest.skip(f"README.md line {block.line} needs {missing}, which this machine lacks (and so does the "
-                        f"rest of its section)")
-        exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)  # noqa: S102 - the README's own code
+            pytest.skip(
+                f"README.md line {block.line} needs {missing}, which this machine lacks (and so does the "
+                f"rest of its section)"
+            )
+        exec(compile(block.code, f"README.md:{block.line}", "exec"), namespace)

@@ -6,6 +6,7 @@ threads draw from torch's global generators, and the forward's buffers (blocks w
 References are plain autograd on a copy of the same modules (``memory_mode=no_savings`` for the reversible core),
 given the masks the engine's forward drew (read back from the dropout layers' inputs and outputs).
 """
+
 import copy
 import random
 import sys
@@ -13,12 +14,11 @@ import threading
 
 import pytest
 import torch
+from conftest import max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import backend
-
-from conftest import max_rel_err
 
 WIDTH = 8
 STEPS = 60
@@ -26,6 +26,7 @@ STEPS = 60
 
 # ---------------------------------------------------------------------------------------------------------------
 # Engines under test, each with a plain reference built from the same modules
+
 
 def _block(p=0.5):
     # Tanh is zero only at 0, so every dropout input is nonzero and out / in reveals the mask.
@@ -51,8 +52,9 @@ def _checkpointable(blocks):
 
 
 def _offload(blocks):
-    return revlib.OffloadModel(nn.Sequential(*[m for b in blocks for m in b]).double(), "cpu", num_slices=3,
-                               checkpoint_activation=True)
+    return revlib.OffloadModel(
+        nn.Sequential(*[m for b in blocks for m in b]).double(), "cpu", num_slices=3, checkpoint_activation=True
+    )
 
 
 def _plain_copy(model):
@@ -79,7 +81,8 @@ class _Masks:
         self.calls = [[] for _ in self.layers]
         for layer, calls in zip(self.layers, self.calls):
             layer.register_forward_hook(
-                lambda m, inputs, out, calls=calls: calls.append((out / inputs[0] * (1 - m.p)).round().bool()))
+                lambda m, inputs, out, calls=calls: calls.append((out / inputs[0] * (1 - m.p)).round().bool())
+            )
 
     def clear(self):
         for calls in self.calls:
@@ -161,8 +164,10 @@ def test_threads_replay_their_own_random_numbers(engine):
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        threads = [threading.Thread(target=_train, args=(_build(engine, seed), engine, seed, STEPS, failures))
-                   for seed in (1, 2)]
+        threads = [
+            threading.Thread(target=_train, args=(_build(engine, seed), engine, seed, STEPS, failures))
+            for seed in (1, 2)
+        ]
         drawer = threading.Thread(target=noise)
         drawer.start()
         for t in threads:
@@ -186,6 +191,7 @@ def test_single_thread_replays_masks(engine):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Blocks with their own state: buffers changed by the forward, own generators, Python's random
+
 
 class Counter(nn.Module):
     """Scales by a count of its calls, kept in a buffer that its forward changes in place."""
@@ -213,11 +219,14 @@ class Noisy(nn.Module):
 
 
 STATEFUL = {
-    "spectral_norm": lambda: nn.Sequential(nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh(),
-                                           nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH))),
+    "spectral_norm": lambda: nn.Sequential(
+        nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh(), nn.utils.spectral_norm(nn.Linear(WIDTH, WIDTH))
+    ),
     "parametrized_spectral_norm": lambda: nn.Sequential(
-        nn.utils.parametrizations.spectral_norm(nn.Linear(WIDTH, WIDTH)), nn.Tanh(),
-        nn.utils.parametrizations.spectral_norm(nn.Linear(WIDTH, WIDTH))),
+        nn.utils.parametrizations.spectral_norm(nn.Linear(WIDTH, WIDTH)),
+        nn.Tanh(),
+        nn.utils.parametrizations.spectral_norm(nn.Linear(WIDTH, WIDTH)),
+    ),
     "counter": lambda: nn.Sequential(Counter(), nn.Linear(WIDTH, WIDTH)),
     "own_generator": lambda: nn.Sequential(Noisy(), nn.Linear(WIDTH, WIDTH)),
 }
@@ -279,8 +288,7 @@ def test_python_random_in_a_block_is_reported(engine):
     naming the engine."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), Coin()).double() for _ in range(2)]
-    model = ENGINES[engine][0](blocks) if engine != "checkpointable" else revlib.Checkpointable(
-        nn.Sequential(*blocks))
+    model = ENGINES[engine][0](blocks) if engine != "checkpointable" else revlib.Checkpointable(nn.Sequential(*blocks))
     x = torch.randn(4, ENGINES[engine][1], dtype=torch.float64)
     with pytest.warns(RuntimeWarning, match=r"Python's random"):
         model(x).sum().backward()

@@ -1,19 +1,19 @@
 """Gradients of the reversible backward against plain autograd, elementwise, on every device present."""
-import math
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import MemoryModes, ReversibleSequential, backend
-from conftest import max_rel_err, to_host
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # blocks and couplings
+
 
 class Attention(nn.Module):
     """Pre-LN multi-head self-attention, optionally with a mask argument."""
@@ -35,8 +35,9 @@ def linear_block(width, out=None):
 
 
 def conv_block(channels, out=None):
-    return nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.Tanh(),
-                         nn.Conv2d(channels, out or channels, 3, padding=1))
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1), nn.Tanh(), nn.Conv2d(channels, out or channels, 3, padding=1)
+    )
 
 
 def scaled_sin_forward(other, f):
@@ -81,8 +82,9 @@ def build_pair(blocks, coupling, split_dim, **kw):
         cf = [p.forward for p in pairs]
         ci = [p.inverse for p in pairs]
     rev = ReversibleSequential(*blocks, split_dim=split_dim, coupling_forward=cf, coupling_inverse=ci, **kw)
-    ref = ReversibleSequential(*blocks, split_dim=split_dim, coupling_forward=cf, coupling_inverse=ci,
-                               memory_mode=MemoryModes.no_savings, **kw)
+    ref = ReversibleSequential(
+        *blocks, split_dim=split_dim, coupling_forward=cf, coupling_inverse=ci, memory_mode=MemoryModes.no_savings, **kw
+    )
     return rev, ref
 
 
@@ -118,13 +120,16 @@ def assert_same_grads(got, ref, tol):
 # ---------------------------------------------------------------------------------------------------------------
 # 1. correct gradients for any invertible coupling pair
 
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("kind", ["linear", "conv", "attention"])
 @pytest.mark.parametrize("coupling", list(COUPLINGS))
 def test_gradients_match_no_savings(device, kind, coupling, dtype):
     if device.type == "xla" and kind != "linear" and (dtype != torch.float32 or coupling not in ("additive", "user")):
-        pytest.skip("XLA compiles every case (seconds each): conv/attention run additive and a non-additive "
-                    "coupling in float32; every coupling and dtype runs on Linear blocks")
+        pytest.skip(
+            "XLA compiles every case (seconds each): conv/attention run additive and a non-additive "
+            "coupling in float32; every coupling and dtype runs on Linear blocks"
+        )
     if kind == "conv" and coupling == "affine":
         split_dim, width = 1, 3
     else:
@@ -144,8 +149,9 @@ def test_affine_coupling_on_channels(device):
     blocks = [conv_block(3, 6) for _ in range(3)]
     pair = revlib.affine_coupling(dim=1)
     rev = ReversibleSequential(*blocks, coupling_forward=[pair.forward], coupling_inverse=[pair.inverse])
-    ref = ReversibleSequential(*blocks, coupling_forward=[pair.forward], coupling_inverse=[pair.inverse],
-                               memory_mode=MemoryModes.no_savings)
+    ref = ReversibleSequential(
+        *blocks, coupling_forward=[pair.forward], coupling_inverse=[pair.inverse], memory_mode=MemoryModes.no_savings
+    )
     rev.to(device=device, dtype=torch.float64)
     x = make_input("conv", 3, torch.float64).to(device).requires_grad_()
     assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[torch.float64])
@@ -158,8 +164,9 @@ def test_non_additive_input_gradient_is_not_assumed_additive(device):
     beta = 0.9
     blocks = [linear_block(4) for _ in range(4)]
     pair = revlib.momentum_coupling(beta)
-    rev = ReversibleSequential(*blocks, split_dim=-1, coupling_forward=[pair.forward],
-                               coupling_inverse=[pair.inverse]).to(device=device, dtype=torch.float64)
+    rev = ReversibleSequential(
+        *blocks, split_dim=-1, coupling_forward=[pair.forward], coupling_inverse=[pair.inverse]
+    ).to(device=device, dtype=torch.float64)
     x = make_input("linear", 4, torch.float64).to(device).requires_grad_()
     got = grads_of(rev, x, weighted_loss)
 
@@ -177,6 +184,7 @@ def test_non_additive_input_gradient_is_not_assumed_additive(device):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 2. parameters without input grad, tensor args, layerwise args, split_dim=None
+
 
 def test_params_get_grads_when_input_needs_none(device):
     blocks = make_blocks("linear", 4, 3, 1)
@@ -317,7 +325,7 @@ def test_batchnorm_running_stats_updated_once(device):
     """The recomputation must not update normalization statistics a second time (MemCNN #12)."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3)) for _ in range(3)]
-    rev, ref = build_pair(blocks, "additive", 1)
+    rev, _ = build_pair(blocks, "additive", 1)
     x = make_input("conv", 3, torch.float64)
     rev.to(device=device, dtype=torch.float64)
     xd = x.to(device).requires_grad_()
@@ -335,6 +343,7 @@ def test_batchnorm_running_stats_updated_once(device):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 4. autocast replay
+
 
 def _autocast_cases(kind):
     if kind == "cpu":
@@ -379,6 +388,7 @@ def test_autocast_off_in_backward_when_off_in_forward():
 # ---------------------------------------------------------------------------------------------------------------
 # 6. explicit inverse, two-stream input/output
 
+
 def test_inverse_reconstructs_input(device):
     blocks = make_blocks("conv", 3, 5, 1)
     for b in blocks:
@@ -418,8 +428,12 @@ def test_irevnet_style_invertible_model():
     channels = 4
 
     def block():
-        return nn.Sequential(nn.Conv2d(channels, channels * 2, 3, padding=1), nn.BatchNorm2d(channels * 2),
-                             nn.ReLU(), nn.Conv2d(channels * 2, channels, 3, padding=1))
+        return nn.Sequential(
+            nn.Conv2d(channels, channels * 2, 3, padding=1),
+            nn.BatchNorm2d(channels * 2),
+            nn.ReLU(),
+            nn.Conv2d(channels * 2, channels, 3, padding=1),
+        )
 
     core = ReversibleSequential(*[block() for _ in range(3)])
     model = nn.Sequential(nn.Conv2d(3, 2 * channels, 3, padding=1), core, nn.Conv2d(2 * channels, 10, 1))
@@ -434,6 +448,7 @@ def test_irevnet_style_invertible_model():
 
 # ---------------------------------------------------------------------------------------------------------------
 # 5. low-precision drift
+
 
 class NormalizedBlock(nn.Module):
     """Pre-LN transformer-style branch: LN -> MLP (or LN -> attention), output scaled like a residual branch."""
@@ -499,6 +514,7 @@ def test_low_precision_drift_table(capsys):
 # ---------------------------------------------------------------------------------------------------------------
 # 10. bad input
 
+
 def test_odd_split_size_names_the_problem():
     model = ReversibleSequential(nn.Linear(2, 2))
     with pytest.raises(revlib.ReversibleError, match=r"size 5 along split_dim=1"):
@@ -506,9 +522,13 @@ def test_odd_split_size_names_the_problem():
 
 
 def test_block_changing_shape_names_the_layer():
-    model = ReversibleSequential(nn.Linear(4, 4), nn.Linear(4, 8), split_dim=-1,
-                                 coupling_forward=[None, lambda a, f: f[..., :2].repeat(1, 1)],
-                                 coupling_inverse=[None, lambda y, f: y])
+    model = ReversibleSequential(
+        nn.Linear(4, 4),
+        nn.Linear(4, 8),
+        split_dim=-1,
+        coupling_forward=[None, lambda a, f: f[..., :2].repeat(1, 1)],
+        coupling_inverse=[None, lambda y, f: y],
+    )
     with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': Linear\) changed its stream's shape"):
         model(torch.randn(2, 8))
 
@@ -545,9 +565,12 @@ def bad_inverse(out, f):
 
 
 def test_check_invertible_names_the_bad_layer():
-    model = ReversibleSequential(*[nn.Linear(4, 4) for _ in range(4)], split_dim=-1,
-                                 coupling_forward=[None, None, revlib.additive_coupling_forward],
-                                 coupling_inverse=[None, None, bad_inverse])
+    model = ReversibleSequential(
+        *[nn.Linear(4, 4) for _ in range(4)],
+        split_dim=-1,
+        coupling_forward=[None, None, revlib.additive_coupling_forward],
+        coupling_inverse=[None, None, bad_inverse],
+    )
     with pytest.raises(revlib.ReversibleError, match=r"layer 2 \('1-0': Linear\): coupling_inverse does not undo"):
         revlib.check_invertible(model, torch.randn(3, 8))
     good = ReversibleSequential(*[nn.Linear(4, 4) for _ in range(4)], split_dim=-1)
@@ -556,9 +579,14 @@ def test_check_invertible_names_the_bad_layer():
 
 
 def test_verify_inverse_at_first_forward():
-    model = ReversibleSequential(nn.Linear(4, 4), nn.Linear(4, 4), split_dim=-1,
-                                 coupling_forward=[revlib.additive_coupling_forward], coupling_inverse=[bad_inverse],
-                                 verify_inverse=True)
+    model = ReversibleSequential(
+        nn.Linear(4, 4),
+        nn.Linear(4, 4),
+        split_dim=-1,
+        coupling_forward=[revlib.additive_coupling_forward],
+        coupling_inverse=[bad_inverse],
+        verify_inverse=True,
+    )
     with pytest.raises(revlib.ReversibleError, match=r"layer 0 .*does not undo"):
         model(torch.randn(3, 8))
 
@@ -604,13 +632,19 @@ def test_bad_input_dtypes_and_outputs_name_the_layer_on_every_device(device):
     torch.manual_seed(0)
     model = ReversibleSequential(linear_block(4), linear_block(4), split_dim=-1).to(device)
     x = torch.randn(3, 8)
-    with pytest.raises(revlib.ReversibleError, match=r"the input is torch.int64, but the reversible streams are "
-                                                     r"floating point: layer 0 \('0-0': Sequential\) computes in "
-                                                     r"torch.float32.*x.to\(torch.float32\)"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"the input is torch.int64, but the reversible streams are "
+        r"floating point: layer 0 \('0-0': Sequential\) computes in "
+        r"torch.float32.*x.to\(torch.float32\)",
+    ):
         model((x * 10).long().to(device))
-    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Sequential\): its parameters are "
-                                                     r"torch.float32, but it would compute on torch.float16 "
-                                                     r"\(the input's dtype\)"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"layer 0 \('0-0': Sequential\): its parameters are "
+        r"torch.float32, but it would compute on torch.float16 "
+        r"\(the input's dtype\)",
+    ):
         model(x.half().to(device))
     none_model = ReversibleSequential(linear_block(4), ReturnsNothing(4), split_dim=-1).to(device)
     with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': ReturnsNothing\) returned None.*`return"):
@@ -638,29 +672,42 @@ def test_bad_constructor_arguments_name_the_argument():
 @pytest.mark.skipif(backend.cuda_available(), reason="this machine has CUDA: target_device='cuda' is valid here")
 def test_target_device_missing_on_this_machine():
     """Issue 15 §3: target_device='cuda' without CUDA failed at the first forward with torch's AssertionError."""
-    with pytest.raises(revlib.ReversibleError, match=r"target_device='cuda', but this machine has no such device "
-                                                     r"\(it has cpu"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"target_device='cuda', but this machine has no such device "
+        r"\(it has cpu",
+    ):
         ReversibleSequential(nn.Linear(2, 2), target_device="cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # 11. coupling pairs: refused when mismatched, measured when given, picklable
 
+
 def test_mismatched_coupling_pairs_are_refused():
     """Issue 15 §2.5: a coupling_forward without its coupling_inverse, or lists of different lengths, got the
     additive inverse (gradients 26-51 % off) with no error."""
     pair = revlib.momentum_coupling(0.5)
     blocks = [nn.Linear(2, 2) for _ in range(3)]
-    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward\[0\] is MomentumForward\(beta=0.5\), but "
-                                                     r"coupling_inverse is None"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"coupling_forward\[0\] is MomentumForward\(beta=0.5\), but "
+        r"coupling_inverse is None",
+    ):
         ReversibleSequential(*blocks, coupling_forward=[pair.forward])
     with pytest.raises(revlib.ReversibleError, match=r"coupling_forward has 2 entries but coupling_inverse has 1"):
         ReversibleSequential(*blocks, coupling_forward=[pair.forward, None], coupling_inverse=[pair.inverse])
-    with pytest.raises(revlib.ReversibleError, match=r"coupling_inverse\[0\] is MomentumInverse\(beta=0.5\), but "
-                                                     r"coupling_forward\[0\] is None"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"coupling_inverse\[0\] is MomentumInverse\(beta=0.5\), but "
+        r"coupling_forward\[0\] is None",
+    ):
         ReversibleSequential(*blocks, coupling_forward=[None, pair.forward], coupling_inverse=[pair.inverse, None])
-    with pytest.raises(revlib.ReversibleError, match=r"coupling_forward\[0\] is scaled_sin_forward, but "
-                                                     r"coupling_inverse\[0\] is None"):
+    with pytest.raises(
+        revlib.ReversibleError,
+        match=r"coupling_forward\[0\] is scaled_sin_forward, but "
+        r"coupling_inverse\[0\] is None",
+    ):
         ReversibleSequential(*blocks, coupling_forward=[scaled_sin_forward], coupling_inverse=[None])
     with pytest.raises(revlib.ReversibleError, match=r"coupling_forward is a CouplingPair"):
         ReversibleSequential(*blocks, coupling_forward=pair)
@@ -668,6 +715,7 @@ def test_mismatched_coupling_pairs_are_refused():
         revlib.ReversibleModule(nn.Linear(2, 2), coupling_forward=pair.forward)
     # what stays accepted: additive on both sides in any spelling, and full pairs
     from revlib_xla import utils
+
     ReversibleSequential(*blocks, coupling_forward=[utils.detached_additive_coupling_forward])
     ReversibleSequential(*blocks, coupling_forward=[pair.forward, None], coupling_inverse=[pair.inverse, None])
 
@@ -681,6 +729,7 @@ def count_calls(blocks):
 
     def hook(*_):
         calls[0] += 1
+
     for b in blocks:
         b.register_forward_hook(hook)
     return calls
@@ -691,8 +740,12 @@ def test_given_pairs_are_measured_at_the_first_training_forward_only():
     default for couplings that are not additive); additive models pay nothing; later steps pay nothing."""
     torch.manual_seed(0)
     x = torch.randn(3, 8, requires_grad=True)
-    bad = ReversibleSequential(*[nn.Linear(4, 4) for _ in range(3)], split_dim=-1,
-                               coupling_forward=[scaled_sin_forward], coupling_inverse=[wrong_sin_inverse])
+    bad = ReversibleSequential(
+        *[nn.Linear(4, 4) for _ in range(3)],
+        split_dim=-1,
+        coupling_forward=[scaled_sin_forward],
+        coupling_inverse=[wrong_sin_inverse],
+    )
     with torch.no_grad():
         bad(x)  # inference rebuilds nothing: nothing to check
     with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': Linear\): coupling_inverse does not undo"):
@@ -734,8 +787,10 @@ def test_the_check_changes_nothing():
         for b in blocks:
             b.norm.reset_running_stats()
         got = grads_of(model, x, weighted_loss)
-        stats = [torch.cat([b.norm.running_mean, b.norm.running_var, b.norm.num_batches_tracked[None].double()])
-                 for b in blocks]
+        stats = [
+            torch.cat([b.norm.running_mean, b.norm.running_var, b.norm.num_batches_tracked[None].double()])
+            for b in blocks
+        ]
         results.append((got, stats, torch.rand(3)))
     (got, stats_a, rand_a), (want, stats_b, rand_b) = results
     assert_same_grads(got, want, TOL[torch.float64])
@@ -748,6 +803,7 @@ def test_the_check_neither_runs_on_fake_tensors_nor_raises_the_peak():
     """Sizing a momentum model under FakeTensorMode skips the check (fake tensors have no values to compare); on
     real tensors the first step, check included, peaks where the fake step does."""
     import dataclasses
+
     from revlib_xla import memory
 
     def make():
@@ -784,14 +840,20 @@ def test_block_with_a_cache_of_its_own_is_refused():
     The check at the first training forward finds it (on by default for non-additive couplings and momentum
     nets; verify_inverse=True for additive ones)."""
     from revlib_xla import utils
+
     torch.manual_seed(0)
     x = torch.randn(3, 8, requires_grad=True)
-    for make in (lambda blocks: ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True),
-                 lambda blocks: utils.momentum_net(*blocks, split_dim=-1)):
+    for make in (
+        lambda blocks: ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True),
+        lambda blocks: utils.momentum_net(*blocks, split_dim=-1),
+    ):
         cache = []
         model = make([AppendsToCache(4, cache) for _ in range(2)])
-        with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': \w+\) gave a different output when run "
-                                                         r"again.*keeps state between calls"):
+        with pytest.raises(
+            revlib.ReversibleError,
+            match=r"layer 0 \('0-0': \w+\) gave a different output when run "
+            r"again.*keeps state between calls",
+        ):
             model(x)
 
 
@@ -802,6 +864,7 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
     it is off by more than 1e-4; what it accepts has no_savings' gradients (within 1e-3). The error without the check
     (verify_inverse=False) is measured too, so the test knows which depths must be refused."""
     from revlib_xla import utils
+
     width, beta = 8, 0.1
     x = torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(0), requires_grad=True)
 
@@ -809,8 +872,10 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
         torch.manual_seed(0)
         blocks = [linear_block(width) for _ in range(depth)]
         if construction == "momentum_net":
-            return (utils.momentum_net(*blocks, beta=beta, split_dim=-1, **kw),
-                    utils.momentum_net(*blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings, **kw))
+            return (
+                utils.momentum_net(*blocks, beta=beta, split_dim=-1, **kw),
+                utils.momentum_net(*blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings, **kw),
+            )
         return _momentum_pair(blocks, beta, **kw)
 
     def refused_depths(depths, **kw):
@@ -841,15 +906,24 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
 
 def _momentum_pair(blocks, beta, **kw):
     pair = revlib.momentum_coupling(beta)
-    return tuple(ReversibleSequential(*blocks, split_dim=-1, coupling_forward=[pair.forward],
-                                      coupling_inverse=[pair.inverse], memory_mode=mode, **kw)
-                 for mode in (MemoryModes.autograd_function, MemoryModes.no_savings))
+    return tuple(
+        ReversibleSequential(
+            *blocks,
+            split_dim=-1,
+            coupling_forward=[pair.forward],
+            coupling_inverse=[pair.inverse],
+            memory_mode=mode,
+            **kw,
+        )
+        for mode in (MemoryModes.autograd_function, MemoryModes.no_savings)
+    )
 
 
 @pytest.mark.parametrize("coupling", ["momentum", "affine"])
 def test_models_with_couplings_pickle_and_copy(tmp_path, coupling):
     """Issue 15 §3: a model using momentum_coupling could not be pickled (the coupling was a closure)."""
     import copy
+
     blocks = [linear_block(4, 4 * COUPLINGS[coupling][2]) for _ in range(3)]
     model, _ = build_pair(blocks, coupling, -1)
     additive, _ = build_pair(blocks, "additive", -1)

@@ -12,21 +12,19 @@ accumulation item of 4).
   about one layer's gradients, not a second copy of all of them.
 * Gradients of gradients (``create_graph=True``) raise a ``ReversibleError`` that says what to use instead.
 """
-import copy
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import revlib_xla as revlib
 from revlib_xla import MemoryModes, backend, memory
 
-from conftest import max_rel_err, to_host
-
 WIDTH = 4
 DEPTH = 4
-SGD = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+SGD = lambda params: torch.optim.SGD(params, lr=0.1)
 
 
 def _blocks(width=WIDTH, depth=DEPTH):
@@ -195,6 +193,7 @@ def test_only_the_used_argument_gradient_is_computed():
 # ---------------------------------------------------------------------------------------------------------------
 # 2. Each layer's gradients go through AccumulateGrad as the backward reaches it
 
+
 @pytest.mark.parametrize("offload", [False, True], ids=["on_device", "target_device"])
 def test_parameter_hooks_fire_once_per_backward_with_the_no_savings_gradient(device, offload):
     x = _input(device)
@@ -205,8 +204,9 @@ def test_parameter_hooks_fire_once_per_backward_with_the_no_savings_gradient(dev
     events, tensor_hook_grads = [], {}
     nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in params]  # kept alive, as DDP does
     for k, (p, node) in enumerate(zip(params, nodes)):
-        p.register_hook(lambda g, k=k: (events.append(("tensor", k)), tensor_hook_grads.setdefault(k, []).append(g))
-                        and None)
+        p.register_hook(
+            lambda g, k=k: (events.append(("tensor", k)), tensor_hook_grads.setdefault(k, []).append(g)) and None
+        )
         p.register_post_accumulate_grad_hook(lambda p, k=k: events.append(("accumulated", k)))
         node.register_hook(lambda grad_inputs, grad_outputs, k=k: events.append(("node", k)))
     for i, layer in enumerate(model):  # marks each layer's recomputation (its block runs in the backward)
@@ -232,8 +232,9 @@ def test_parameter_hooks_fire_once_per_backward_with_the_no_savings_gradient(dev
             else:
                 groups[-1].append(event)
         # layer i is recomputed, then each hook fires once for each of its 4 parameters, before layer i - 1
-        assert [[g[0]] + sorted(g[1:]) for g in groups] == [[("block", i)] + per_layer[i]
-                                                            for i in reversed(range(DEPTH))], events
+        assert [[g[0]] + sorted(g[1:]) for g in groups] == [
+            [("block", i)] + per_layer[i] for i in reversed(range(DEPTH))
+        ], events
     for k, p in enumerate(params):
         assert len(tensor_hook_grads[k]) == 2
         assert all(max_rel_err(g, ref[k]) <= _tol(device) for g in tensor_hook_grads[k])
@@ -246,7 +247,9 @@ def _created_in_second_backward(mode, **kwargs):
     torch.manual_seed(0)
     model = revlib.ReversibleSequential(
         *[nn.Sequential(nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 512)) for _ in range(16)],
-        memory_mode=mode, **kwargs)
+        memory_mode=mode,
+        **kwargs,
+    )
     x = torch.randn(8, 1024)
     model(x).square().mean().backward()
     loss = model(x).square().mean()
@@ -258,12 +261,13 @@ def _created_in_second_backward(mode, **kwargs):
 
 @pytest.mark.parametrize("offload", [False, True], ids=["on_device", "target_device"])
 def test_gradient_accumulation_holds_one_layers_gradients(offload):
-    created, param_bytes = _created_in_second_backward(MemoryModes.autograd_function,
-                                                       **_offload_kwargs("cpu", offload))
+    created, param_bytes = _created_in_second_backward(MemoryModes.autograd_function, **_offload_kwargs("cpu", offload))
     plain, _ = _created_in_second_backward(MemoryModes.no_savings)
     layer = param_bytes // 16
-    print(f"\ncreated in the second backward: {created / param_bytes:.3f} x the parameters "
-          f"(no_savings {plain / param_bytes:.3f}); one layer is {1 / 16:.4f}")
+    print(
+        f"\ncreated in the second backward: {created / param_bytes:.3f} x the parameters "
+        f"(no_savings {plain / param_bytes:.3f}); one layer is {1 / 16:.4f}"
+    )
     # One layer's gradients (accumulated before the next layer is recomputed) and its recomputation's activations
     # (2 x 8 x 512 floats each, small here); with target_device also the layer's streamed parameter copies (this
     # layer's and the next one's). Before, all 16 layers' gradients were alive at once (1.00 x the parameters).
@@ -274,6 +278,7 @@ def test_gradient_accumulation_holds_one_layers_gradients(offload):
 
 # ---------------------------------------------------------------------------------------------------------------
 # 3. Gradients of gradients
+
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 @pytest.mark.parametrize("how", ["grad_x", "grad_params", "backward"])

@@ -10,6 +10,7 @@
   while ``no_savings`` grows by more than two activations per layer. The optimized HLO still holds the
   recomputation (the optimization barriers stop CSE from merging it with the forward).
 """
+
 import importlib.util
 
 import pytest
@@ -43,6 +44,7 @@ def train_step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 # Eager
 
+
 @pytest.fixture
 def eager_device(device):
     if device.type == "xla":
@@ -51,15 +53,19 @@ def eager_device(device):
 
 
 def _on(device, build):
-    """``build()`` with its tensors created on ``device`` (a fake module cannot be moved with ``.to`` on newer torch)."""
+    """``build()`` with its tensors created on ``device`` (newer torch cannot move a fake module with ``.to``)."""
     with torch.device(device):
         return build()
 
 
 def _peak(depth, mode, device, batch=512, fake=False):
     if fake:
-        return memory.eager_peak(train_step, lambda: _on(device, lambda: model(depth, mode)),
-                                 lambda: torch.randn(batch, 2 * WIDTH, device=device), fake=True)
+        return memory.eager_peak(
+            train_step,
+            lambda: _on(device, lambda: model(depth, mode)),
+            lambda: torch.randn(batch, 2 * WIDTH, device=device),
+            fake=True,
+        )
     return memory.eager_peak(train_step, model(depth, mode).to(device), torch.randn(batch, 2 * WIDTH).to(device))
 
 
@@ -68,8 +74,10 @@ def test_eager_peak_grows_only_by_parameters_and_gradients(eager_device):
     plain = {d: _peak(d, MemoryModes.no_savings, eager_device) for d in (4, 16)}
     for small, big in ((4, 8), (8, 16)):
         # exactly one more set of parameters and one more set of gradients per layer, nothing else
-        assert peaks[big].total - peaks[small].total == 2 * (big - small) * PARAM_BYTES_PER_LAYER, (peaks[small],
-                                                                                                    peaks[big])
+        assert peaks[big].total - peaks[small].total == 2 * (big - small) * PARAM_BYTES_PER_LAYER, (
+            peaks[small],
+            peaks[big],
+        )
         assert peaks[big].activations + peaks[big].temporaries == peaks[small].activations + peaks[small].temporaries
     # no_savings also keeps every layer's activations (here about one hidden layer, two streams' worth, per layer;
     # not every gradient is live at its peak, so subtracting all of them undercounts a little)
@@ -81,8 +89,10 @@ def test_eager_peak_grows_only_by_parameters_and_gradients(eager_device):
 def test_eager_peak_under_fake_tensors_equals_real(eager_device):
     """Sizing a reversible model without allocating it: FakeTensorMode gives the real step's bytes (the per-step
     seed of the dropout replay is drawn outside the fake mode)."""
-    assert _peak(8, MemoryModes.autograd_function, eager_device, fake=True).total == \
-        _peak(8, MemoryModes.autograd_function, eager_device).total
+    assert (
+        _peak(8, MemoryModes.autograd_function, eager_device, fake=True).total
+        == _peak(8, MemoryModes.autograd_function, eager_device).total
+    )
 
 
 @pytest.mark.filterwarnings("ignore:MemoryModes")
@@ -188,8 +198,10 @@ def test_tpu_v5e_hbm_peak_grows_only_by_parameters_and_gradients(v5e):
         assert result.platform == "tpu" and result.host_bytes == 0 and result.hbm_only == (key[0] != "default")
     for name, measure in (("HBM peak", _peak_beyond_arguments_and_outputs), ("live set", _live_set)):
         half_streams, param_copies = _split_growth(v5e, MemoryModes.autograd_function, measure)
-        print(f"\nreversible, {name} per added layer beyond parameters and gradients: {half_streams:.3f} "
-              f"half-streams, {param_copies:.3f} parameter copies")
+        print(
+            f"\nreversible, {name} per added layer beyond parameters and gradients: {half_streams:.3f} "
+            f"half-streams, {param_copies:.3f} parameter copies"
+        )
         # Activations do not grow with depth (before each layer's gradients were put behind the next layer's
         # barrier: 1.5 half-streams per layer, the recomputed activations and output gradients of every layer kept
         # for the weight-gradient matmuls, which the compiler scheduled after the walk) ...
@@ -201,8 +213,10 @@ def test_tpu_v5e_hbm_peak_grows_only_by_parameters_and_gradients(v5e):
         plain = _growth_per_layer(v5e, MemoryModes.no_savings, _live_set, batch)
         assert plain >= 2 * batch * TPU_WIDTH * 4, (batch, plain)
         for depth in TPU_DEPTHS:
-            assert v5e[(MemoryModes.autograd_function, batch, depth)].hbm_peak_bytes < \
-                v5e[(MemoryModes.no_savings, batch, depth)].hbm_peak_bytes
+            assert (
+                v5e[(MemoryModes.autograd_function, batch, depth)].hbm_peak_bytes
+                < v5e[(MemoryModes.no_savings, batch, depth)].hbm_peak_bytes
+            )
 
 
 def test_tpu_v5e_default_peak_counts_weights_prefetched_into_vmem(v5e):
@@ -214,7 +228,8 @@ def test_tpu_v5e_default_peak_counts_weights_prefetched_into_vmem(v5e):
         vmem = hlo_liveness.live_peak(result.buffer_assignment, memory_space=1).bytes
         assert 0 <= _peak_beyond_arguments_and_outputs(result) - vmem <= 4096  # (constants)
     per_layer = (_peak_beyond_arguments_and_outputs(hi) - _peak_beyond_arguments_and_outputs(lo)) / (
-        TPU_DEPTHS[1] - TPU_DEPTHS[0])
+        TPU_DEPTHS[1] - TPU_DEPTHS[0]
+    )
     assert per_layer >= 0.5 * TPU_PARAM_BYTES_PER_LAYER, per_layer
     hbm_values = (_live_set(hi) - _live_set(lo)) / (TPU_DEPTHS[1] - TPU_DEPTHS[0])
     assert hbm_values <= 0.1 * TPU_PARAM_BYTES_PER_LAYER, hbm_values
@@ -235,8 +250,9 @@ def test_backward_drops_the_saved_output_streams():
     """The backward frees the two saved output streams once it has rebuilt the last layer's input (RevLib's peak),
     unless the graph is retained: then they must outlive the backward, which costs exactly two streams more."""
     torch.manual_seed(0)
-    model = revlib.ReversibleSequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(8)],
-                                 split_dim=-1)
+    model = revlib.ReversibleSequential(
+        *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(8)], split_dim=-1
+    )
     x = torch.randn(4, 8, 32, requires_grad=True)
     freed = memory.eager_peak(lambda m, inp: m(inp).mean().backward(), model, x)
     retained = memory.eager_peak(lambda m, inp: m(inp).mean().backward(retain_graph=True), model, x)

@@ -1,13 +1,14 @@
 """`import revlib_xla as revlib` runs RevLib 1.7 code: names, signatures, defaults, layout and the README examples."""
+
 import inspect
 
 import pytest
 import torch
+from conftest import max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import utils
-from conftest import max_rel_err
 
 
 def params_of(fn):
@@ -15,31 +16,63 @@ def params_of(fn):
 
 
 def test_public_names():
-    for name in ["ReversibleSequential", "ReversibleModule", "ReversibleModuleCache", "MemoryModes", "offload_tensor",
-                 "DUAL_OR_QUAD_TENSOR", "additive_coupling_forward", "additive_coupling_inverse"]:
+    for name in [
+        "ReversibleSequential",
+        "ReversibleModule",
+        "ReversibleModuleCache",
+        "MemoryModes",
+        "offload_tensor",
+        "DUAL_OR_QUAD_TENSOR",
+        "additive_coupling_forward",
+        "additive_coupling_inverse",
+    ]:
         assert hasattr(revlib, name), name
-    assert [m.name for m in revlib.MemoryModes] == ["no_savings", "checkpoint", "autograd_graph",
-                                                    "autograd_function"]
+    assert [m.name for m in revlib.MemoryModes] == ["no_savings", "checkpoint", "autograd_graph", "autograd_function"]
     assert [int(m) for m in revlib.MemoryModes] == [0, 1, 2, 3]
-    for name in ["momentum_net", "sequential_to_revnet", "sequential_to_momentum_net", "module_list_to_momentum_net",
-                 "MomentumNetStem", "MomentumNetSide", "ResidualToPlain", "residual_to_plain",
-                 "maybe_residual_to_plain", "optional_detach", "is_float", "memory_efficient_intermediates",
-                 "detached_additive_coupling_forward", "detached_additive_coupling_inverse"]:
+    for name in [
+        "momentum_net",
+        "sequential_to_revnet",
+        "sequential_to_momentum_net",
+        "module_list_to_momentum_net",
+        "MomentumNetStem",
+        "MomentumNetSide",
+        "ResidualToPlain",
+        "residual_to_plain",
+        "maybe_residual_to_plain",
+        "optional_detach",
+        "is_float",
+        "memory_efficient_intermediates",
+        "detached_additive_coupling_forward",
+        "detached_additive_coupling_inverse",
+    ]:
         assert hasattr(utils, name), name
 
 
 def test_signatures_and_defaults_match_revlib():
     rs = params_of(revlib.ReversibleSequential.__init__)
-    assert rs[:8] == [("self", inspect.Parameter.empty), ("modules", inspect.Parameter.empty), ("split_dim", 1),
-                      ("coupling_forward", None), ("coupling_inverse", None),
-                      ("memory_mode", revlib.MemoryModes.autograd_function), ("target_device", ""),
-                      ("fused_optimizer", None)]
+    assert rs[:8] == [
+        ("self", inspect.Parameter.empty),
+        ("modules", inspect.Parameter.empty),
+        ("split_dim", 1),
+        ("coupling_forward", None),
+        ("coupling_inverse", None),
+        ("memory_mode", revlib.MemoryModes.autograd_function),
+        ("target_device", ""),
+        ("fused_optimizer", None),
+    ]
     fw = params_of(revlib.ReversibleSequential.forward)
     assert [n for n, _ in fw] == ["self", "inp", "args", "layerwise_args_kwargs", "kwargs"]
     rm = params_of(revlib.ReversibleModule.__init__)
-    assert rm == [("self", inspect.Parameter.empty), ("wrapped_module", inspect.Parameter.empty),
-                  ("coupling_forward", None), ("coupling_inverse", None), ("memory_savings", True), ("cache", None),
-                  ("target_device", ""), ("fused_optimizer", None)]
+    assert rm == [
+        ("self", inspect.Parameter.empty),
+        ("wrapped_module", inspect.Parameter.empty),
+        ("coupling_forward", None),
+        ("coupling_inverse", None),
+        ("memory_savings", True),
+        ("cache", None),
+        ("target_device", ""),
+        ("fused_optimizer", None),
+    ]
     mn = dict(params_of(utils.momentum_net))
     assert mn["beta"] == 0.9 and mn["split_dim"] == 1 and mn["memory_mode"] == revlib.MemoryModes.autograd_function
     assert dict(params_of(utils.module_list_to_momentum_net))["residual"] is False
@@ -50,8 +83,12 @@ def test_state_dict_layout_and_coupling_cycling():
     cf, ci = [pair.forward, None], [pair.inverse, None]
     model = revlib.ReversibleSequential(*[nn.Linear(2, 2) for _ in range(5)], coupling_forward=cf, coupling_inverse=ci)
     keys = list(model.state_dict())
-    assert keys[:4] == ["0-0.wrapped_module.wrapped_module.weight", "0-0.wrapped_module.wrapped_module.bias",
-                        "0-1.wrapped_module.wrapped_module.weight", "0-1.wrapped_module.wrapped_module.bias"]
+    assert keys[:4] == [
+        "0-0.wrapped_module.wrapped_module.weight",
+        "0-0.wrapped_module.wrapped_module.bias",
+        "0-1.wrapped_module.wrapped_module.weight",
+        "0-1.wrapped_module.wrapped_module.bias",
+    ]
     assert keys[-1] == "2-0.wrapped_module.wrapped_module.bias"
     couplings = [m.wrapped_module.coupling_forward for m in model]
     assert couplings[0] is cf[0] and couplings[2] is cf[0] and couplings[4] is cf[0]
@@ -99,12 +136,11 @@ def test_readme_coupling_example_momentum_and_identity():
         return (output - fn_out * (1 - beta)) / beta
 
     channels, depth = 4, 3
-    model = revlib.ReversibleSequential(*[layer for _ in range(depth) for layer in
-                                          [nn.Conv2d(channels, channels, (3, 3), padding=1), nn.Identity()]],
-                                        coupling_forward=[momentum_coupling_forward,
-                                                          revlib.additive_coupling_forward],
-                                        coupling_inverse=[momentum_coupling_inverse,
-                                                          revlib.additive_coupling_inverse]).double()
+    model = revlib.ReversibleSequential(
+        *[layer for _ in range(depth) for layer in [nn.Conv2d(channels, channels, (3, 3), padding=1), nn.Identity()]],
+        coupling_forward=[momentum_coupling_forward, revlib.additive_coupling_forward],
+        coupling_inverse=[momentum_coupling_inverse, revlib.additive_coupling_inverse],
+    ).double()
     x = torch.randn(2, channels * 2, 6, 6, dtype=torch.float64, requires_grad=True)
     out = model(x)
     assert out.shape == x.shape
@@ -130,12 +166,15 @@ def test_reformer_style_split_on_last_dim():
         def forward(self, x):
             return self.attn(x, x, x, need_weights=False)[0]
 
-    core = revlib.ReversibleSequential(*[nn.Sequential(nn.LayerNorm(features), layer) for _ in range(2)
-                                         for layer in [Attn(), nn.Sequential(nn.Linear(features, 16), nn.GELU(),
-                                                                             nn.Linear(16, features))]],
-                                       split_dim=-1)
-    model = nn.Sequential(nn.Embedding(16, 2 * features), core, nn.LayerNorm(2 * features),
-                          nn.Linear(2 * features, 16))
+    core = revlib.ReversibleSequential(
+        *[
+            nn.Sequential(nn.LayerNorm(features), layer)
+            for _ in range(2)
+            for layer in [Attn(), nn.Sequential(nn.Linear(features, 16), nn.GELU(), nn.Linear(16, features))]
+        ],
+        split_dim=-1,
+    )
+    model = nn.Sequential(nn.Embedding(16, 2 * features), core, nn.LayerNorm(2 * features), nn.Linear(2 * features, 16))
     out = model(torch.randint(0, 16, (3, 10)))
     assert out.shape == (3, 10, 16)
     out.logsumexp(-1).mean().backward()
@@ -150,7 +189,7 @@ def test_momentum_net_recurrence():
     x = torch.randn(2, 6, dtype=torch.float64)
     p, q = x[:, :3], x[:, 3:]
     for k, f in enumerate(blocks):
-        p = p + f(q * beta ** k)
+        p = p + f(q * beta**k)
         q = q + p * (1 - beta) / beta ** (k + 1)
     with torch.no_grad():
         assert max_rel_err(model(x), torch.cat([p, q], -1)) <= 1e-12

@@ -8,32 +8,39 @@
   (the replay must neither freeze nor shift the random stream). Without replay they do not match (the test's
   control).
 """
+
 import copy
 
 import pytest
 import torch
+from conftest import max_rel_err, to_host
 from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import backend
 
-from conftest import max_rel_err, to_host
-
-WIDTH = 16          # features per stream
+WIDTH = 16  # features per stream
 BATCH = 8
-DEPTH = 4           # reversible layers
+DEPTH = 4  # reversible layers
 
 
 def _block(width: int, p: float) -> nn.Module:
     """A small transformer-MLP-like block; two dropouts so each layer draws from the RNG more than once."""
-    return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.GELU(), nn.Dropout(p),
-                         nn.Linear(2 * width, width), nn.Dropout(p))
+    return nn.Sequential(
+        nn.LayerNorm(width),
+        nn.Linear(width, 2 * width),
+        nn.GELU(),
+        nn.Dropout(p),
+        nn.Linear(2 * width, width),
+        nn.Dropout(p),
+    )
 
 
 def _model(p: float, memory_mode=revlib.MemoryModes.autograd_function, preserve_rng_state=True, seed=0):
     torch.manual_seed(seed)
-    return revlib.ReversibleSequential(*[_block(WIDTH, p) for _ in range(DEPTH)], memory_mode=memory_mode,
-                                       preserve_rng_state=preserve_rng_state)
+    return revlib.ReversibleSequential(
+        *[_block(WIDTH, p) for _ in range(DEPTH)], memory_mode=memory_mode, preserve_rng_state=preserve_rng_state
+    )
 
 
 def _seed_all(device: torch.device, seed: int) -> None:
@@ -46,6 +53,7 @@ def _seed_all(device: torch.device, seed: int) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Requirement 8: no compilation after warm-up.
+
 
 def _xla_or_skip():
     if not backend.xla_available():
@@ -81,8 +89,9 @@ def test_xla_training_step_compiles_once(p, runner):
         step = torch_xla.compile(step, full_graph=True, name=f"rev_step_{runner}_{p}")
 
     gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(BATCH, 2 * WIDTH, generator=gen), torch.randn(BATCH, 2 * WIDTH, generator=gen))
-               for _ in range(6)]  # made on the host with fixed shapes
+    batches = [
+        (torch.randn(BATCH, 2 * WIDTH, generator=gen), torch.randn(BATCH, 2 * WIDTH, generator=gen)) for _ in range(6)
+    ]  # made on the host with fixed shapes
     losses = []  # kept alive in warm-up too: a live loss is a graph output, and the output set is part of the graph
     for x, target in batches[:2]:  # warm-up: step 0 has no optimizer state yet, step 1 has
         losses.append(step(x.to(dev), target.to(dev)))
@@ -110,7 +119,7 @@ def test_xla_rng_seed_is_graph_data_not_constant():
     ones = torch.ones(256).to(dev)
     torch_xla.sync()
     masks = []
-    for i, seed in enumerate([12345, 0, 1, 2 ** 63 + 5]):
+    for i, seed in enumerate([12345, 0, 1, 2**63 + 5]):
         if i == 1:
             met.clear_all()
         xm.set_rng_state(seed, str(dev))
@@ -118,11 +127,12 @@ def test_xla_rng_seed_is_graph_data_not_constant():
         torch_xla.sync()
     assert _compiles_since_clear(met) == 0, met.short_metrics_report()
     masks = [m.cpu() for m in masks]
-    assert all(not torch.equal(a, b) for i, a in enumerate(masks) for b in masks[i + 1:])
+    assert all(not torch.equal(a, b) for i, a in enumerate(masks) for b in masks[i + 1 :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Requirement 3: dropout replay gives exactly the no_savings gradients, on every device.
+
 
 def _data():
     gen = torch.Generator().manual_seed(2)

@@ -5,24 +5,28 @@ Compares the Triton few-bit kernels with the pure-PyTorch reference, bit for bit
 bit width, float32 / bfloat16 / float16, sizes that need padding, inf/NaN inputs and gradients, NaN coded high or
 low, NaN levels and zero levels that select. Prints one line per case; exits 1 on a mismatch.
 """
+
 import os
 import sys
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-import torch  # noqa: E402
+import torch
 
-from revlib_xla import fewbit  # noqa: E402
-from revlib_xla.kernels import fewbit_reference as ref  # noqa: E402
-from revlib_xla.kernels import fewbit_triton  # noqa: E402
+from revlib_xla import fewbit
+from revlib_xla.kernels import fewbit_reference as ref
+from revlib_xla.kernels import fewbit_triton
 
 
 def same_bits_or_both_nan(got: torch.Tensor, expected: torch.Tensor) -> bool:
     """Bit for bit, except that a NaN only has to be a NaN (its sign and payload are not specified)."""
     as_int = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[expected.dtype]
     nan = expected.isnan()
-    return (got.dtype == expected.dtype and torch.equal(got.isnan(), nan)
-            and torch.equal(got.view(as_int)[~nan], expected.view(as_int)[~nan]))
+    return (
+        got.dtype == expected.dtype
+        and torch.equal(got.isnan(), nan)
+        and torch.equal(got.view(as_int)[~nan], expected.view(as_int)[~nan])
+    )
 
 
 def main() -> int:
@@ -46,8 +50,7 @@ def main() -> int:
                     levels_t = torch.tensor(levels, dtype=torch.float32)
                     if nan_high:  # a NaN whose payload would carry into the exponent when rounded to bfloat16
                         levels_t.view(torch.int32)[0] = 0x7FFFFFFF
-                    expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels_t,
-                                          select_zero=select_zero)
+                    expected = ref.lookup(ref.unpack(expected_packed, bits, n), grad, levels_t, select_zero=select_zero)
                     got = fewbit_triton.stepwise_grad(expected_packed, grad, levels_t, bits, select_zero)
                     ok &= torch.equal(packed, expected_packed) and same_bits_or_both_nan(got, expected)
                 print(f"bits={bits} {dtype} n={n}: {'bit-exact' if ok else 'MISMATCH'}")

@@ -18,14 +18,16 @@ of its interval (the lowest for NaN and -inf, the highest for +inf): the forward
 whether such an input occurred at each end, and the backward makes that end's level NaN, so the gradient is NaN
 there and at every element coded in the same interval - never a finite number in its place.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +38,17 @@ from .approximation import SUPPORTED_BITS, StepwiseDerivative, derivative_of, op
 
 Tensor = torch.Tensor
 
-__all__ = ["SMOOTH", "PIECEWISE", "stepwise_table", "few_bit", "FewBitFunction", "Band", "StepCode",
-           "TABLES_FILE", "write_builtin_tables"]
+__all__ = [
+    "SMOOTH",
+    "PIECEWISE",
+    "stepwise_table",
+    "few_bit",
+    "FewBitFunction",
+    "Band",
+    "StepCode",
+    "TABLES_FILE",
+    "write_builtin_tables",
+]
 
 TABLES_FILE = Path(__file__).with_name("tables.json")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -48,11 +59,11 @@ class SmoothSpec:
     """A smooth activation: its forward, default parameters and the points where its derivative has a kink."""
 
     forward: Callable[..., Tensor]
-    defaults: Tuple[Tuple[str, Any], ...] = ()
-    kinks: Callable[..., Tuple[float, ...]] = lambda **_: ()
+    defaults: tuple[tuple[str, Any], ...] = ()
+    kinks: Callable[..., tuple[float, ...]] = lambda **_: ()
 
 
-SMOOTH: Dict[str, SmoothSpec] = {
+SMOOTH: dict[str, SmoothSpec] = {
     "celu": SmoothSpec(lambda x, alpha: F.celu(x, alpha), (("alpha", 1.0),), lambda **_: (0.0,)),
     "elu": SmoothSpec(lambda x, alpha: F.elu(x, alpha), (("alpha", 1.0),), lambda **_: (0.0,)),
     "gelu": SmoothSpec(lambda x, approximate: F.gelu(x, approximate=approximate), (("approximate", "none"),)),
@@ -62,8 +73,11 @@ SMOOTH: Dict[str, SmoothSpec] = {
     "selu": SmoothSpec(F.selu, (), lambda: (0.0,)),
     "sigmoid": SmoothSpec(torch.sigmoid),
     "silu": SmoothSpec(F.silu),
-    "softplus": SmoothSpec(lambda x, beta, threshold: F.softplus(x, beta, threshold),
-                           (("beta", 1.0), ("threshold", 20.0)), lambda beta, threshold: (threshold / beta,)),
+    "softplus": SmoothSpec(
+        lambda x, beta, threshold: F.softplus(x, beta, threshold),
+        (("beta", 1.0), ("threshold", 20.0)),
+        lambda beta, threshold: (threshold / beta,),
+    ),
     "softsign": SmoothSpec(F.softsign, (), lambda: (0.0,)),
     "tanh": SmoothSpec(torch.tanh),
     "tanhshrink": SmoothSpec(F.tanhshrink),
@@ -75,8 +89,8 @@ class PiecewiseSpec:
     """A piecewise-linear activation: its forward, and its derivative as a band (see :class:`Band`)."""
 
     forward: Callable[..., Tensor]
-    band: Callable[..., "Band"]
-    defaults: Tuple[Tuple[str, Any], ...] = ()
+    band: Callable[..., Band]
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,38 +98,45 @@ class Band:
     """A two-valued derivative: ``inside`` where ``lo < x < hi`` (``lo <= x <= hi`` if ``closed``), else
     ``outside``; None means no bound. The boundary conventions are PyTorch's backward kernels'."""
 
-    lo: Optional[float]
-    hi: Optional[float]
+    lo: float | None
+    hi: float | None
     closed: bool
     inside: float
     outside: float
     bits: int = 1
-    nan_inside: bool = False   # PyTorch's kernel tests "outside" (x <= lo, ...), so NaN lands inside
-    select_zero: bool = True   # a zero level gives 0 for an inf/NaN gradient: PyTorch's kernel selects (not leaky_relu)
+    nan_inside: bool = False  # PyTorch's kernel tests "outside" (x <= lo, ...), so NaN lands inside
+    select_zero: bool = True  # a zero level gives 0 for an inf/NaN gradient: PyTorch's kernel selects (not leaky_relu)
 
     @property
-    def levels(self) -> Tuple[float, float]:
+    def levels(self) -> tuple[float, float]:
         return (self.outside, self.inside)
 
 
-PIECEWISE: Dict[str, PiecewiseSpec] = {
+PIECEWISE: dict[str, PiecewiseSpec] = {
     "relu": PiecewiseSpec(F.relu, lambda: Band(0.0, None, False, 1.0, 0.0, nan_inside=True)),
-    "leaky_relu": PiecewiseSpec(lambda x, negative_slope: F.leaky_relu(x, negative_slope),
-                                lambda negative_slope: Band(0.0, None, False, 1.0, negative_slope,
-                                                            select_zero=False),
-                                (("negative_slope", 0.01),)),
-    "threshold": PiecewiseSpec(lambda x, threshold, value: F.threshold(x, threshold, value),
-                               lambda threshold, value: Band(threshold, None, False, 1.0, 0.0, nan_inside=True),
-                               (("threshold", None), ("value", None))),
+    "leaky_relu": PiecewiseSpec(
+        lambda x, negative_slope: F.leaky_relu(x, negative_slope),
+        lambda negative_slope: Band(0.0, None, False, 1.0, negative_slope, select_zero=False),
+        (("negative_slope", 0.01),),
+    ),
+    "threshold": PiecewiseSpec(
+        lambda x, threshold, value: F.threshold(x, threshold, value),
+        lambda threshold, value: Band(threshold, None, False, 1.0, 0.0, nan_inside=True),
+        (("threshold", None), ("value", None)),
+    ),
     "hardsigmoid": PiecewiseSpec(F.hardsigmoid, lambda: Band(-3.0, 3.0, False, 1.0 / 6.0, 0.0)),
-    "hardtanh": PiecewiseSpec(lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
-                              lambda min_val, max_val: Band(min_val, max_val, False, 1.0, 0.0, nan_inside=True),
-                              (("min_val", -1.0), ("max_val", 1.0))),
+    "hardtanh": PiecewiseSpec(
+        lambda x, min_val, max_val: F.hardtanh(x, min_val, max_val),
+        lambda min_val, max_val: Band(min_val, max_val, False, 1.0, 0.0, nan_inside=True),
+        (("min_val", -1.0), ("max_val", 1.0)),
+    ),
     "relu6": PiecewiseSpec(F.relu6, lambda: Band(0.0, 6.0, False, 1.0, 0.0, nan_inside=True)),
-    "hardshrink": PiecewiseSpec(lambda x, lambd: F.hardshrink(x, lambd),
-                                lambda lambd: Band(-lambd, lambd, True, 0.0, 1.0), (("lambd", 0.5),)),
-    "softshrink": PiecewiseSpec(lambda x, lambd: F.softshrink(x, lambd),
-                                lambda lambd: Band(-lambd, lambd, True, 0.0, 1.0), (("lambd", 0.5),)),
+    "hardshrink": PiecewiseSpec(
+        lambda x, lambd: F.hardshrink(x, lambd), lambda lambd: Band(-lambd, lambd, True, 0.0, 1.0), (("lambd", 0.5),)
+    ),
+    "softshrink": PiecewiseSpec(
+        lambda x, lambd: F.softshrink(x, lambd), lambda lambd: Band(-lambd, lambd, True, 0.0, 1.0), (("lambd", 0.5),)
+    ),
 }
 
 
@@ -129,8 +150,8 @@ class StepCode:
     """
 
     bits: int
-    borders: Tuple[float, ...]
-    levels: Tuple[float, ...]
+    borders: tuple[float, ...]
+    levels: tuple[float, ...]
     nan_high: bool = False
     nan_at_nan: bool = False
     nan_at_neg_inf: bool = False
@@ -156,11 +177,12 @@ class StepCode:
         return torch.stack([low, high])
 
 
-def _params(name: str, defaults: Tuple[Tuple[str, Any], ...], given: Dict[str, Any]) -> Tuple[Tuple[str, Any], ...]:
+def _params(name: str, defaults: tuple[tuple[str, Any], ...], given: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     unknown = set(given) - {key for key, _ in defaults}
     if unknown:
-        raise TypeError(f"few-bit {name} has no parameter(s) {sorted(unknown)}; it takes "
-                        f"{[key for key, _ in defaults] or 'none'}")
+        raise TypeError(
+            f"few-bit {name} has no parameter(s) {sorted(unknown)}; it takes {[key for key, _ in defaults] or 'none'}"
+        )
     params = tuple((key, given.get(key, default)) for key, default in defaults)
     missing = [key for key, value in params if value is None]
     if missing:
@@ -168,10 +190,10 @@ def _params(name: str, defaults: Tuple[Tuple[str, Any], ...], given: Dict[str, A
     return params
 
 
-_NOT_NUMBERS = {("threshold", "value"), ("gelu", "approximate")}   # the backward never compares with these
+_NOT_NUMBERS = {("threshold", "value"), ("gelu", "approximate")}  # the backward never compares with these
 
 
-def check_params(name: str, params: Dict[str, Any]) -> None:
+def check_params(name: str, params: dict[str, Any]) -> None:
     """Refuse a parameter the backward cannot use: a non-number, NaN (every comparison with a NaN band edge is
     false), or, for a smooth activation, an infinity (its derivative table is computed from the parameters)."""
     for key, value in params.items():
@@ -180,38 +202,44 @@ def check_params(name: str, params: Dict[str, Any]) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"few-bit {name}: {key} must be a number, got {type(value).__name__} {value!r}")
         if math.isnan(value) or (name in SMOOTH and math.isinf(value)):
-            why = ("its derivative table is computed from it" if name in SMOOTH
-                   else "its gradient compares the input with it, and every comparison with NaN is false")
-            raise ValueError(f"few-bit {name}: {key}={value} cannot be used ({why}); pass a finite number, or keep "
-                             f"torch's own activation here")
+            why = (
+                "its derivative table is computed from it"
+                if name in SMOOTH
+                else "its gradient compares the input with it, and every comparison with NaN is false"
+            )
+            raise ValueError(
+                f"few-bit {name}: {key}={value} cannot be used ({why}); pass a finite number, or keep "
+                f"torch's own activation here"
+            )
 
 
-def _table_key(name: str, params: Tuple[Tuple[str, Any], ...], bits: int) -> str:
+def _table_key(name: str, params: tuple[tuple[str, Any], ...], bits: int) -> str:
     return json.dumps([name, [[k, v] for k, v in params], bits])
 
 
-@functools.lru_cache(maxsize=None)
-def _builtin_tables() -> Dict[str, Dict[str, Any]]:
+@functools.cache
+def _builtin_tables() -> dict[str, dict[str, Any]]:
     if not TABLES_FILE.exists():
         return {}
     return json.loads(TABLES_FILE.read_text())
 
 
-@functools.lru_cache(maxsize=None)
-def stepwise_table(name: str, bits: int, params: Tuple[Tuple[str, Any], ...] = ()) -> StepwiseDerivative:
+@functools.cache
+def stepwise_table(name: str, bits: int, params: tuple[tuple[str, Any], ...] = ()) -> StepwiseDerivative:
     """The optimal stepwise derivative of a smooth activation: from ``tables.json`` for the built-in parameters,
     else computed now by :func:`~revlib_xla.fewbit.approximation.optimal_stepwise` (a second or two) and cached."""
     spec = SMOOTH[name]
     params = params or _params(name, spec.defaults, {})
     stored = _builtin_tables().get(_table_key(name, params, bits))
     if stored is not None:
-        return StepwiseDerivative(bits, tuple(stored["borders"]), tuple(stored["levels"]), stored["error"],
-                                  stored["relative_error"])
+        return StepwiseDerivative(
+            bits, tuple(stored["borders"]), tuple(stored["levels"]), stored["error"], stored["relative_error"]
+        )
     kwargs = dict(params)
     return optimal_stepwise(lambda x: spec.forward(x, **kwargs), bits, spec.kinks(**kwargs))
 
 
-def write_builtin_tables(path: Path = TABLES_FILE) -> Dict[str, Dict[str, Any]]:
+def write_builtin_tables(path: Path = TABLES_FILE) -> dict[str, dict[str, Any]]:
     """Compute every smooth activation's table at its default parameters and bits 1-4 and write them to ``path``
     (``python -m revlib_xla.fewbit.activations``)."""
     tables = {}
@@ -219,7 +247,7 @@ def write_builtin_tables(path: Path = TABLES_FILE) -> Dict[str, Dict[str, Any]]:
         params = _params(name, spec.defaults, {})
         kwargs = dict(params)
         for bits in SUPPORTED_BITS:
-            table = optimal_stepwise(lambda x: spec.forward(x, **kwargs), bits, spec.kinks(**kwargs))
+            table = optimal_stepwise(functools.partial(spec.forward, **kwargs), bits, spec.kinks(**kwargs))
             tables[_table_key(name, params, bits)] = dataclasses.asdict(table)
     path.write_text(json.dumps(tables, indent=1) + "\n")
     _builtin_tables.cache_clear()
@@ -249,34 +277,43 @@ class FewBitFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
         packed, nan_ends = ctx.saved_tensors
         derivative = ctx.derivative
         select_zero = derivative.select_zero if isinstance(derivative, Band) else True
-        return kernels.stepwise_grad(packed, grad.contiguous(), tuple(derivative.levels), derivative.bits,
-                                     select_zero, nan_ends), None, None
+        return (
+            kernels.stepwise_grad(
+                packed, grad.contiguous(), tuple(derivative.levels), derivative.bits, select_zero, nan_ends
+            ),
+            None,
+            None,
+        )
 
 
 def _check_input(name: str, x: Any) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"few-bit {name} needs a tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"few-bit {name} needs a floating-point tensor (float32, bfloat16, float16 or float64), "
-                        f"got {x.dtype}")
+        raise TypeError(
+            f"few-bit {name} needs a floating-point tensor (float32, bfloat16, float16 or float64), got {x.dtype}"
+        )
 
 
 def check_bits(name: str, bits: Any) -> int:
     """Validate ``bits`` for activation ``name`` (1-4 for smooth ones, 1 for piecewise-linear ones)."""
     allowed = SUPPORTED_BITS if name in SMOOTH else (1,)
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
-        why = ("its derivative takes two values, so 1 bit is exact" if name in PIECEWISE
-               else "supported widths are 1, 2, 3 and 4 bits")
+        why = (
+            "its derivative takes two values, so 1 bit is exact"
+            if name in PIECEWISE
+            else "supported widths are 1, 2, 3 and 4 bits"
+        )
         raise ValueError(f"few-bit {name} does not support bits={bits!r}: {why}")
     return bits
 
 
-@functools.lru_cache(maxsize=None)
-def derivative_for(name: str, bits: int, params: Tuple[Tuple[str, Any], ...]) -> Any:
+@functools.cache
+def derivative_for(name: str, bits: int, params: tuple[tuple[str, Any], ...]) -> Any:
     """The :class:`StepCode` or :class:`Band` derivative the backward of ``name`` uses."""
     if name in PIECEWISE:
         return PIECEWISE[name].band(**dict(params))
@@ -285,18 +322,26 @@ def derivative_for(name: str, bits: int, params: Tuple[Tuple[str, Any], ...]) ->
     # PyTorch's own gradient (cpu autograd, float64) at NaN, +inf and -inf decides where NaN is coded and where
     # the gradient must be NaN.
     at_nan, at_pos_inf, at_neg_inf = derivative_of(lambda t: SMOOTH[name].forward(t, **kwargs))(
-        np.array([math.nan, math.inf, -math.inf])).tolist()
-    return StepCode(bits, table.borders, table.levels,
-                    nan_high=math.isfinite(at_nan) and at_nan == at_pos_inf,
-                    nan_at_nan=not math.isfinite(at_nan), nan_at_neg_inf=not math.isfinite(at_neg_inf),
-                    nan_at_pos_inf=not math.isfinite(at_pos_inf))
+        np.array([math.nan, math.inf, -math.inf])
+    ).tolist()
+    return StepCode(
+        bits,
+        table.borders,
+        table.levels,
+        nan_high=math.isfinite(at_nan) and at_nan == at_pos_inf,
+        nan_at_nan=not math.isfinite(at_nan),
+        nan_at_neg_inf=not math.isfinite(at_neg_inf),
+        nan_at_pos_inf=not math.isfinite(at_pos_inf),
+    )
 
 
 def few_bit(name: str, x: Tensor, bits: int, **params: Any) -> Tensor:
     """Apply activation ``name`` to ``x`` with a ``bits``-bit backward (the functional forms call this)."""
     if name not in SMOOTH and name not in PIECEWISE:
-        raise ValueError(f"{name!r} has no few-bit form; few-bit activations are "
-                         f"{sorted(SMOOTH)} (1-4 bits) and {sorted(PIECEWISE)} (1 bit)")
+        raise ValueError(
+            f"{name!r} has no few-bit form; few-bit activations are "
+            f"{sorted(SMOOTH)} (1-4 bits) and {sorted(PIECEWISE)} (1 bit)"
+        )
     _check_input(name, x)
     bits = check_bits(name, bits)
     spec = SMOOTH.get(name) or PIECEWISE[name]

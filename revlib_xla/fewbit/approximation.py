@@ -34,11 +34,12 @@ The built-in activations' tables are stored in ``tables.json``, written by this 
 (``python -m revlib_xla.fewbit.activations``) and checked against it by the tests; other parameters are computed on
 first use and cached in memory (:func:`revlib_xla.fewbit.stepwise_table`).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -46,8 +47,8 @@ import torch
 __all__ = ["StepwiseDerivative", "optimal_stepwise", "weighted_error", "derivative_of", "SUPPORTED_BITS"]
 
 SUPPORTED_BITS = (1, 2, 3, 4)
-_LIMIT = 12.0          # the normal weight beyond +-12 is below 1e-31: the integrals stop there
-_CELL = 0.05           # quadrature cell width
+_LIMIT = 12.0  # the normal weight beyond +-12 is below 1e-31: the integrals stop there
+_CELL = 0.05  # quadrature cell width
 _GL_NODES, _GL_WEIGHTS = np.polynomial.legendre.leggauss(32)
 _DP_GRID = np.linspace(-8.0, 8.0, 801)
 #: Round-off of J: the quadrature sums ~500 cells of O(1e-3) terms in float64, so two computations of the same J
@@ -84,7 +85,7 @@ class _Moments:
         edges.update(float(k) for k in kinks if -_LIMIT < k < _LIMIT)
         self.edges = np.array(sorted(edges))
         lo, hi = self.edges[:-1], self.edges[1:]
-        cells = self._integrate(lo, hi)                       # (3, cells)
+        cells = self._integrate(lo, hi)  # (3, cells)
         self.prefix = np.concatenate([np.zeros((3, 1)), np.cumsum(cells, axis=1)], axis=1)
         self.total = self.prefix[:, -1]
 
@@ -111,8 +112,8 @@ class StepwiseDerivative:
     """
 
     bits: int
-    borders: Tuple[float, ...]
-    levels: Tuple[float, ...]
+    borders: tuple[float, ...]
+    levels: tuple[float, ...]
     error: float
     relative_error: float
 
@@ -123,7 +124,7 @@ class StepwiseDerivative:
             raise ValueError(f"borders must increase strictly, got {self.borders}")
 
 
-def _levels_and_error(moments: _Moments, borders: np.ndarray) -> Tuple[np.ndarray, float]:
+def _levels_and_error(moments: _Moments, borders: np.ndarray) -> tuple[np.ndarray, float]:
     ends = np.concatenate([[-_LIMIT], np.clip(borders, -_LIMIT, _LIMIT), [_LIMIT]])
     m = moments.at(ends)
     s0, s1 = np.diff(m[0]), np.diff(m[1])
@@ -137,11 +138,15 @@ def _levels_and_error(moments: _Moments, borders: np.ndarray) -> Tuple[np.ndarra
     return levels, error
 
 
-def weighted_error(derivative: Callable[[np.ndarray], np.ndarray], borders: Sequence[float],
-                   levels: Optional[Sequence[float]] = None, kinks: Iterable[float] = ()) -> float:
+def weighted_error(
+    derivative: Callable[[np.ndarray], np.ndarray],
+    borders: Sequence[float],
+    levels: Sequence[float] | None = None,
+    kinks: Iterable[float] = (),
+) -> float:
     """J for these borders (and levels; by default the optimal ones, the weighted means)."""
     moments = _moments_for(derivative, tuple(kinks))
-    best_levels, error = _levels_and_error(moments, np.asarray(borders, dtype=np.float64))
+    _, error = _levels_and_error(moments, np.asarray(borders, dtype=np.float64))
     if levels is None:
         return error
     ends = np.concatenate([[-_LIMIT], np.clip(borders, -_LIMIT, _LIMIT), [_LIMIT]])
@@ -151,10 +156,10 @@ def weighted_error(derivative: Callable[[np.ndarray], np.ndarray], borders: Sequ
     return float(np.sum(s2 - 2 * lv * s1 + lv * lv * s0))
 
 
-_MOMENTS_CACHE: Dict[Tuple[int, Tuple[float, ...]], _Moments] = {}
+_MOMENTS_CACHE: dict[tuple[int, tuple[float, ...]], _Moments] = {}
 
 
-def _moments_for(derivative: Callable[[np.ndarray], np.ndarray], kinks: Tuple[float, ...]) -> _Moments:
+def _moments_for(derivative: Callable[[np.ndarray], np.ndarray], kinks: tuple[float, ...]) -> _Moments:
     key = (id(derivative), kinks)
     hit = _MOMENTS_CACHE.get(key)
     if hit is None or hit.derivative is not derivative:
@@ -166,16 +171,16 @@ def _dynamic_program(moments: _Moments, pieces: int, kinks: Iterable[float]) -> 
     grid = np.array(sorted(set(_DP_GRID.tolist()) | {float(k) for k in kinks if -8 < k < 8}))
     points = np.concatenate([[-_LIMIT], grid, [_LIMIT]])
     m = moments.at(points)
-    s0 = m[0][None, :] - m[0][:, None]          # [i, j]: interval points[i]..points[j]
+    s0 = m[0][None, :] - m[0][:, None]  # [i, j]: interval points[i]..points[j]
     s1 = m[1][None, :] - m[1][:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        gain = np.where(s0 > 1e-300, s1 * s1 / s0, 0.0)   # maximise the sum of gains = minimise J
+        gain = np.where(s0 > 1e-300, s1 * s1 / s0, 0.0)  # maximise the sum of gains = minimise J
     gain = np.where(np.triu(np.ones_like(gain, dtype=bool), 1), gain, -np.inf)
     n = len(points)
-    best = gain[0].copy()                       # one piece from points[0] to points[j]
+    best = gain[0].copy()  # one piece from points[0] to points[j]
     choice = []
     for _ in range(pieces - 1):
-        total = best[:, None] + gain            # previous pieces end at i, next piece i..j
+        total = best[:, None] + gain  # previous pieces end at i, next piece i..j
         arg = np.argmax(total, axis=0)
         best = total[arg, np.arange(n)]
         choice.append(arg)
@@ -226,9 +231,10 @@ def _coordinate_sweep(moments: _Moments, b: np.ndarray, samples: int = 64) -> fl
         ext = np.concatenate([[-_LIMIT], b, [_LIMIT]])
         left, right = ext[idx], ext[idx + 2]
         frac = np.linspace(0.0, 1.0, samples + 1)[None, 1:-1]
-        grid = left[:, None] + (right - left)[:, None] * frac                    # (borders, samples - 1)
-        gains = _local_gain(moments, np.broadcast_to(left[:, None], grid.shape), grid,
-                            np.broadcast_to(right[:, None], grid.shape))
+        grid = left[:, None] + (right - left)[:, None] * frac  # (borders, samples - 1)
+        gains = _local_gain(
+            moments, np.broadcast_to(left[:, None], grid.shape), grid, np.broadcast_to(right[:, None], grid.shape)
+        )
         best = np.argmax(gains, axis=1)
         rows = np.arange(len(idx))
         full = np.concatenate([left[:, None], grid, right[:, None]], axis=1)
@@ -241,7 +247,7 @@ def _coordinate_sweep(moments: _Moments, b: np.ndarray, samples: int = 64) -> fl
         new = (lo + hi) / 2
         current = _local_gain(moments, left, b[idx], right)
         candidate = _local_gain(moments, left, new, right)
-        new = np.where(candidate >= current, new, b[idx])     # never make J worse
+        new = np.where(candidate >= current, new, b[idx])  # never make J worse
         moved = max(moved, float(np.max(np.abs(new - b[idx]))))
         b[idx] = new
     return moved
@@ -296,7 +302,7 @@ def _refine(moments: _Moments, borders: np.ndarray, kinks: Sequence[float], tol:
         moved = _coordinate_sweep(moments, b)
         if moved < tol:
             break
-        if sweep % 10 == 9:   # coordinate sweeps converge slowly near the optimum; Newton finishes the job
+        if sweep % 10 == 9:  # coordinate sweeps converge slowly near the optimum; Newton finishes the job
             at_kink = np.min(np.abs(b[:, None] - kink_array[None, :]), axis=1) < 1e-9
             trial = b.copy()
             if _newton(moments, trial, at_kink, tol) and _coordinate_sweep(moments, trial.copy()) < 1e-9:
@@ -322,8 +328,9 @@ def _break_mirror_tie(moments: _Moments, borders: np.ndarray) -> np.ndarray:
     return borders
 
 
-def optimal_stepwise(fn: Callable[[torch.Tensor], torch.Tensor], bits: int, kinks: Iterable[float] = ()
-                     ) -> StepwiseDerivative:
+def optimal_stepwise(
+    fn: Callable[[torch.Tensor], torch.Tensor], bits: int, kinks: Iterable[float] = ()
+) -> StepwiseDerivative:
     """The optimal ``2**bits``-level approximation of ``fn``'s derivative (see the module docstring).
 
     ``fn`` acts elementwise on float64 tensors; ``kinks`` lists points where f' is not smooth (quadrature cells and
@@ -334,7 +341,7 @@ def optimal_stepwise(fn: Callable[[torch.Tensor], torch.Tensor], bits: int, kink
     kinks = tuple(sorted(float(k) for k in kinks))
     derivative = derivative_of(fn)
     moments = _Moments(derivative, kinks)
-    borders = _break_mirror_tie(moments, _refine(moments, _dynamic_program(moments, 2 ** bits, kinks), kinks))
+    borders = _break_mirror_tie(moments, _refine(moments, _dynamic_program(moments, 2**bits, kinks), kinks))
     borders32 = np.unique(borders.astype(np.float32)).astype(np.float64)
     if len(borders32) != len(borders):
         raise ArithmeticError(f"two optimal borders round to the same float32 value: {borders}")

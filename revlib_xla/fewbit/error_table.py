@@ -1,5 +1,6 @@
 """The table of relative gradient errors in ``docs/fewbit_gradient_error.md`` (``python -m
 revlib_xla.fewbit.error_table`` rewrites it; a test checks it matches the built-in tables)."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,8 +4,8 @@ Each takes PyTorch's arguments plus ``bits`` (1-4 for smooth activations, defaul
 exact with 1 bit, their only width). ``inplace`` is accepted for drop-in use and ignored: the forward is computed
 out of place (the memory saved is in what backward keeps, not in the output).
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import torch
 
@@ -13,9 +13,29 @@ from .activations import few_bit
 
 Tensor = torch.Tensor
 
-__all__ = ["celu", "elu", "gelu", "hardswish", "logsigmoid", "mish", "selu", "sigmoid", "silu", "softplus",
-           "softsign", "tanh", "tanhshrink", "leaky_relu", "relu", "threshold", "hardsigmoid", "hardtanh", "relu6",
-           "hardshrink", "softshrink"]
+__all__ = [
+    "celu",
+    "elu",
+    "gelu",
+    "hardswish",
+    "logsigmoid",
+    "mish",
+    "selu",
+    "sigmoid",
+    "silu",
+    "softplus",
+    "softsign",
+    "tanh",
+    "tanhshrink",
+    "leaky_relu",
+    "relu",
+    "threshold",
+    "hardsigmoid",
+    "hardtanh",
+    "relu6",
+    "hardshrink",
+    "softshrink",
+]
 
 DEFAULT_BITS = 3
 
@@ -90,8 +110,7 @@ def hardsigmoid(x: Tensor, inplace: bool = False, *, bits: int = 1) -> Tensor:
     return few_bit("hardsigmoid", x, bits)
 
 
-def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *,
-             bits: int = 1) -> Tensor:
+def hardtanh(x: Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *, bits: int = 1) -> Tensor:
     if not min_val < max_val:
         raise ValueError(f"hardtanh needs min_val < max_val, got {min_val} and {max_val}")
     return few_bit("hardtanh", x, bits, min_val=float(min_val), max_val=float(max_val))

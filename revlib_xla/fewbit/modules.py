@@ -3,9 +3,10 @@
 Constructor arguments are PyTorch's plus the keyword ``bits`` (smooth activations: 1-4, default 3; piecewise-linear
 ones: 1). ``inplace`` is accepted and ignored (see :mod:`.functional`).
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Type
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,9 +16,33 @@ from .activations import PIECEWISE, SMOOTH, check_bits, check_params
 
 Tensor = torch.Tensor
 
-__all__ = ["CELU", "ELU", "GELU", "Hardswish", "LogSigmoid", "Mish", "SELU", "Sigmoid", "SiLU", "Softplus",
-           "Softsign", "Tanh", "Tanhshrink", "LeakyReLU", "ReLU", "Threshold", "Hardsigmoid", "Hardtanh", "ReLU6",
-           "Hardshrink", "Softshrink", "FewBitActivation", "activation", "convert_activation", "MODULES"]
+__all__ = [
+    "CELU",
+    "ELU",
+    "GELU",
+    "Hardswish",
+    "LogSigmoid",
+    "Mish",
+    "SELU",
+    "Sigmoid",
+    "SiLU",
+    "Softplus",
+    "Softsign",
+    "Tanh",
+    "Tanhshrink",
+    "LeakyReLU",
+    "ReLU",
+    "Threshold",
+    "Hardsigmoid",
+    "Hardtanh",
+    "ReLU6",
+    "Hardshrink",
+    "Softshrink",
+    "FewBitActivation",
+    "activation",
+    "convert_activation",
+    "MODULES",
+]
 
 
 class FewBitActivation(nn.Module):
@@ -29,7 +54,7 @@ class FewBitActivation(nn.Module):
         super().__init__()
         self.bits = check_bits(self.name, bits)
         check_params(self.name, params)
-        self.params: Dict[str, Any] = params
+        self.params: dict[str, Any] = params
 
     def forward(self, x: Tensor) -> Tensor:
         return getattr(FB, self.name)(x, **self.params, bits=self.bits)
@@ -38,26 +63,32 @@ class FewBitActivation(nn.Module):
         return ", ".join([f"bits={self.bits}"] + [f"{k}={v!r}" for k, v in self.params.items()])
 
 
-def _smooth(cls_name: str, name: str, **defaults: Any) -> Type[FewBitActivation]:
+def _smooth(cls_name: str, name: str, **defaults: Any) -> type[FewBitActivation]:
     def __init__(self, *args: Any, bits: int = FB.DEFAULT_BITS, inplace: bool = False, **kwargs: Any) -> None:
         FewBitActivation.__init__(self, bits, **_bind(cls_name, defaults, args, kwargs))
 
-    return type(cls_name, (FewBitActivation,), {"name": name, "__init__": __init__,
-                                                 "__doc__": f"Few-bit ``torch.nn.{cls_name}``."})
+    return type(
+        cls_name,
+        (FewBitActivation,),
+        {"name": name, "__init__": __init__, "__doc__": f"Few-bit ``torch.nn.{cls_name}``."},
+    )
 
 
-def _piecewise(cls_name: str, name: str, **defaults: Any) -> Type[FewBitActivation]:
+def _piecewise(cls_name: str, name: str, **defaults: Any) -> type[FewBitActivation]:
     def __init__(self, *args: Any, bits: int = 1, inplace: bool = False, **kwargs: Any) -> None:
         FewBitActivation.__init__(self, bits, **_bind(cls_name, defaults, args, kwargs))
 
-    return type(cls_name, (FewBitActivation,), {"name": name, "__init__": __init__,
-                                                 "__doc__": f"``torch.nn.{cls_name}`` with a 1-bit backward."})
+    return type(
+        cls_name,
+        (FewBitActivation,),
+        {"name": name, "__init__": __init__, "__doc__": f"``torch.nn.{cls_name}`` with a 1-bit backward."},
+    )
 
 
 _REQUIRED = object()
 
 
-def _bind(cls_name: str, defaults: Dict[str, Any], args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+def _bind(cls_name: str, defaults: dict[str, Any], args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     names = list(defaults)
     if len(args) > len(names):
         raise TypeError(f"{cls_name} takes at most {len(names)} positional argument(s) ({names}), got {len(args)}")
@@ -99,32 +130,70 @@ Hardshrink = _piecewise("Hardshrink", "hardshrink", lambd=0.5)
 Softshrink = _piecewise("Softshrink", "softshrink", lambd=0.5)
 
 #: few-bit module class by activation name (the functional name: ``'gelu'``, ``'leaky_relu'``, ...)
-MODULES: Dict[str, Type[FewBitActivation]] = {cls.name: cls for cls in (
-    CELU, ELU, GELU, Hardswish, LogSigmoid, Mish, SELU, Sigmoid, SiLU, Softplus, Softsign, Tanh, Tanhshrink,
-    LeakyReLU, ReLU, Threshold, Hardsigmoid, Hardtanh, ReLU6, Hardshrink, Softshrink)}
+MODULES: dict[str, type[FewBitActivation]] = {
+    cls.name: cls
+    for cls in (
+        CELU,
+        ELU,
+        GELU,
+        Hardswish,
+        LogSigmoid,
+        Mish,
+        SELU,
+        Sigmoid,
+        SiLU,
+        Softplus,
+        Softsign,
+        Tanh,
+        Tanhshrink,
+        LeakyReLU,
+        ReLU,
+        Threshold,
+        Hardsigmoid,
+        Hardtanh,
+        ReLU6,
+        Hardshrink,
+        Softshrink,
+    )
+}
 assert set(MODULES) == set(SMOOTH) | set(PIECEWISE)
 
 # torch.nn activation class -> (few-bit class, the attributes that carry its parameters)
 _FROM_TORCH = {
-    nn.CELU: (CELU, ("alpha",)), nn.ELU: (ELU, ("alpha",)), nn.GELU: (GELU, ("approximate",)),
-    nn.Hardswish: (Hardswish, ()), nn.LogSigmoid: (LogSigmoid, ()), nn.Mish: (Mish, ()), nn.SELU: (SELU, ()),
-    nn.Sigmoid: (Sigmoid, ()), nn.SiLU: (SiLU, ()), nn.Softplus: (Softplus, ("beta", "threshold")),
-    nn.Softsign: (Softsign, ()), nn.Tanh: (Tanh, ()), nn.Tanhshrink: (Tanhshrink, ()),
-    nn.LeakyReLU: (LeakyReLU, ("negative_slope",)), nn.ReLU: (ReLU, ()),
-    nn.Threshold: (Threshold, ("threshold", "value")), nn.Hardsigmoid: (Hardsigmoid, ()),
-    nn.ReLU6: (ReLU6, ()), nn.Hardtanh: (Hardtanh, ("min_val", "max_val")),
-    nn.Hardshrink: (Hardshrink, ("lambd",)), nn.Softshrink: (Softshrink, ("lambd",)),
+    nn.CELU: (CELU, ("alpha",)),
+    nn.ELU: (ELU, ("alpha",)),
+    nn.GELU: (GELU, ("approximate",)),
+    nn.Hardswish: (Hardswish, ()),
+    nn.LogSigmoid: (LogSigmoid, ()),
+    nn.Mish: (Mish, ()),
+    nn.SELU: (SELU, ()),
+    nn.Sigmoid: (Sigmoid, ()),
+    nn.SiLU: (SiLU, ()),
+    nn.Softplus: (Softplus, ("beta", "threshold")),
+    nn.Softsign: (Softsign, ()),
+    nn.Tanh: (Tanh, ()),
+    nn.Tanhshrink: (Tanhshrink, ()),
+    nn.LeakyReLU: (LeakyReLU, ("negative_slope",)),
+    nn.ReLU: (ReLU, ()),
+    nn.Threshold: (Threshold, ("threshold", "value")),
+    nn.Hardsigmoid: (Hardsigmoid, ()),
+    nn.ReLU6: (ReLU6, ()),
+    nn.Hardtanh: (Hardtanh, ("min_val", "max_val")),
+    nn.Hardshrink: (Hardshrink, ("lambd",)),
+    nn.Softshrink: (Softshrink, ("lambd",)),
 }
 
 
-def activation(name: str, bits: Optional[int] = None, **params: Any) -> FewBitActivation:
+def activation(name: str, bits: int | None = None, **params: Any) -> FewBitActivation:
     """The few-bit module for activation ``name`` (``'gelu'``, ``'relu'``, ...) with ``bits`` (default: 3 for
     smooth activations, 1 for piecewise-linear ones). An activation without a few-bit form raises ``ValueError``
     naming the ones that have one."""
     cls = MODULES.get(name)
     if cls is None:
-        raise ValueError(f"{name!r} has no few-bit form; few-bit activations are {sorted(SMOOTH)} (1-4 bits) "
-                         f"and {sorted(PIECEWISE)} (1 bit)")
+        raise ValueError(
+            f"{name!r} has no few-bit form; few-bit activations are {sorted(SMOOTH)} (1-4 bits) "
+            f"and {sorted(PIECEWISE)} (1 bit)"
+        )
     if bits is None:
         bits = 1 if name in PIECEWISE else FB.DEFAULT_BITS
     return cls(bits=bits, **params)

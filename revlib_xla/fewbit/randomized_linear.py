@@ -11,10 +11,11 @@ Costs: S is a dense k x N matrix made twice (forward and backward), and ``S X`` 
 with k = r N that is quadratic in N, so it suits the batch sizes of fine-tuning (FewBit's use) better than very
 long sequences. The variance of the estimate grows like N / k.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +44,9 @@ def _sketch(kind: str, rows: int, cols: int, seed: int, like: Tensor) -> Tensor:
 
 class _RandomizedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], proj_dim: int, kind: str,
-                seed: int) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, proj_dim: int, kind: str, seed: int
+    ) -> Tensor:
         out = F.linear(x, weight, bias)
         rows = x.reshape(-1, x.shape[-1])
         sketched = None
@@ -56,7 +58,7 @@ class _RandomizedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         sketched, weight = ctx.saved_tensors
         kind, seed, proj_dim, shape, bias_grad, input_dtype = ctx.meta
         g = grad.reshape(-1, grad.shape[-1])
@@ -71,9 +73,8 @@ class _RandomizedLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _proj_dim(rows: int, ratio: Optional[float], proj_dim: Optional[int], lo: Optional[int],
-              hi: Optional[int]) -> int:
-    k = proj_dim if proj_dim is not None else int(math.floor(ratio * rows))
+def _proj_dim(rows: int, ratio: float | None, proj_dim: int | None, lo: int | None, hi: int | None) -> int:
+    k = proj_dim if proj_dim is not None else math.floor(ratio * rows)
     if lo is not None:
         k = max(k, lo)
     if hi is not None:
@@ -81,19 +82,31 @@ def _proj_dim(rows: int, ratio: Optional[float], proj_dim: Optional[int], lo: Op
     return max(1, min(k, rows))
 
 
-def randomized_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
-                      proj_dim_ratio: Optional[float] = None, proj_dim: Optional[int] = None,
-                      proj_dim_min: Optional[int] = None, proj_dim_max: Optional[int] = None,
-                      matmul: str = "gaussian") -> Tensor:
+def randomized_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    proj_dim_ratio: float | None = None,
+    proj_dim: int | None = None,
+    proj_dim_min: int | None = None,
+    proj_dim_max: int | None = None,
+    matmul: str = "gaussian",
+) -> Tensor:
     """``F.linear`` with a sketched weight gradient (see the module docstring)."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"randomized_linear needs a floating-point tensor, got "
-                        f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        raise TypeError(
+            f"randomized_linear needs a floating-point tensor, got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"randomized_linear: input of shape {tuple(x.shape)} does not end with in_features="
-                         f"{weight.shape[1]}")
-    if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                         or (bias is not None and bias.requires_grad))):
+        raise ValueError(
+            f"randomized_linear: input of shape {tuple(x.shape)} does not end with in_features={weight.shape[1]}"
+        )
+    if not (
+        torch.is_grad_enabled()
+        and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+    ):
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     k = _proj_dim(rows, proj_dim_ratio, proj_dim, proj_dim_min, proj_dim_max)
@@ -108,14 +121,25 @@ class RandomizedLinear(nn.Linear):
     ``'rademacher'``. Parameters and state-dict keys are ``nn.Linear``'s.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Optional[torch.dtype] = None, proj_dim_ratio: Optional[float] = None,
-                 proj_dim: Optional[int] = None, proj_dim_min: Optional[int] = None,
-                 proj_dim_max: Optional[int] = None, matmul: str = "gaussian") -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+        proj_dim_ratio: float | None = None,
+        proj_dim: int | None = None,
+        proj_dim_min: int | None = None,
+        proj_dim_max: int | None = None,
+        matmul: str = "gaussian",
+    ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         if (proj_dim_ratio is None) == (proj_dim is None):
-            raise ValueError("RandomizedLinear needs exactly one of proj_dim_ratio (a fraction of the input rows) "
-                             "and proj_dim (a number of rows)")
+            raise ValueError(
+                "RandomizedLinear needs exactly one of proj_dim_ratio (a fraction of the input rows) "
+                "and proj_dim (a number of rows)"
+            )
         if proj_dim_ratio is not None and not 0 < proj_dim_ratio <= 1:
             raise ValueError(f"proj_dim_ratio must be in (0, 1], got {proj_dim_ratio}")
         if proj_dim is not None and proj_dim < 1:
@@ -126,9 +150,16 @@ class RandomizedLinear(nn.Linear):
         self.proj_dim_min, self.proj_dim_max, self.matmul = proj_dim_min, proj_dim_max, matmul
 
     def forward(self, x: Tensor) -> Tensor:
-        return randomized_linear(x, self.weight, self.bias, proj_dim_ratio=self.proj_dim_ratio,
-                                 proj_dim=self.proj_dim, proj_dim_min=self.proj_dim_min,
-                                 proj_dim_max=self.proj_dim_max, matmul=self.matmul)
+        return randomized_linear(
+            x,
+            self.weight,
+            self.bias,
+            proj_dim_ratio=self.proj_dim_ratio,
+            proj_dim=self.proj_dim,
+            proj_dim_min=self.proj_dim_min,
+            proj_dim_max=self.proj_dim_max,
+            matmul=self.matmul,
+        )
 
     def extra_repr(self) -> str:
         size = f"proj_dim_ratio={self.proj_dim_ratio}" if self.proj_dim is None else f"proj_dim={self.proj_dim}"

@@ -10,9 +10,10 @@ Which implementation runs is decided by :func:`revlib_xla.backend.kernel_platfor
 tensors on a TPU, and the reference (``fewbit_reference``) everywhere else (cpu, XLA on the CPU, or when
 ``REVLIB_XLA_KERNELS=reference``). The reference defines the results.
 """
+
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -33,7 +34,7 @@ def implementation_for(tensor: torch.Tensor) -> str:
     return backend.kernel_platform(tensor)
 
 
-_LEVELS: Dict[Tuple[Tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
+_LEVELS: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def levels_tensor(levels: Sequence[float], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -60,14 +61,16 @@ def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int, nan_hi
     return reference.pack(reference.stepwise_codes(x, borders, nan_high), bits)
 
 
-def encode_band(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool,
-                nan_inside: bool = False) -> torch.Tensor:
+def encode_band(
+    x: torch.Tensor, lo: float | None, hi: float | None, closed: bool, nan_inside: bool = False
+) -> torch.Tensor:
     """Packed 1-bit band codes of ``x`` (reference implementation on every device: two comparisons and a pack)."""
     return reference.pack(reference.band_codes(x, lo, hi, closed, nan_inside), 1)
 
 
-def _levels_with_nan_ends(levels: Sequence[float], device: torch.device, dtype: torch.dtype,
-                          nan_ends: Optional[torch.Tensor]) -> torch.Tensor:
+def _levels_with_nan_ends(
+    levels: Sequence[float], device: torch.device, dtype: torch.dtype, nan_ends: torch.Tensor | None
+) -> torch.Tensor:
     """:func:`levels_tensor`, with the lowest / highest level made NaN where ``nan_ends`` (bool, 2 elements on
     ``device``) says so: no host sync, so this works inside a lazily traced XLA graph."""
     table = levels_tensor(levels, device, dtype)
@@ -77,8 +80,14 @@ def _levels_with_nan_ends(levels: Sequence[float], device: torch.device, dtype: 
     return torch.where(mask, torch.full_like(table, float("nan")), table)
 
 
-def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[float], bits: int,
-                  select_zero: bool = False, nan_ends: Optional[torch.Tensor] = None) -> torch.Tensor:
+def stepwise_grad(
+    packed: torch.Tensor,
+    grad: torch.Tensor,
+    levels: Sequence[float],
+    bits: int,
+    select_zero: bool = False,
+    nan_ends: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``grad * levels[code]`` for the packed codes of ``grad.numel()`` elements, shaped like ``grad``.
 
     ``select_zero``: a zero level gives 0 even for an inf or NaN gradient (see :mod:`.fewbit_reference`);
@@ -95,5 +104,10 @@ def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: Sequence[flo
         from . import fewbit_pallas
 
         return fewbit_pallas.stepwise_grad_torch_xla(packed, grad, table, bits, select_zero)
-    return reference.lookup(reference.unpack(packed, bits, grad.numel()), grad, table,
-                            gather=not backend.is_tracing_lazily(grad), select_zero=select_zero)
+    return reference.lookup(
+        reference.unpack(packed, bits, grad.numel()),
+        grad,
+        table,
+        gather=not backend.is_tracing_lazily(grad),
+        select_zero=select_zero,
+    )

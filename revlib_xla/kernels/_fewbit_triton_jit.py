@@ -3,13 +3,25 @@ level, is what lets ``TRITON_INTERPRET=1`` interpret them). Each program handles
 one group per lane, looping over the planes of the layout (:mod:`.fewbit_reference`); consecutive lanes read
 consecutive elements. No ``tl.sum``/``tl.zeros``-style library @jit functions: the interpreter only interprets
 those when triton itself was imported with ``TRITON_INTERPRET=1``."""
+
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def encode_kernel(x_ptr, borders_ptr, out_ptr, n, groups, NUM_BORDERS: tl.constexpr, BITS: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, BYTES: tl.constexpr, BLOCK_GROUPS: tl.constexpr, NAN_HIGH: tl.constexpr):
+def encode_kernel(
+    x_ptr,
+    borders_ptr,
+    out_ptr,
+    n,
+    groups,
+    NUM_BORDERS: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BYTES: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    NAN_HIGH: tl.constexpr,
+):
     group = tl.program_id(0) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     in_range = group < groups
     value = group * 0
@@ -20,7 +32,7 @@ def encode_kernel(x_ptr, borders_ptr, out_ptr, n, groups, NUM_BORDERS: tl.conste
         code = group * 0
         for k in tl.static_range(NUM_BORDERS):
             if NAN_HIGH:
-                code += 1 - (x <= tl.load(borders_ptr + k)).to(tl.int32)   # NaN is above every border
+                code += 1 - (x <= tl.load(borders_ptr + k)).to(tl.int32)  # NaN is above every border
             else:
                 code += (x > tl.load(borders_ptr + k)).to(tl.int32)
         code = tl.where(inside, code, 0)
@@ -30,9 +42,20 @@ def encode_kernel(x_ptr, borders_ptr, out_ptr, n, groups, NUM_BORDERS: tl.conste
 
 
 @triton.jit
-def grad_kernel(packed_ptr, grad_ptr, levels_ptr, out_ptr, n, groups, BITS: tl.constexpr,
-                GROUP_SIZE: tl.constexpr, BYTES: tl.constexpr, BLOCK_GROUPS: tl.constexpr, BF16_BITS: tl.constexpr,
-                SELECT_ZERO: tl.constexpr):
+def grad_kernel(
+    packed_ptr,
+    grad_ptr,
+    levels_ptr,
+    out_ptr,
+    n,
+    groups,
+    BITS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BYTES: tl.constexpr,
+    BLOCK_GROUPS: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    SELECT_ZERO: tl.constexpr,
+):
     group = tl.program_id(0) * BLOCK_GROUPS + tl.arange(0, BLOCK_GROUPS)
     in_range = group < groups
     value = group * 0

@@ -14,10 +14,11 @@ borders are compile-time constants, levels a small array in SMEM (a call may mak
 
 Importing this module does not import JAX.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 from .fewbit_reference import GROUP
 
@@ -26,7 +27,7 @@ __all__ = ["encode_stepwise", "stepwise_grad", "encode_stepwise_torch_xla", "ste
 _BLOCK_GROUPS = 1024  # groups per program: a multiple of the TPU's 128 lanes
 
 
-def _layout(n: int, bits: int) -> Tuple[int, int, int, int]:
+def _layout(n: int, bits: int) -> tuple[int, int, int, int]:
     """(codes per group, bytes per group, groups G of the reference layout, G padded to whole blocks)."""
     group, per_group = GROUP[bits], bits * GROUP[bits] // 8
     groups = -(-n // group)
@@ -34,9 +35,10 @@ def _layout(n: int, bits: int) -> Tuple[int, int, int, int]:
     return group, per_group, groups, -(-groups // block) * block
 
 
-@functools.lru_cache(maxsize=None)
-def _encode_call(borders: Tuple[float, ...], bits: int, n: int, dtype_name: str, interpret: bool,
-                 nan_high: bool = False):
+@functools.cache
+def _encode_call(
+    borders: tuple[float, ...], bits: int, n: int, dtype_name: str, interpret: bool, nan_high: bool = False
+):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
@@ -45,7 +47,7 @@ def _encode_call(borders: Tuple[float, ...], bits: int, n: int, dtype_name: str,
     block = min(_BLOCK_GROUPS, padded)
 
     def kernel(x_ref, out_ref):
-        x = x_ref[...].astype(jnp.float32)                        # (GROUP, block): plane j, groups g
+        x = x_ref[...].astype(jnp.float32)  # (GROUP, block): plane j, groups g
         code = jnp.zeros(x.shape, jnp.int32)
         for border in borders:
             above = jnp.logical_not(x <= jnp.float32(border)) if nan_high else x > jnp.float32(border)
@@ -55,9 +57,10 @@ def _encode_call(borders: Tuple[float, ...], bits: int, n: int, dtype_name: str,
         code = jnp.where((j * groups + g < n) & (g < groups), code, 0)  # padding codes are 0, as in the reference
         value = jnp.zeros((1, x.shape[1]), jnp.int32)
         for lane in range(group):
-            value = value | jnp.left_shift(code[lane:lane + 1, :], bits * lane)
-        out_ref[...] = jnp.concatenate([jnp.right_shift(value, 8 * i) & 255 for i in range(per_group)],
-                                       axis=0).astype(jnp.uint8)
+            value = value | jnp.left_shift(code[lane : lane + 1, :], bits * lane)
+        out_ref[...] = jnp.concatenate([jnp.right_shift(value, 8 * i) & 255 for i in range(per_group)], axis=0).astype(
+            jnp.uint8
+        )
 
     return pl.pallas_call(
         kernel,
@@ -69,23 +72,23 @@ def _encode_call(borders: Tuple[float, ...], bits: int, n: int, dtype_name: str,
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _grad_call(num_levels: int, bits: int, n: int, dtype_name: str, interpret: bool, select_zero: bool = False):
     import jax
     import jax.numpy as jnp
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
-    group, per_group, groups, padded = _layout(n, bits)
+    group, per_group, _, padded = _layout(n, bits)
     block = min(_BLOCK_GROUPS, padded)
 
     def kernel(levels_ref, packed_ref, grad_ref, out_ref):
-        packed = packed_ref[...].astype(jnp.int32)                # (BYTES, block)
+        packed = packed_ref[...].astype(jnp.int32)  # (BYTES, block)
         value = jnp.zeros((1, packed.shape[1]), jnp.int32)
         for i in range(per_group):
-            value = value | jnp.left_shift(packed[i:i + 1, :], 8 * i)
+            value = value | jnp.left_shift(packed[i : i + 1, :], 8 * i)
         shifts = jax.lax.broadcasted_iota(jnp.int32, (group, packed.shape[1]), 0) * bits
-        code = jnp.right_shift(value, shifts) & ((1 << bits) - 1)   # (GROUP, block)
+        code = jnp.right_shift(value, shifts) & ((1 << bits) - 1)  # (GROUP, block)
         level = jnp.zeros(code.shape, jnp.float32)
         for k in range(num_levels):
             level = jnp.where(code == k, levels_ref[k], level)
@@ -98,8 +101,11 @@ def _grad_call(num_levels: int, bits: int, n: int, dtype_name: str, interpret: b
         kernel,
         out_shape=jax.ShapeDtypeStruct((group, padded), jnp.dtype(dtype_name)),
         grid=(padded // block,),
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM), pl.BlockSpec((per_group, block), lambda i: (0, i)),
-                  pl.BlockSpec((group, block), lambda i: (0, i))],
+        in_specs=[
+            pl.BlockSpec(memory_space=pltpu.SMEM),
+            pl.BlockSpec((per_group, block), lambda i: (0, i)),
+            pl.BlockSpec((group, block), lambda i: (0, i)),
+        ],
         out_specs=pl.BlockSpec((group, block), lambda i: (0, i)),
         interpret=interpret,
     )
@@ -110,9 +116,10 @@ def encode_stepwise(x, borders: Sequence[float], bits: int, interpret: bool = Fa
     import jax.numpy as jnp
 
     n = x.size
-    group, per_group, groups, padded = _layout(n, bits)
-    planes = jnp.pad(jnp.pad(x.reshape(-1), (0, groups * group - n)).reshape(group, groups),
-                     ((0, 0), (0, padded - groups)))
+    group, _, groups, padded = _layout(n, bits)
+    planes = jnp.pad(
+        jnp.pad(x.reshape(-1), (0, groups * group - n)).reshape(group, groups), ((0, 0), (0, padded - groups))
+    )
     out = _encode_call(tuple(float(b) for b in borders), bits, n, str(x.dtype), interpret, nan_high)(planes)
     return out[:, :groups].reshape(-1)
 
@@ -124,8 +131,9 @@ def stepwise_grad(packed, grad, levels, bits: int, interpret: bool = False, sele
     n = grad.size
     group, per_group, groups, padded = _layout(n, bits)
     packed = jnp.pad(packed.reshape(per_group, groups), ((0, 0), (0, padded - groups)))
-    planes = jnp.pad(jnp.pad(grad.reshape(-1), (0, groups * group - n)).reshape(group, groups),
-                     ((0, 0), (0, padded - groups)))
+    planes = jnp.pad(
+        jnp.pad(grad.reshape(-1), (0, groups * group - n)).reshape(group, groups), ((0, 0), (0, padded - groups))
+    )
     levels = jnp.asarray(levels, dtype=jnp.float32)
     out = _grad_call(levels.shape[0], bits, n, str(grad.dtype), interpret, select_zero)(levels, packed, planes)
     return out[:, :groups].reshape(-1)[:n].reshape(grad.shape)

@@ -19,9 +19,10 @@ for bit:
   the gradient (an inf or NaN gradient included), as PyTorch's piecewise-linear backward kernels select rather than
   multiply. NaN results are NaN; their sign and payload are not specified.
 """
+
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -51,8 +52,9 @@ def stepwise_codes(x: torch.Tensor, borders: Sequence[float], nan_high: bool = F
     return codes
 
 
-def band_codes(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed: bool,
-               nan_inside: bool = False) -> torch.Tensor:
+def band_codes(
+    x: torch.Tensor, lo: float | None, hi: float | None, closed: bool, nan_inside: bool = False
+) -> torch.Tensor:
     """uint8 codes, flat: 1 inside the band (``lo``/``hi`` None for no bound), else 0; NaN inside with
     ``nan_inside``."""
     flat = x.reshape(-1).to(opmath_dtype(x.dtype))
@@ -66,7 +68,7 @@ def band_codes(x: torch.Tensor, lo: Optional[float], hi: Optional[float], closed
     return inside.to(torch.uint8)
 
 
-def _planes(numel: int, bits: int) -> Tuple[int, int, int]:
+def _planes(numel: int, bits: int) -> tuple[int, int, int]:
     """(codes per group, bytes per group, number of groups G) for ``numel`` codes."""
     group = GROUP[bits]
     return group, bits * group // 8, -(-numel // group)
@@ -99,8 +101,9 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     return codes[:numel]
 
 
-def lookup(codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather: bool = True,
-           select_zero: bool = False) -> torch.Tensor:
+def lookup(
+    codes: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, gather: bool = True, select_zero: bool = False
+) -> torch.Tensor:
     """``grad * levels[codes]`` in opmath precision, rounded once to the gradient's dtype; the gradient's shape.
 
     ``gather=False`` looks the levels up with a chain of selects instead of a gather (the same values; what a TPU

@@ -5,9 +5,10 @@ Bit for bit what :mod:`.fewbit_reference` computes (the layout is documented the
 ``TRITON_INTERPRET`` before (the @triton.jit functions live in ``_fewbit_triton_jit``, imported on first use);
 importing this module does not import triton.
 """
+
 from __future__ import annotations
 
-from typing import Dict, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +26,7 @@ def _kernels():
     return jit.encode_kernel, jit.grad_kernel
 
 
-_BORDERS: Dict[Tuple[Tuple[float, ...], torch.device], torch.Tensor] = {}
+_BORDERS: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
 def _check(tensor: torch.Tensor) -> None:
@@ -33,7 +34,7 @@ def _check(tensor: torch.Tensor) -> None:
         raise TypeError(f"the Triton few-bit kernels take {SUPPORTED_DTYPES}, got {tensor.dtype}")
 
 
-def _grid(groups: int) -> Tuple[int]:
+def _grid(groups: int) -> tuple[int]:
     return (-(-groups // _BLOCK_GROUPS),)
 
 
@@ -49,13 +50,25 @@ def encode_stepwise(x: torch.Tensor, borders: Sequence[float], bits: int, nan_hi
     if borders_t is None:
         borders_t = _BORDERS[key] = torch.tensor(list(borders), dtype=torch.float32, device=x.device)
     out = torch.empty(groups * per_group, dtype=torch.uint8, device=x.device)
-    encode_kernel[_grid(groups)](flat, borders_t, out, n, groups, NUM_BORDERS=len(borders), BITS=bits,
-                                 GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS, NAN_HIGH=nan_high)
+    encode_kernel[_grid(groups)](
+        flat,
+        borders_t,
+        out,
+        n,
+        groups,
+        NUM_BORDERS=len(borders),
+        BITS=bits,
+        GROUP_SIZE=group,
+        BYTES=per_group,
+        BLOCK_GROUPS=_BLOCK_GROUPS,
+        NAN_HIGH=nan_high,
+    )
     return out
 
 
-def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, bits: int,
-                  select_zero: bool = False) -> torch.Tensor:
+def stepwise_grad(
+    packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor, bits: int, select_zero: bool = False
+) -> torch.Tensor:
     """``grad * levels[code]`` (as :func:`fewbit_reference.lookup` of :func:`fewbit_reference.unpack`)."""
     _check(grad)
     if levels.dtype != torch.float32:
@@ -66,7 +79,18 @@ def stepwise_grad(packed: torch.Tensor, grad: torch.Tensor, levels: torch.Tensor
     groups, per_group = -(-n // group), bits * GROUP[bits] // 8
     out = torch.empty_like(flat)
     bf16 = flat.dtype == torch.bfloat16
-    grad_kernel[_grid(groups)](packed, flat, levels, out.view(torch.int16) if bf16 else out, n, groups, BITS=bits,
-                               GROUP_SIZE=group, BYTES=per_group, BLOCK_GROUPS=_BLOCK_GROUPS, BF16_BITS=bf16,
-                               SELECT_ZERO=select_zero)
+    grad_kernel[_grid(groups)](
+        packed,
+        flat,
+        levels,
+        out.view(torch.int16) if bf16 else out,
+        n,
+        groups,
+        BITS=bits,
+        GROUP_SIZE=group,
+        BYTES=per_group,
+        BLOCK_GROUPS=_BLOCK_GROUPS,
+        BF16_BITS=bf16,
+        SELECT_ZERO=select_zero,
+    )
     return out.view(grad.shape)

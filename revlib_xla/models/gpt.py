@@ -6,9 +6,8 @@ residual (``x + f(x)``). Reversible: the embedding is split into two streams and
 can either keep what it saves or drop its input and rebuild it from its output (``Fr``/``Br``). The blocks are
 those of :mod:`revlib_xla.models.transformer`.
 """
-from __future__ import annotations
 
-from typing import List, Tuple
+from __future__ import annotations
 
 import torch
 from torch import nn
@@ -47,7 +46,7 @@ class Residual(nn.Module):
 class SplitStreams(nn.Module):
     """``(B, T, 2w) -> ((B, T, w), (B, T, w))``: the two streams of a reversible stack."""
 
-    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x0, x1 = x.chunk(2, dim=-1)
         return x0.contiguous(), x1.contiguous()
 
@@ -55,7 +54,7 @@ class SplitStreams(nn.Module):
 class MergeStreams(nn.Module):
     """``(x0, x1) -> cat([x0, x1], -1)``."""
 
-    def forward(self, streams: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, streams: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(streams), dim=-1)
 
 
@@ -66,7 +65,7 @@ def gpt(config: TransformerConfig, reversible: bool = False) -> nn.Sequential:
     (``2 * width`` in the embedding and the head), as the Reformer does.
     """
     width = 2 * config.width if reversible else config.width
-    layers: List[nn.Module] = [Embedding(config, width)]
+    layers: list[nn.Module] = [Embedding(config, width)]
     if reversible:
         layers.append(SplitStreams())
     for _ in range(config.depth):

@@ -5,9 +5,10 @@ single stages (their skip connection stays inside), and the stem is ``conv -> bn
 are in place, as in torchvision; the planner merges an in-place first operation into the stage before it, so a
 checkpointed input is never overwritten.
 """
+
 from __future__ import annotations
 
-from typing import List, Sequence, Type, Union
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -58,25 +59,34 @@ class Bottleneck(nn.Module):
         return self.relu(self.bn3(self.conv3(out)) + skip)
 
 
-def _downsample(inplanes: int, outplanes: int, stride: int) -> Union[nn.Module, None]:
+def _downsample(inplanes: int, outplanes: int, stride: int) -> nn.Module | None:
     if stride == 1 and inplanes == outplanes:
         return None
     return nn.Sequential(nn.Conv2d(inplanes, outplanes, 1, stride, bias=False), nn.BatchNorm2d(outplanes))
 
 
-def resnet(block: Type[Union[BasicBlock, Bottleneck]], layers: Sequence[int], num_classes: int = 1000,
-           width: int = 64, in_channels: int = 3) -> nn.Sequential:
+def resnet(
+    block: type[BasicBlock | Bottleneck],
+    layers: Sequence[int],
+    num_classes: int = 1000,
+    width: int = 64,
+    in_channels: int = 3,
+) -> nn.Sequential:
     """A ResNet as a flat ``nn.Sequential``: stem, ``sum(layers)`` residual blocks, pooling and the classifier.
 
     ``width`` scales every layer's channels (64 is the standard network); a small width gives a small model for
     tests with the same structure.
     """
-    stem: List[nn.Module] = [nn.Conv2d(in_channels, width, 7, 2, 3, bias=False), nn.BatchNorm2d(width),
-                             nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
-    blocks: List[nn.Module] = []
+    stem: list[nn.Module] = [
+        nn.Conv2d(in_channels, width, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(width),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+    ]
+    blocks: list[nn.Module] = []
     inplanes = width
     for stage, count in enumerate(layers):
-        planes = width * 2 ** stage
+        planes = width * 2**stage
         for index in range(count):
             blocks.append(block(inplanes, planes, 2 if index == 0 and stage > 0 else 1))
             inplanes = planes * block.expansion

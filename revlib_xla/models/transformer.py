@@ -25,11 +25,11 @@ differ only in what autograd keeps for the backward pass:
 * ``"reversible"``: ``MemoryModes.autograd_function``: keeps only the final two streams and rebuilds each layer's
   input from its output in the backward pass, so activation memory does not grow with depth.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -39,14 +39,21 @@ from .. import backend
 from ..reversible import MemoryModes, ReversibleSequential
 
 __all__ = [
-    "TransformerConfig", "FLAVOURS", "FLAVOUR_LABELS", "Block", "CausalSelfAttention", "MLP", "ByteTransformerLM",
-    "build_lm", "lm_loss",
+    "TransformerConfig",
+    "FLAVOURS",
+    "FLAVOUR_LABELS",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "ByteTransformerLM",
+    "build_lm",
+    "lm_loss",
 ]
 
-FLAVOURS: Tuple[str, ...] = ("no_savings", "checkpoint", "reversible")
+FLAVOURS: tuple[str, ...] = ("no_savings", "checkpoint", "reversible")
 """The three ways of running the same network; see the module docstring."""
 
-FLAVOUR_LABELS: Dict[str, str] = {
+FLAVOUR_LABELS: dict[str, str] = {
     "no_savings": "no savings",
     "checkpoint": "checkpointing",
     "reversible": "reversible",
@@ -189,8 +196,9 @@ class ByteTransformerLM(nn.Module):
             raise ValueError(f"ByteTransformerLM expects tokens of shape (batch, time), got {tuple(tokens.shape)}")
         time = tokens.shape[1]
         if time > self.config.seq_len:
-            raise ValueError(f"ByteTransformerLM: sequence of {time} tokens is longer than seq_len="
-                             f"{self.config.seq_len}")
+            raise ValueError(
+                f"ByteTransformerLM: sequence of {time} tokens is longer than seq_len={self.config.seq_len}"
+            )
         x = self.drop(self.embed(tokens) + self.pos[:time])
         return self.head(self.norm(self.core(x)))
 

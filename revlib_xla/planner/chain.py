@@ -26,11 +26,12 @@ Beyond rotor, a stage may offer more ways to run:
 * ``options[i]``: alternative ways to run stage i with autograd (few-bit or low-precision saved activations),
   each with its own times and sizes; the plan picks per stage.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 __all__ = ["Chain", "StageOption"]
 
@@ -48,7 +49,7 @@ class StageOption:
     bwd_tmp: float = 0.0
 
 
-def _floats(name: str, values: Sequence[float], length: int) -> Tuple[float, ...]:
+def _floats(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:
     values = tuple(values)
     if len(values) != length:
         raise ValueError(f"Chain: {name} needs {length} entries, got {len(values)}")
@@ -68,40 +69,56 @@ def _floats(name: str, values: Sequence[float], length: int) -> Tuple[float, ...
 class Chain:
     """Per-stage costs of a chain of ``L`` stages plus the loss (see the module docstring for the fields)."""
 
-    fw: Tuple[float, ...]
-    bw: Tuple[float, ...]
-    cw: Tuple[float, ...]
-    cbw: Tuple[float, ...]
-    fwd_tmp: Tuple[float, ...]
-    bwd_tmp: Tuple[float, ...]
-    reversible: Tuple[bool, ...]
-    inverse_time: Tuple[float, ...]
-    offload_time: Tuple[Optional[float], ...]
-    options: Tuple[Tuple[StageOption, ...], ...]
-    names: Tuple[str, ...]
+    fw: tuple[float, ...]
+    bw: tuple[float, ...]
+    cw: tuple[float, ...]
+    cbw: tuple[float, ...]
+    fwd_tmp: tuple[float, ...]
+    bwd_tmp: tuple[float, ...]
+    reversible: tuple[bool, ...]
+    inverse_time: tuple[float, ...]
+    offload_time: tuple[float | None, ...]
+    options: tuple[tuple[StageOption, ...], ...]
+    names: tuple[str, ...]
 
-    def __init__(self, fw: Sequence[float], bw: Sequence[float], cw: Sequence[float], cbw: Sequence[float],
-                 fwd_tmp: Sequence[float], bwd_tmp: Sequence[float], *,
-                 reversible: Optional[Sequence[bool]] = None, inverse_time: Optional[Sequence[float]] = None,
-                 offload_time: Optional[Sequence[Optional[float]]] = None,
-                 options: Optional[Sequence[Sequence[StageOption]]] = None,
-                 names: Optional[Sequence[str]] = None) -> None:
+    def __init__(
+        self,
+        fw: Sequence[float],
+        bw: Sequence[float],
+        cw: Sequence[float],
+        cbw: Sequence[float],
+        fwd_tmp: Sequence[float],
+        bwd_tmp: Sequence[float],
+        *,
+        reversible: Sequence[bool] | None = None,
+        inverse_time: Sequence[float] | None = None,
+        offload_time: Sequence[float | None] | None = None,
+        options: Sequence[Sequence[StageOption]] | None = None,
+        names: Sequence[str] | None = None,
+    ) -> None:
         length = len(tuple(fw))
         if length < 1:
             raise ValueError("Chain: needs at least one stage (fw has no entries)")
-        fields = dict(fw=_floats("fw", fw, length), bw=_floats("bw", bw, length + 1),
-                      cw=_floats("cw", cw, length + 1), cbw=_floats("cbw", cbw, length + 1),
-                      fwd_tmp=_floats("fwd_tmp", fwd_tmp, length), bwd_tmp=_floats("bwd_tmp", bwd_tmp, length + 1))
+        fields = dict(
+            fw=_floats("fw", fw, length),
+            bw=_floats("bw", bw, length + 1),
+            cw=_floats("cw", cw, length + 1),
+            cbw=_floats("cbw", cbw, length + 1),
+            fwd_tmp=_floats("fwd_tmp", fwd_tmp, length),
+            bwd_tmp=_floats("bwd_tmp", bwd_tmp, length + 1),
+        )
         rev = tuple(bool(r) for r in (reversible if reversible is not None else [False] * length))
         if len(rev) != length:
             raise ValueError(f"Chain: reversible needs {length} entries, got {len(rev)}")
         inv = fields["fw"] if inverse_time is None else _floats("inverse_time", inverse_time, length)
-        off: List[Optional[float]] = [None] * length
+        off: list[float | None] = [None] * length
         if offload_time is not None:
             offload_time = tuple(offload_time)
             if len(offload_time) != length:
-                raise ValueError(f"Chain: offload_time needs {length} entries (one per stage input x_0..x_L-1), "
-                                 f"got {len(offload_time)}")
+                raise ValueError(
+                    f"Chain: offload_time needs {length} entries (one per stage input x_0..x_L-1), "
+                    f"got {len(offload_time)}"
+                )
             off = [None if t is None else _floats("offload_time", [t], 1)[0] for t in offload_time]
         opts = tuple(tuple(o) for o in (options if options is not None else [()] * length))
         if len(opts) != length:
@@ -123,15 +140,17 @@ class Chain:
         object.__setattr__(self, "names", stage_names)
         for i in range(length):
             if self.cbw[i + 1] < self.cw[i + 1]:
-                raise ValueError(f"Chain: cbw[{i + 1}] = {self.cbw[i + 1]} < cw[{i + 1}] = {self.cw[i + 1]}: what "
-                                 f"stage {i} keeps alive with autograd includes its output")
+                raise ValueError(
+                    f"Chain: cbw[{i + 1}] = {self.cbw[i + 1]} < cw[{i + 1}] = {self.cw[i + 1]}: what "
+                    f"stage {i} keeps alive with autograd includes its output"
+                )
 
     @property
     def length(self) -> int:
         """The number of stages, the loss not counted (rotor's L)."""
         return len(self.fw)
 
-    def with_bandwidth(self, bytes_per_second: float, stages: Optional[Sequence[int]] = None) -> "Chain":
+    def with_bandwidth(self, bytes_per_second: float, stages: Sequence[int] | None = None) -> Chain:
         """The same chain where x_i of the given stages (default: all) may be offloaded to the host, each transfer
         costing ``cw[i] / bytes_per_second``."""
         if not bytes_per_second > 0:
@@ -140,15 +159,25 @@ class Chain:
         off = [self.cw[i] / bytes_per_second if i in chosen else self.offload_time[i] for i in range(self.length)]
         return self.replace(offload_time=off)
 
-    def replace(self, **changes) -> "Chain":
+    def replace(self, **changes) -> Chain:
         """A copy with some fields changed (same keywords as the constructor)."""
-        fields = dict(fw=self.fw, bw=self.bw, cw=self.cw, cbw=self.cbw, fwd_tmp=self.fwd_tmp, bwd_tmp=self.bwd_tmp,
-                      reversible=self.reversible, inverse_time=self.inverse_time, offload_time=self.offload_time,
-                      options=self.options, names=self.names)
+        fields = dict(
+            fw=self.fw,
+            bw=self.bw,
+            cw=self.cw,
+            cbw=self.cbw,
+            fwd_tmp=self.fwd_tmp,
+            bwd_tmp=self.bwd_tmp,
+            reversible=self.reversible,
+            inverse_time=self.inverse_time,
+            offload_time=self.offload_time,
+            options=self.options,
+            names=self.names,
+        )
         fields.update(changes)
         return Chain(**fields)
 
-    def stage_options(self, i: int) -> Tuple[StageOption, ...]:
+    def stage_options(self, i: int) -> tuple[StageOption, ...]:
         """All ways to run stage ``i`` (0..L, the loss included) with autograd, the plain one first."""
         if i == self.length:
             return (StageOption("", 0.0, self.bw[i], 0.0, 0.0, self.bwd_tmp[i]),)

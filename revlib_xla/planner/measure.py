@@ -12,12 +12,14 @@ eager devices), temporaries are taken as 0, and the time of a stage is its FLOP 
 sizes with what the TPU compiler keeps: :func:`stage_programs` gives each stage's programs, compiled deviceless for a
 TPU with every buffer in HBM (fused programs keep fusion inputs, not every tensor autograd saves).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,8 +28,18 @@ from torch.utils import _pytree as pytree
 from .. import backend
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
-__all__ = ["StageMeasurement", "StagePrograms", "InPlaceInput", "measure_stage", "stage_programs", "grad_leaves",
-           "differentiable", "tensor_leaves", "detached", "value_bytes"]
+__all__ = [
+    "StageMeasurement",
+    "StagePrograms",
+    "InPlaceInput",
+    "measure_stage",
+    "stage_programs",
+    "grad_leaves",
+    "differentiable",
+    "tensor_leaves",
+    "detached",
+    "value_bytes",
+]
 
 
 class InPlaceInput(ValueError):
@@ -44,7 +56,7 @@ class StageMeasurement:
     cbw: int
     fwd_tmp: int
     bwd_tmp: int
-    inverse_time: Optional[float]
+    inverse_time: float | None
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -66,20 +78,22 @@ def _flops(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def tensor_leaves(x: Any) -> List[torch.Tensor]:
+def tensor_leaves(x: Any) -> list[torch.Tensor]:
     """The tensors in ``x``: a tensor, or containers ``torch.utils._pytree`` walks (tuples, lists, dicts, named
     tuples, ordered dicts and registered classes), nested, in pytree order. A container pytree does not know (a
     subclass of list or dict) that holds tensors is refused: its tensors would be missed."""
     leaves = pytree.tree_leaves(x)
     for leaf in leaves:
         if not isinstance(leaf, torch.Tensor) and next(iter(backend.tensors_in(leaf)), None) is not None:
-            raise TypeError(f"a stage's input or output holds tensors inside a {type(leaf).__name__}, which "
-                            f"torch.utils._pytree does not walk: use a tuple, list or dict, or register the class "
-                            f"with torch.utils._pytree.register_pytree_node")
+            raise TypeError(
+                f"a stage's input or output holds tensors inside a {type(leaf).__name__}, which "
+                f"torch.utils._pytree does not walk: use a tuple, list or dict, or register the class "
+                f"with torch.utils._pytree.register_pytree_node"
+            )
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
 
 
-def grad_leaves(x: Any, needs: Optional[Sequence[bool]] = None) -> Any:
+def grad_leaves(x: Any, needs: Sequence[bool] | None = None) -> Any:
     """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd); with
     ``needs`` (one flag per tensor, in :func:`tensor_leaves` order), requiring grad where it says."""
     flags = iter(needs) if needs is not None else None
@@ -101,7 +115,7 @@ def detached(x: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, x)
 
 
-def differentiable(x: Any) -> List[torch.Tensor]:
+def differentiable(x: Any) -> list[torch.Tensor]:
     return [t for t in tensor_leaves(x) if t.requires_grad]
 
 
@@ -130,7 +144,7 @@ class StagePrograms:
 
     forward: str
     backward: str
-    gradient_arguments: Tuple[int, ...]
+    gradient_arguments: tuple[int, ...]
     output_count: int = 0
     input_gradient_count: int = 0
 
@@ -162,24 +176,28 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         # let the compiler drop the barrier's hold on the backward.
         backward = stablehlo_of(outs + grads)
         operands = optimization_barrier_arguments(backward)
-        arguments = tuple(a for a in operands[len(outs):] if a is not None)
+        arguments = tuple(a for a in operands[len(outs) :] if a is not None)
         if len(arguments) != len(dys):
-            raise RuntimeError(f"stage_programs: the gradient of {type(stage).__name__}'s output is not an argument "
-                               f"of its backward program (barrier operands {operands})")
+            raise RuntimeError(
+                f"stage_programs: the gradient of {type(stage).__name__}'s output is not an argument "
+                f"of its backward program (barrier operands {operands})"
+            )
     finally:
         for p, g in zip(params, kept):
             p.grad = g
     return StagePrograms(forward, backward, arguments, len(outs), input_gradients)
 
 
-def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
-                  ) -> Tuple[StageMeasurement, Any]:
+def measure_stage(
+    stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
+) -> tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
     autograd), the next stage's input."""
     tensors = list(tensor_leaves(x))
     if not tensors:
-        raise TypeError(f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a "
-                        f"tuple of tensors")
+        raise TypeError(
+            f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a tuple of tensors"
+        )
     device = tensors[0].device
     lazy = backend.is_tracing_lazily(tensors[0])
     cw = value_bytes(x)
@@ -197,7 +215,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
             y = stage(inp)
         outs = differentiable(y)
         cbw = counter.bytes + value_bytes(y)
-        bw = _flops(lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])) if outs else 0.0
+        bw = _flops(lambda: torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])) if outs else 0.0  # noqa: F821 (ruff: `del outs` below)
         for p in params:
             p.grad = None
         inverse_time = None
@@ -215,8 +233,7 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         with tracker:
             start = _total(tracker.get_tracker_snapshot("current"), device)
             nograd_out = stage(x)
-            nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start
-                             - value_bytes(nograd_out))
+            nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start - value_bytes(nograd_out))
         del nograd_out
     inverse_time = None
     if reversible:
@@ -232,10 +249,10 @@ def measure_stage(stage: nn.Module, x: Any, *, repeats: int = 3, reversible: boo
         fwd_tmp = bwd_tmp = cbw = 0
         for _ in range(max(1, repeats)):
             inp = grad_leaves(x)
-            saved: List[torch.Tensor] = []
+            saved: list[torch.Tensor] = []
             tracker = _tracker()
             tracker.track_external(stage, *tensor_leaves(inp))
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), tracker:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), tracker:  # noqa: F821, B023 (ruff: `del saved` below; called in this iteration)
                 start = _total(tracker.get_tracker_snapshot("current"), device)
                 y = stage(inp)
                 end = _total(tracker.get_tracker_snapshot("current"), device)

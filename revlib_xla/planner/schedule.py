@@ -16,10 +16,11 @@ Operation kinds (rotor's names, then ours):
 ``RM`` read x_i back from host memory
 ====== =====================================================================================================
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Sequence, Tuple
+from collections.abc import Sequence
 
 from .chain import Chain
 
@@ -57,7 +58,7 @@ class Schedule:
     """A plan: the operations, their total time (``makespan``, in the chain's time unit) and the peak memory they
     need (``peak_memory``, in the chain's size unit, the chain input x_0 included)."""
 
-    ops: Tuple[Op, ...]
+    ops: tuple[Op, ...]
     makespan: float
     peak_memory: float
     chain: Chain = dataclasses.field(repr=False, compare=False)
@@ -65,9 +66,9 @@ class Schedule:
     def __str__(self) -> str:
         return " ".join(str(op) for op in self.ops)
 
-    def counts(self) -> Dict[str, int]:
+    def counts(self) -> dict[str, int]:
         """How many operations of each kind the plan runs."""
-        out: Dict[str, int] = {}
+        out: dict[str, int] = {}
         for op in self.ops:
             out[op.kind] = out.get(op.kind, 0) + 1
         return out
@@ -75,15 +76,21 @@ class Schedule:
     def describe(self) -> str:
         """A readable summary: time, peak, what each stage does in the forward phase, and the operations."""
         chain = self.chain
-        first: Dict[int, Op] = {}
+        first: dict[int, Op] = {}
         for op in self.ops:
             if op.kind in ("Fn", "CF", "Fe", "Fr") and op.index not in first:
                 first[op.index] = op
-        words = {"Fn": "recomputed", "CF": "checkpointed input, recomputed", "Fe": "kept for backward",
-                 "Fr": "reversible (input rebuilt)"}
+        words = {
+            "Fn": "recomputed",
+            "CF": "checkpointed input, recomputed",
+            "Fe": "kept for backward",
+            "Fr": "reversible (input rebuilt)",
+        }
         offloaded = {op.index for op in self.ops if op.kind == "WM"}
-        lines = [f"schedule: makespan {self.makespan:.6g}, peak memory {self.peak_memory:.6g}, "
-                 f"{len(self.ops)} operations ({', '.join(f'{k} {n}' for k, n in sorted(self.counts().items()))})"]
+        lines = [
+            f"schedule: makespan {self.makespan:.6g}, peak memory {self.peak_memory:.6g}, "
+            f"{len(self.ops)} operations ({', '.join(f'{k} {n}' for k, n in sorted(self.counts().items()))})"
+        ]
         for i in range(chain.length):
             op = first.get(i)
             word = words.get(op.kind, op.kind) if op else "?"
@@ -96,7 +103,7 @@ class Schedule:
         return "\n".join(lines)
 
 
-def simulate(chain: Chain, ops: Sequence[Op]) -> Tuple[float, float]:
+def simulate(chain: Chain, ops: Sequence[Op]) -> tuple[float, float]:
     """Run ``ops`` on the cost model: the total time and the peak memory (x_0 counted), or ScheduleError.
 
     The memory model is rotor's: x_i (size ``cw[i]``) is live from when it is computed until it is consumed
@@ -106,7 +113,7 @@ def simulate(chain: Chain, ops: Sequence[Op]) -> Tuple[float, float]:
     """
     n = chain.length
     cw = chain.cw + (0.0,)
-    live: Dict[Tuple[str, int], float] = {("x", 0): cw[0]}
+    live: dict[tuple[str, int], float] = {("x", 0): cw[0]}
     owned = {("x", 0)}  # the caller's input: never freed by the schedule
     held = set()  # x_{i+1} after Fr_i: kept until Br_i rebuilds x_i from it
     host = set()
@@ -116,14 +123,14 @@ def simulate(chain: Chain, ops: Sequence[Op]) -> Tuple[float, float]:
     live[("d", n + 1)] = 0.0
     loss_seen = False
 
-    def add(key: Tuple[str, int], size: float) -> None:
+    def add(key: tuple[str, int], size: float) -> None:
         nonlocal level
         if key in live:
             raise ScheduleError(f"{key[0]}_{key[1]} computed while already live")
         live[key] = size
         level += size
 
-    def drop(key: Tuple[str, int]) -> None:
+    def drop(key: tuple[str, int]) -> None:
         nonlocal level
         level -= live.pop(key)
 

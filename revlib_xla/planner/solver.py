@@ -18,10 +18,10 @@ chain case) or the caller's input x_0. So the program keeps two tables, for inpu
 Every candidate is evaluated for all ``i`` of one segment length and all ``m`` at once (tensor operations over
 ``[i, j, m]``), so 100 stages and 500 slots take about a second. Ties go to the leaf, then the chain, as in rotor.
 """
+
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -38,7 +38,7 @@ class InfeasibleBudget(ValueError):
     ``unit`` is set when the budget is at least that minimum but the plan's sizes, rounded up to multiples of
     ``unit`` (the budget over the finest number of slots tried), are not: a budget a little larger fits."""
 
-    def __init__(self, message: str, minimum: float, unit: Optional[float] = None) -> None:
+    def __init__(self, message: str, minimum: float, unit: float | None = None) -> None:
         super().__init__(message)
         self.minimum = minimum
         self.unit = unit
@@ -50,7 +50,7 @@ class _Arrays:
     def __init__(self, chain: Chain, unit: float, rounding) -> None:
         n = chain.length
         self.n = n
-        size = lambda v: rounding(v / unit)  # noqa: E731
+        size = lambda v: rounding(v / unit)
         self.cw = torch.tensor([size(v) for v in chain.cw] + [0], dtype=torch.float64)
         self.fw = torch.tensor(list(chain.fw) + [0.0], dtype=torch.float64)
         self.ftmp = torch.tensor([size(v) for v in chain.fwd_tmp] + [0], dtype=torch.float64)
@@ -62,8 +62,9 @@ class _Arrays:
         self.k = k
 
         def table(get, pad):
-            return torch.tensor([[get(o[c]) if c < len(o) else pad for c in range(k)] for o in opts],
-                                dtype=torch.float64)
+            return torch.tensor(
+                [[get(o[c]) if c < len(o) else pad for c in range(k)] for o in opts], dtype=torch.float64
+            )
 
         self.ofw = table(lambda o: o.fw, _INF)  # an absent option costs infinite time
         self.obw = table(lambda o: o.bw, 0.0)
@@ -84,21 +85,26 @@ class _Arrays:
         fmax = torch.tensor(fmax, dtype=torch.float64)
         self.fmax = fmax
         self.fmax_list = fmax.tolist()
-        self.lists = {name: getattr(self, name).tolist() for name in
-                      ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")}
+        self.lists = {
+            name: getattr(self, name).tolist()
+            for name in ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")
+        }
 
     # What an operation needs of segment [i, l]'s budget (x_i held outside it), for stage i's option c. The tables
     # compute the same for all i and m at once.
-    def fe_b_need(self, i: int, l: int, c: int) -> float:  # noqa: E741
+    def fe_b_need(self, i: int, l: int, c: int) -> float:
         """``Fe_i`` with the gradient of x_{l+1} held, then ``B_i`` (the base case when ``l == i``)."""
         cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
         return max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
 
-    def fr_br_need(self, i: int, l: int, c: int) -> float:  # noqa: E741
+    def fr_br_need(self, i: int, l: int, c: int) -> float:
         """``Fr_i`` with the gradient of x_{l+1} held, then ``Br_i`` (x_{i+1}, its gradient, the rebuilt x_i)."""
         cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
-        return max(2 * cw[i + 1] + oxb[i][c] + oft[i][c], 2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c],
-                   cw[l + 1] + cw[i + 1] + self.lists["ftmp"][i])
+        return max(
+            2 * cw[i + 1] + oxb[i][c] + oft[i][c],
+            2 * cw[i + 1] + cw[i] + oxb[i][c] + obt[i][c],
+            cw[l + 1] + cw[i + 1] + self.lists["ftmp"][i],
+        )
 
 
 def _shifted(values: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Tensor:
@@ -107,8 +113,13 @@ def _shifted(values: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Ten
     m = torch.arange(slots + 1, dtype=shift.dtype)
     idx = m - shift.unsqueeze(-1)
     # torch.broadcast_shapes would import sympy (seconds) on first use.
-    shape = tuple(max(p, q) for p, q in zip((1,) * (idx.dim() - values.dim()) + tuple(values.shape),
-                                            (1,) * (values.dim() - idx.dim()) + tuple(idx.shape)))
+    shape = tuple(
+        max(p, q)
+        for p, q in zip(
+            (1,) * (idx.dim() - values.dim()) + tuple(values.shape),
+            (1,) * (values.dim() - idx.dim()) + tuple(idx.shape),
+        )
+    )
     out = torch.gather(values.expand(shape), -1, idx.clamp(0, slots).long().expand(shape))
     return out.masked_fill_(((idx < 0) | (idx > slots)).expand(shape), _INF)
 
@@ -153,7 +164,7 @@ class _Tables:
         for d in range(1, n + 1):
             count = n + 1 - d
             i = torch.arange(count)
-            l = i + d  # noqa: E741
+            l = i + d
             j = i[:, None] + d - torch.arange(d)[None, :]  # j runs from l down to i + 1
             # Leaf at j: CF_i Fn.. then [j, l] with m - |x_j|, then [i, j-1] with m.
             later = shifted.as_strided((count, d, row), (row, n * row, 1), d * row)
@@ -163,9 +174,10 @@ class _Tables:
             base = (later + fwd).masked_fill_(unfit, _INF)
             best_free = (base + rfree.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
             # Chain: Fe_i (option c), [i+1, l] with m - |x̄_{i+1}|, B_i.
-            after = _shifted(self.kept[d - 1, 1:count + 1].unsqueeze(1), a.oxb[i].to(dtype), s)
-            need = torch.maximum(a.cw[l + 1, None] + a.oxb[i] + a.oft[i],
-                                 a.cw[i, None] + a.cw[i + 1, None] + a.oxb[i] + a.obt[i])
+            after = _shifted(self.kept[d - 1, 1 : count + 1].unsqueeze(1), a.oxb[i].to(dtype), s)
+            need = torch.maximum(
+                a.cw[l + 1, None] + a.oxb[i] + a.oft[i], a.cw[i, None] + a.cw[i + 1, None] + a.oxb[i] + a.obt[i]
+            )
             chain_vals = after + (a.ofw[i] + a.obw[i]).to(dtype).unsqueeze(-1)
             chain_best = chain_vals.masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
             best_free = torch.minimum(best_free, chain_best)
@@ -174,9 +186,11 @@ class _Tables:
                 leaf_kept = (base + rkept.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
                 best_kept = torch.minimum(leaf_kept, chain_best)
                 # Reversible: Fr_i, [i+1, l] with m + |x_i| - |x_{i+1}|, Br_i (option c).
-                sub = _shifted(self.free[d - 1, 1:count + 1], (a.cw[i + 1] - a.cw[i]).to(dtype), s).unsqueeze(1)
-                need = torch.maximum(2 * a.cw[i + 1, None] + a.oxb[i] + a.oft[i],
-                                     2 * a.cw[i + 1, None] + a.cw[i, None] + a.oxb[i] + a.obt[i])
+                sub = _shifted(self.free[d - 1, 1 : count + 1], (a.cw[i + 1] - a.cw[i]).to(dtype), s).unsqueeze(1)
+                need = torch.maximum(
+                    2 * a.cw[i + 1, None] + a.oxb[i] + a.oft[i],
+                    2 * a.cw[i + 1, None] + a.cw[i, None] + a.oxb[i] + a.obt[i],
+                )
                 need = torch.maximum(need, (a.cw[l + 1] + a.cw[i + 1] + a.ftmp[i])[:, None])
                 cost = ((a.fw[i] + a.inv[i])[:, None] + a.ofw[i] + a.obw[i]).to(dtype)
                 cost = torch.where(a.rev[i, None], cost, torch.full_like(cost, _INF))
@@ -191,13 +205,13 @@ class _Tables:
                     best_free = torch.minimum(best_free, moved.amin(dim=1))
             store(d, best_free, best_kept)
 
-    def value(self, free: bool, i: int, l: int, m: int) -> float:  # noqa: E741
+    def value(self, free: bool, i: int, l: int, m: int) -> float:
         if m < 0 or m >= self.free.shape[-1]:
             return _INF
         return float((self.free if free else self.kept)[l - i, i, m])
 
 
-def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noqa: E741
+def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
     """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
     in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
@@ -205,43 +219,65 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):  # noq
     if i == l:
         for c in range(a.k):
             if m >= a.fe_b_need(i, i, c):
-                yield ofw[i][c] + obw[i][c], (lambda c=c: [("op", Op("L", a.n))] if i == a.n else
-                                          [("op", Op("Fe", i, c)), ("op", Op("B", i, c))])
+                yield (
+                    ofw[i][c] + obw[i][c],
+                    (
+                        lambda c=c: (
+                            [("op", Op("L", a.n))] if i == a.n else [("op", Op("Fe", i, c)), ("op", Op("B", i, c))]
+                        )
+                    ),
+                )
         return
+
     def forward(j: int) -> list:
         return [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
 
     for j in range(i + 1, l + 1):
         if m >= cw[l + 1] + fmax[i][j]:
-            yield (prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
-                   lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)])
+            yield (
+                prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
+                lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)],
+            )
     for c in range(a.k):
         if m >= a.fe_b_need(i, l, c):
             sub = m - int(oxb[i][c])
-            yield (ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
-                   lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))])
+            yield (
+                ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
+                lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))],
+            )
     if not free:
         return
     if a.lists["rev"][i]:
         sub = m + int(cw[i]) - int(cw[i + 1])
         for c in range(a.k):
             if m >= a.fr_br_need(i, l, c):
-                yield (fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
-                       lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))])
+                yield (
+                    fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
+                    lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))],
+                )
     off = a.lists["off"][i]
     if math.isfinite(off):
         for j in range(i + 1, l + 1):
             if m >= cw[l + 1] + fmax[i][j]:
                 sub = m + int(cw[i]) - int(cw[j])
-                yield (prefix[j] - prefix[i] + 2 * off + t.value(True, j, l, sub) + t.value(True, i, j - 1, m),
-                       lambda j=j, sub=sub: forward(j) + [("op", Op("WM", i)), ("seg", True, j, l, sub),
-                                                          ("op", Op("RM", i)), ("seg", True, i, j - 1, m)])
+                yield (
+                    prefix[j] - prefix[i] + 2 * off + t.value(True, j, l, sub) + t.value(True, i, j - 1, m),
+                    lambda j=j, sub=sub: (
+                        forward(j)
+                        + [
+                            ("op", Op("WM", i)),
+                            ("seg", True, j, l, sub),
+                            ("op", Op("RM", i)),
+                            ("seg", True, i, j - 1, m),
+                        ]
+                    ),
+                )
 
 
-def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
-    ops: List[Op] = []
+def _rebuild(t: _Tables, a: _Arrays, top: int) -> list[Op]:
+    ops: list[Op] = []
     # An explicit stack instead of recursion: deep chains would exceed Python's recursion limit.
-    stack: List[Tuple] = [("seg", False, 0, a.n, top)]
+    stack: list[tuple] = [("seg", False, 0, a.n, top)]
     while stack:
         item = stack.pop()
         if item[0] == "op":
@@ -251,8 +287,14 @@ def _rebuild(t: _Tables, a: _Arrays, top: int) -> List[Op]:
         target = t.value(free, i, l, m)
         # The table was computed in its own precision and order of additions: accept the first choice within it.
         slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
-        steps = next((steps for value, steps in _choices(t, a, free, i, l, m)
-                      if value <= target + slack * max(1.0, abs(target))), None)
+        steps = next(
+            (
+                steps
+                for value, steps in _choices(t, a, free, i, l, m)
+                if value <= target + slack * max(1.0, abs(target))
+            ),
+            None,
+        )
         if steps is None:
             raise AssertionError(f"planner: no choice reaches the table's value for [{i}, {l}] at {m} slots")
         stack.extend(reversed(steps()))
@@ -280,7 +322,7 @@ def _least(a: _Arrays) -> float:
         free[i][i] = kept[i][i] = min(a.fe_b_need(i, i, c) for c in opts[i])
     for d in range(1, n + 1):
         for i in range(0, n + 1 - d):
-            l = i + d  # noqa: E741
+            l = i + d
             chain_need = min(max(a.fe_b_need(i, l, c), kept[i + 1][l] + oxb[i][c]) for c in opts[i])
             leaf_free = leaf_kept = _INF
             for j in range(i + 1, l + 1):
@@ -288,8 +330,9 @@ def _least(a: _Arrays) -> float:
                 leaf_free = min(leaf_free, max(head, free[i][j - 1]))
                 leaf_kept = min(leaf_kept, max(head, kept[i][j - 1]))
                 if math.isfinite(off[i]):
-                    leaf_free = min(leaf_free, max(cw[l + 1] + fmax[i][j], free[j][l] + cw[j] - cw[i],
-                                                   free[i][j - 1], 0.0))
+                    leaf_free = min(
+                        leaf_free, max(cw[l + 1] + fmax[i][j], free[j][l] + cw[j] - cw[i], free[i][j - 1], 0.0)
+                    )
             best_free = min(chain_need, leaf_free)
             if rev[i]:
                 need = min(a.fr_br_need(i, l, c) for c in opts[i])
@@ -299,7 +342,7 @@ def _least(a: _Arrays) -> float:
     return max(kept[0][n], 0.0) + cw[0]
 
 
-def _plain_ops(chain: Chain) -> List[Op]:
+def _plain_ops(chain: Chain) -> list[Op]:
     n = chain.length
     return [Op("Fe", i) for i in range(n)] + [Op("L", n)] + [Op("B", i) for i in reversed(range(n))]
 
@@ -314,8 +357,7 @@ def _plain_is_fastest(chain: Chain) -> bool:
     """Whether no schedule is faster than the plain one: every schedule runs each stage's backward once with one of
     its options (``B``, or ``Br`` which adds an inverse), after a forward with autograd of that option, so when the
     plain option is the cheapest of each stage, the plain schedule's time is a lower bound."""
-    return all(chain.fw[i] + chain.bw[i] <= opt.fw + opt.bw for i in range(chain.length)
-               for opt in chain.options[i])
+    return all(chain.fw[i] + chain.bw[i] <= opt.fw + opt.bw for i in range(chain.length) for opt in chain.options[i])
 
 
 #: The largest table the solver builds when it refines the resolution: (stages + 1)**2 * (slots + 1) entries.
@@ -340,8 +382,10 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
     for i, opts in enumerate(chain.options):
         for opt in opts:
             if opt.cbw < chain.cw[i + 1]:
-                raise ValueError(f"solve: option {opt.name!r} of stage {i} keeps {opt.cbw} < cw[{i + 1}] = "
-                                 f"{chain.cw[i + 1]}: what a stage keeps alive with autograd includes its output")
+                raise ValueError(
+                    f"solve: option {opt.name!r} of stage {i} keeps {opt.cbw} < cw[{i + 1}] = "
+                    f"{chain.cw[i + 1]}: what a stage keeps alive with autograd includes its output"
+                )
     plain = _plain_ops(chain)
     plain_time, plain_peak = simulate(chain, plain)
     if mem_limit >= plain_peak and _plain_is_fastest(chain):
@@ -354,7 +398,9 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
         if mem_limit < minimum:
             raise InfeasibleBudget(
                 f"no schedule of this {chain.length}-stage chain fits in {mem_limit:.6g}: the smallest budget any "
-                f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit", minimum)
+                f"schedule fits in is {minimum:.6g} (x_0 included); pass a larger mem_limit",
+                minimum,
+            )
         # The budget holds a plan, but not once every size is rounded up to mem_limit/mem_slots: sizes in whole
         # multiples of one grid (bytes are) fit exactly on it, if the table is not too large; else refine.
         finest = max(mem_slots, _MAX_TABLE // (chain.length + 1) ** 2)
@@ -372,13 +418,16 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
                 f"the smallest budget of this {chain.length}-stage chain is {minimum:.6g} (x_0 included) and "
                 f"mem_limit is {mem_limit:.6g}, but the planner rounds every size up to a multiple of "
                 f"mem_limit/slots ({unit:.6g} at {slots} slots, the finest it tries for this chain), and rounded "
-                f"up the plan no longer fits: pass a mem_limit a little larger", minimum, unit)
+                f"up the plan no longer fits: pass a mem_limit a little larger",
+                minimum,
+                unit,
+            )
     ops = _rebuild(tables, a, top)
     time, peak = simulate(chain, ops)
     return Schedule(tuple(ops), time, peak, chain)
 
 
-def _grid(chain: Chain) -> Optional[int]:
+def _grid(chain: Chain) -> int | None:
     """The largest size every size of the chain is a whole multiple of, if they are all whole numbers."""
     sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *chain.bwd_tmp]
     sizes += [v for opts in chain.options for o in opts for v in (o.cbw, o.fwd_tmp, o.bwd_tmp)]
@@ -391,7 +440,7 @@ def _round_up(value: float) -> float:
     return float(math.ceil(value - 1e-9))
 
 
-def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> Tuple[Optional[_Tables], _Arrays, int]:
+def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> tuple[_Tables | None, _Arrays, int]:
     """The DP tables for ``slots`` slots of ``unit`` each (sizes rounded up to whole slots), or None when no
     schedule fits at that resolution."""
     a = _Arrays(chain, unit, _round_up)
