@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .. import backend
+from .._tree import detached, tensor_leaves
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
 
 __all__ = [
@@ -78,21 +79,6 @@ def _flops(fn: Callable[[], Any]) -> float:
     return float(counter.get_total_flops())
 
 
-def tensor_leaves(x: Any) -> list[torch.Tensor]:
-    """The tensors in ``x``: a tensor, or containers ``torch.utils._pytree`` walks (tuples, lists, dicts, named
-    tuples, ordered dicts and registered classes), nested, in pytree order. A container pytree does not know (a
-    subclass of list or dict) that holds tensors is refused: its tensors would be missed."""
-    leaves = pytree.tree_leaves(x)
-    for leaf in leaves:
-        if not isinstance(leaf, torch.Tensor) and next(iter(backend.tensors_in(leaf)), None) is not None:
-            raise TypeError(
-                f"a stage's input or output holds tensors inside a {type(leaf).__name__}, which "
-                f"torch.utils._pytree does not walk: use a tuple, list or dict, or register the class "
-                f"with torch.utils._pytree.register_pytree_node"
-            )
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-
-
 def grad_leaves(x: Any, needs: Sequence[bool] | None = None) -> Any:
     """``x`` with every floating tensor detached and requiring grad (the input of a stage run with autograd); with
     ``needs`` (one flag per tensor, in :func:`tensor_leaves` order), requiring grad where it says."""
@@ -108,11 +94,6 @@ def grad_leaves(x: Any, needs: Sequence[bool] | None = None) -> Any:
 def value_bytes(x: Any) -> int:
     """Bytes of the tensors in ``x`` (:func:`tensor_leaves`), each storage once."""
     return tensor_bytes(tensor_leaves(x))
-
-
-def detached(x: Any) -> Any:
-    """``x`` with every tensor detached."""
-    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, x)
 
 
 def differentiable(x: Any) -> list[torch.Tensor]:
