@@ -53,6 +53,8 @@ def test_triton_kernels_equal_the_reference_bit_for_bit():
         timeout=600,
         cwd=ROOT,
     )
+    if done.returncode == 3:  # triton_interpret_check.UNTRUSTWORTHY
+        pytest.skip(f"cannot check the Triton kernels here: {done.stdout.strip()} (triton 3.1 needs numpy < 2)")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("bit-exact") == 4 * 3 * 3
 
