@@ -8,6 +8,8 @@ backward + zeroing the gradients) and the peak memory of the step for:
 * ``checkpoint``  - the same model with every reversible layer wrapped in ``torch.utils.checkpoint``
   (``use_reentrant=False``; on XLA ``torch_xla.utils.checkpoint``);
 * ``revlib_xla``  - revlib_xla's reversible mode (its default, ``MemoryModes.autograd_function``);
+* ``baseline``    - with ``--baseline DIR``: revlib_xla's reversible mode imported from another checkout (e.g. a git
+  worktree of an earlier commit), to show a change costs no time and no memory, measured in the same run;
 * ``revlib``      - the real ``revlib==1.7.2`` from PyPI (its default, ``autograd_function``), installed into a
   throwaway directory (``.cache/bench/revlib-1.7.2``) and imported only by its own worker process.
 
@@ -16,7 +18,8 @@ same Python and torch), so the two libraries never share a process and memory me
 Timings are interleaved round-robin across the workers to spread machine drift evenly. Results go to
 ``bench/results/reversible_vs_peers-<device>.json`` and ``.md``. See ``bench/README.md``.
 
-Usage: ``python bench/reversible_vs_peers.py [--quick] [--device auto|cpu|xla|cuda[,..]] [--out-dir DIR]``.
+Usage: ``python bench/reversible_vs_peers.py [--quick] [--device auto|cpu|xla|cuda[,..]] [--out-dir DIR]
+[--baseline DIR]``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ REVLIB_VERSION = "1.7.2"
 DEFAULT_REVLIB_DIR = ROOT / ".cache" / "bench" / f"revlib-{REVLIB_VERSION}"
 DEFAULT_OUT_DIR = ROOT / "bench" / "results"
 
-VARIANTS = ("no_savings", "checkpoint", "revlib_xla", "revlib")
+VARIANTS = ("no_savings", "checkpoint", "revlib_xla", "baseline", "revlib")
+REVERSIBLE_VARIANTS = ("revlib_xla", "baseline", "revlib")
+BASELINE_TIME_TOLERANCE = 1.03  # a change to the reversible core may cost at most 3 % of a step
 
 # Sizes: a step of the full configuration takes ~50-200 ms per variant on one CPU thread (compute-bound enough that
 # per-op Python overhead is a minor part), and the whole run stays under ~8 minutes on a 2-core machine. 41 repeats:
@@ -267,6 +272,13 @@ def _import_lib(name: str, revlib_dir: str):
         if where not in Path(lib.__file__).resolve().parents:
             raise RuntimeError(f"imported revlib from {lib.__file__}, expected it under {where}")
         return lib, REVLIB_VERSION
+    if name == "baseline":
+        import revlib_xla as lib  # from the baseline checkout, first on PYTHONPATH
+
+        where = Path(os.environ["REVLIB_XLA_BASELINE"]).resolve()
+        if where not in Path(lib.__file__).resolve().parents:
+            raise RuntimeError(f"imported revlib_xla from {lib.__file__}, expected the baseline under {where}")
+        return lib, f"{lib.__version__} ({where.name})"
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     import revlib_xla as lib
@@ -286,7 +298,7 @@ class _Runner:
         states = torch.load(spec["weights"])
         for block, state in zip(blocks, states):
             block.load_state_dict(state)
-        mode = lib.MemoryModes.autograd_function if variant in ("revlib_xla", "revlib") else lib.MemoryModes.no_savings
+        mode = lib.MemoryModes.autograd_function if variant in REVERSIBLE_VARIANTS else lib.MemoryModes.no_savings
         model = lib.ReversibleSequential(*blocks, split_dim=-1, memory_mode=mode)
         expected = "0-1.wrapped_module.wrapped_module."
         if not any(k.startswith(expected) for k in model.state_dict()):
@@ -732,7 +744,7 @@ def run_group(
     base_env.pop("PYTHONPATH", None)
     libs: dict[str, list[str]] = {}
     for variant in variants:
-        libs.setdefault("revlib" if variant == "revlib" else "revlib_xla", []).append(variant)
+        libs.setdefault(variant if variant in ("revlib", "baseline") else "revlib_xla", []).append(variant)
     workers: dict[str, Any] = {}
     rows: dict[str, dict[str, Any]] = {}
     errors: dict[str, str] = {}
@@ -753,6 +765,8 @@ def run_group(
             env = dict(base_env)
             if lib == "revlib":
                 env["PYTHONPATH"] = revlib_info["dir"]
+            if lib == "baseline":
+                env["PYTHONPATH"] = env["REVLIB_XLA_BASELINE"] = str(Path(args.baseline).resolve())
             worker = WorkerProcess(spec, env, workdir / f"{device}-{model_name}-{lib}.log")
         for variant in lib_variants:
             workers[variant] = worker
@@ -856,7 +870,7 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
         mem_key = "peak_bytes"
         for row in rows.values():
             ratios = {}
-            for ref_name in ("revlib", "no_savings"):
+            for ref_name in ("revlib", "no_savings", "baseline"):
                 ref = rows.get(ref_name)
                 if not ref:
                     continue
@@ -946,6 +960,27 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
                     "where": where,
                     "status": "met" if a <= TARGET_TIME_VS_NO_SAVINGS_CPU * b else "not met",
                     "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x)",
+                }
+            )
+        base = rows.get("baseline")
+        if base and "time" in base and "time" in ours:
+            a, b = ours["time"]["median_ms"], base["time"]["median_ms"]
+            verdicts.append(
+                {
+                    "target": f"time <= {BASELINE_TIME_TOLERANCE}x baseline",
+                    "where": where,
+                    "status": "met" if a <= BASELINE_TIME_TOLERANCE * b else "not met",
+                    "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x)",
+                }
+            )
+        if base and ours.get("peak_bytes") is not None and base.get("peak_bytes") is not None:
+            a, b = ours["peak_bytes"], base["peak_bytes"]
+            verdicts.append(
+                {
+                    "target": "memory == baseline (bytes)",
+                    "where": where,
+                    "status": "met" if a == b else "not met",
+                    "detail": f"{a} vs {b} bytes",
                 }
             )
         ge = ours.get("grad_error", {}).get("max_rel_err")
@@ -1061,6 +1096,7 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         "Variants: `no_savings` = revlib_xla `MemoryModes.no_savings` (plain autograd, the reference); "
         "`checkpoint` = the same model with `torch.utils.checkpoint(use_reentrant=False)` per reversible "
         "layer (XLA: `torch_xla.utils.checkpoint`); `revlib_xla` = revlib_xla's default reversible mode; "
+        "`baseline` (with `--baseline DIR`) = the same mode from another checkout of revlib_xla; "
         "`revlib` = revlib 1.7.2 from PyPI, default `autograd_function`, in its own process. All variants run "
         "in separate worker processes with identical weights and input.",
         "",
@@ -1088,6 +1124,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-install", action="store_true", help="never install revlib; skip it if not cached")
     parser.add_argument("--no-revlib", action="store_true", help="skip the revlib rows")
+    parser.add_argument(
+        "--baseline",
+        help="a checkout of revlib_xla (e.g. a git worktree of an earlier commit) measured as the 'baseline' variant",
+    )
     parser.add_argument("--tpu", default="v5e", choices=("v5e", "v6e"), help="TPU generation for XLA memory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -1122,7 +1162,11 @@ def main(argv: list[str] | None = None) -> int:
         revlib_info = ensure_revlib(Path(args.revlib_dir), install=not args.no_install)
     if revlib_info.get("available"):
         revlib_info["version"] = REVLIB_VERSION
-    variants = [v for v in VARIANTS if v != "revlib" or revlib_info.get("available")]
+    variants = [
+        v
+        for v in VARIANTS
+        if (v != "revlib" or revlib_info.get("available")) and (v != "baseline" or args.baseline is not None)
+    ]
 
     workdir = Path(tempfile.mkdtemp(prefix="revbench-"))
     files: dict[str, dict[str, str]] = {}
