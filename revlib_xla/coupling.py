@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _tree
+
 Tensor = torch.Tensor
 TENSOR_OR_LIST = list[Tensor] | Tensor
 COUPLING = Callable[[Tensor, TENSOR_OR_LIST], TENSOR_OR_LIST]
@@ -50,12 +52,8 @@ class CouplingPair(NamedTuple):
 
 
 def optional_detach(inp: Any) -> Any:
-    """Detach tensors (nested in lists/tuples too), leave everything else alone."""
-    if isinstance(inp, torch.Tensor):
-        return inp.detach()
-    if isinstance(inp, (list, tuple)):
-        return type(inp)(optional_detach(x) for x in inp)
-    return inp
+    """``inp`` with every tensor detached, also inside (nested) tuples, lists and dicts; everything else is kept."""
+    return _tree.detached(inp)
 
 
 def first_tensor(value: TENSOR_OR_LIST) -> Tensor:

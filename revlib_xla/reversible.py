@@ -40,9 +40,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from . import backend
+from . import _tree, backend
 from .coupling import (
     COUPLING,
     CouplingPair,
@@ -302,7 +301,7 @@ def _refuse_kv_caches(args: Sequence[Any], kwargs: dict[str, Any], layerwise: LA
     named += [(f"keyword argument '{k}'", v) for k, v in kwargs.items()]
     named += [(f"layerwise_args_kwargs[{i}]", entry) for i, entry in enumerate(layerwise or ())]
     for where, value in named:
-        cache = next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, cache_type)), None)
+        cache = next((leaf for leaf in _tree.tree_leaves(value) if isinstance(leaf, cache_type)), None)
         if cache is not None:
             raise ReversibleError(
                 f"ReversibleSequential: {where} is a transformers {type(cache).__name__} (use_cache=True, the default "
@@ -340,38 +339,10 @@ class _Slot:
     index: int
 
 
-def _replace_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _replace_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def _fill_slots(obj: Any, tensors: Sequence[Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_fill_slots(o, tensors) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_slots(o, tensors) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _fill_slots(v, tensors) for k, v in obj.items()}
-    return obj
-
-
-def _slots_in(obj: Any) -> list[int]:
-    if isinstance(obj, _Slot):
-        return [obj.index]
-    if isinstance(obj, (list, tuple)):
-        return [i for o in obj for i in _slots_in(o)]
-    if isinstance(obj, dict):
-        return [i for o in obj.values() for i in _slots_in(o)]
-    return []
+def _filled(flat: tuple[list[Any], Any], tensors: Sequence[Tensor] | dict[int, Tensor]) -> Any:
+    """A value flattened by :func:`_tree.tree_flatten` with its :class:`_Slot` leaves replaced by ``tensors``."""
+    leaves, spec = flat
+    return _tree.tree_unflatten([tensors[x.index] if isinstance(x, _Slot) else x for x in leaves], spec)
 
 
 @dataclasses.dataclass
@@ -408,6 +379,8 @@ class _Plan:
     # each layer's changed buffers had before its forward.
     generators: dict = dataclasses.field(init=False, default_factory=dict)
     saved_buffers: list[SavedBuffers | None] = dataclasses.field(init=False)
+    flat_args: list[tuple[list[Any], Any] | None] = dataclasses.field(init=False)  # per layer with tensor arguments:
+    # its (args, kwargs) flattened once, for args_for to fill in
 
     def __post_init__(self) -> None:
         self.wrappers = [layer.wrapped_module for layer in self.layers]
@@ -418,12 +391,15 @@ class _Plan:
         self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
         self.saved_buffers = [None] * len(self.layers)
+        self.flat_args = [
+            _tree.tree_flatten(a) if slots else None for a, slots in zip(self.layer_args, self.layer_arg_slots)
+        ]
 
     def args_for(self, i: int, arg_tensors: Sequence[Tensor] | dict[int, Tensor]):
         args, kwargs = self.layer_args[i]
         if not self.layer_arg_slots[i]:  # no tensors inside: nothing to fill in (the common case, and per layer)
             return args, kwargs
-        return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
+        return _filled(self.flat_args[i], arg_tensors)
 
     def seed_of(self, i: int) -> int | None:
         return self.seeds[i]
@@ -974,7 +950,7 @@ class ReversibleSequential(nn.Sequential):
             )
         self.fused_optimizer_factory = fused_optimizer
         self._own_fused: FusedOptimizer | None = None
-        self._attached_fused_optimizer: FusedOptimizer | None = None  # set by revlib_xla.fuse_optimizer
+        self._attached_fused_optimizer: FusedOptimizer | None = None  # see attach_fused_optimizer
         self._streamer: tuple[tuple[int, ...], ParameterStreamer] | None = None  # (tensor ids, streamer)
 
     # -- streams --------------------------------------------------------------------------------------------------
@@ -1048,8 +1024,8 @@ class ReversibleSequential(nn.Sequential):
                 arg_tensors.append(t)
             return _Slot(seen[id(t)])
 
-        shared_args = _replace_tensors(tuple(args), slot)
-        shared_kwargs = _replace_tensors(dict(kwargs), slot)
+        shared_args = _tree.map_tensors(slot, tuple(args))
+        shared_kwargs = _tree.map_tensors(slot, dict(kwargs))
         layer_args = []
         for i in range(len(layers)):
             if layerwise_args_kwargs is None:
@@ -1061,8 +1037,8 @@ class ReversibleSequential(nn.Sequential):
                     f"ReversibleSequential: layerwise_args_kwargs[{i}] must be an (args, kwargs) "
                     f"pair with kwargs a dict, got {entry!r}"
                 )
-            own_args = _replace_tensors(tuple(entry[0]), slot)
-            own_kwargs = _replace_tensors(dict(entry[1]), slot)
+            own_args = _tree.map_tensors(slot, tuple(entry[0]))
+            own_kwargs = _tree.map_tensors(slot, dict(entry[1]))
             layer_args.append((shared_args + own_args, {**shared_kwargs, **own_kwargs}))
 
         params: list[nn.Parameter] = []
@@ -1098,7 +1074,7 @@ class ReversibleSequential(nn.Sequential):
             layers,
             names,
             layer_args,
-            [sorted(set(_slots_in(a))) for a in layer_args],
+            [sorted({x.index for x in _tree.tree_leaves(a) if isinstance(x, _Slot)}) for a in layer_args],
             params,
             layer_params,
             layer_buffers,
@@ -1173,6 +1149,16 @@ class ReversibleSequential(nn.Sequential):
         """With ``target_device``: the :class:`ParameterStreamer` of the last call (its ``max_resident`` and
         ``transfers`` say how many layers were on the device at once and how many were copied), else ``None``."""
         return None if self._streamer is None else self._streamer[1]
+
+    def attach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Step ``optimizer``, fused into a model containing this sequence by :func:`revlib_xla.fuse_optimizer`
+        (part of :class:`revlib_xla.fused_optimizer.StepsInBackward`)."""
+        self._attached_fused_optimizer = optimizer
+
+    def detach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Forget ``optimizer`` if it is the attached one (its fusion was removed)."""
+        if self._attached_fused_optimizer is optimizer:
+            self._attached_fused_optimizer = None
 
     @property
     def fused_optimizer(self) -> FusedOptimizer | None:
