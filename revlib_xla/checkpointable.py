@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import backend
-from .grad_destination import GradDestination, grad_destination
+from ._grad_destination import GradDestination, grad_destination
 from .memory import parse_bytes
 from .planner import Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate, solve
 from .planner.chain import StageOption
@@ -327,7 +327,7 @@ class _Run:
         return self._input(len(self.stages))
 
     def route(self, params: Sequence[torch.Tensor]) -> None:
-        """Where the running backward sends each parameter's gradient (:func:`~revlib_xla.grad_destination`). A
+        """Where the running backward sends each parameter's gradient (:func:`~revlib_xla._grad_destination.grad_destination`). A
         ``backward()`` accumulates every one into ``.grad``: the stages' backwards accumulate into every leaf they
         reach, as autograd does. ``backward(inputs=...)`` accumulates some and leaves the rest alone.
         ``torch.autograd.grad`` captures the ones it asks for: they are summed over the stages and returned."""

@@ -13,7 +13,7 @@ Design (what differs from RevLib and why):
 * A node per layer lets autograd accumulate each layer's parameter gradients through the parameters' own
   ``AccumulateGrad`` as soon as that layer is done (hooks, DDP and micro-batched accumulation see ordinary
   parameters, and only one layer's gradients are in flight); the engine says which gradients a backward uses
-  (:mod:`revlib_xla.grad_destination`), so an input-gradient-only request computes no weight gradient and a fused
+  (:mod:`revlib_xla._grad_destination`), so an input-gradient-only request computes no weight gradient and a fused
   optimizer steps only in a training backward.
 * Before each layer's recomputation the backward places an optimization barrier over what it reads, so XLA cannot
   merge the recomputation with the forward (which would keep the forward's activations alive).
@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import _tree, backend
+from ._grad_destination import GradDestination, node_destination
 from .coupling import (
     COUPLING,
     CouplingPair,
@@ -54,7 +55,6 @@ from .coupling import (
     pick,
 )
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
-from .grad_destination import GradDestination, node_destination
 from .offload import ParameterStreamer, offload_tensor
 from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 
