@@ -327,7 +327,7 @@ class _Run:
         return self._input(len(self.stages))
 
     def route(self, params: Sequence[torch.Tensor]) -> None:
-        """Where the running backward sends each parameter's gradient (:func:`~revlib_xla._grad_destination.grad_destination`). A
+        """Where the running backward sends each parameter's gradient (:func:`~revlib_xla.grad_destination`). A
         ``backward()`` accumulates every one into ``.grad``: the stages' backwards accumulate into every leaf they
         reach, as autograd does. ``backward(inputs=...)`` accumulates some and leaves the rest alone.
         ``torch.autograd.grad`` captures the ones it asks for: they are summed over the stages and returned."""
