@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -56,13 +56,13 @@ def optional_detach(inp: Any) -> Any:
     return _tree.detached(inp)
 
 
-def first_tensor(value: TENSOR_OR_LIST) -> Tensor:
+def first_tensor(value: Tensor | Sequence[Any]) -> Tensor:
     """Element 0 of a list/tuple result, or the tensor itself."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("a block or coupling returned an empty list/tuple; expected a tensor first")
         return value[0]
-    return value
+    return cast(Tensor, value)  # callers check what a block returned (it may be anything)
 
 
 def _combine(fn_out: TENSOR_OR_LIST, merge: Callable[[Tensor], Tensor]) -> TENSOR_OR_LIST:
@@ -195,7 +195,7 @@ def affine_coupling(dim: int = 1, scale_offset: float = 2.0, eps: float = 1e-3) 
     return CouplingPair(AffineForward(dim, scale_offset, eps), AffineInverse(dim, scale_offset, eps))
 
 
-def pick(couplings: COUPLING | Sequence | None, index: int) -> COUPLING:
+def pick(couplings: COUPLING | Sequence[COUPLING | None] | None, index: int) -> COUPLING | None:
     """RevLib's rule: a list of couplings is cycled per layer; ``None`` (or a ``None`` entry) means additive."""
     if couplings is None:
         return None

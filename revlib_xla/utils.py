@@ -102,7 +102,7 @@ def residual_to_plain(*modules: nn.Module) -> list[ResidualToPlain]:
 
 def maybe_residual_to_plain(modules: Iterable[nn.Module], residual: bool = False) -> list[nn.Module]:
     modules = list(modules)
-    return residual_to_plain(*modules) if residual else modules
+    return [*residual_to_plain(*modules)] if residual else modules
 
 
 def _check_beta(beta: float) -> None:
