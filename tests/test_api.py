@@ -52,3 +52,36 @@ def test_unknown_attribute_is_an_attribute_error():
     assert not hasattr(revlib_xla, "no_such_name")
     with pytest.raises(AttributeError, match="has no attribute 'recompute_engine'"):
         revlib_xla.recompute_engine  # noqa: B018
+
+
+def test_fuse_optimizer_reaches_modules_through_the_steps_in_backward_protocol():
+    """fuse_optimizer attaches its optimizer to every module implementing StepsInBackward (a ReversibleSequential
+    or any other), detaches it on remove(), and refuses a module built with an optimizer of its own."""
+    import torch
+    from torch import nn
+
+    from revlib_xla.fused_optimizer import StepsInBackward
+
+    class Host(nn.Linear):
+        fused_optimizer_factory = None
+
+        def __init__(self):
+            super().__init__(2, 2)
+            self.calls = []
+
+        def attach_fused_optimizer(self, optimizer):
+            self.calls.append(("attach", optimizer))
+
+        def detach_fused_optimizer(self, optimizer):
+            self.calls.append(("detach", optimizer))
+
+    host, rev = Host(), revlib_xla.ReversibleSequential(nn.Linear(2, 2))
+    assert isinstance(host, StepsInBackward) and isinstance(rev, StepsInBackward)
+    assert not isinstance(nn.Linear(2, 2), StepsInBackward)
+    fused = revlib_xla.fuse_optimizer(nn.Sequential(host, rev), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert host.calls == [("attach", fused)] and rev.fused_optimizer is fused
+    fused.remove()
+    assert host.calls == [("attach", fused), ("detach", fused)] and rev.fused_optimizer is None
+    own = revlib_xla.ReversibleSequential(nn.Linear(2, 2), fused_optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises(revlib_xla.FusedOptimizerError, match="already built with fused_optimizer"):
+        revlib_xla.fuse_optimizer(nn.Sequential(own), lambda p: torch.optim.SGD(p, lr=0.1))
