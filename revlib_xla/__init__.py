@@ -1,11 +1,47 @@
 """revlib_xla: train PyTorch models that do not fit in accelerator memory, on TPU (torch_xla), GPU and CPU.
 
-``import revlib_xla as revlib`` runs code written for RevLib 1.7: the same names, signatures and defaults, with
-RevLib's defects fixed (see README). ``revlib_xla.utils`` must be imported explicitly, as in RevLib.
+The public API is what ``__all__`` lists, by area (each name's own docstring says the rest):
+
+Reversible networks (activation memory that does not grow with depth):
+    ``ReversibleSequential``, ``ReversibleModule``, ``MemoryModes``, ``ReversibleError``; ``check_invertible`` and
+    ``InvertibilityReport`` measure how exactly the backward rebuilds each layer's input.
+Couplings (how a block's output is merged into the other stream, and undone):
+    ``additive_coupling_forward``, ``additive_coupling_inverse``, ``momentum_coupling``, ``affine_coupling``,
+    ``CouplingPair``.
+Planned checkpointing (rotor's optimal schedules, with reversible stages and offload in the plan):
+    ``Checkpointable``, ``atomic``, ``flatten_sequential``; the ``planner`` module (chain, solver, schedules).
+Parameters off the device, and the optimizer inside the backward:
+    ``offload_tensor``, ``ParameterStreamer``, ``OffloadModel``, ``OffloadModelError``; ``fuse_optimizer``,
+    ``fused_optimizer_of``, ``FusedOptimizer``, ``FusedOptimizerError``.
+Smaller saved activations:
+    ``memory_efficient_intermediates``; the ``fewbit`` module (few-bit activations, ``RandomizedLinear``).
+Measuring memory:
+    the ``memory`` module (``memory.eager_peak``, ``memory.saved_bytes``, ``memory.tpu_memory``, ...).
+Reference models:
+    the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+
+Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
+on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
+``recompute``, ``compile_cache``, ``hlo_liveness``, ``tpu_compile``, ``demo``), are internal.
+
+Compatibility (thin facades over the API above; the names are the same objects):
+    RevLib 1.7: ``import revlib_xla as revlib`` runs RevLib code, with RevLib's defects fixed (see README). Its
+    top-level names are here: besides the above, the aliases ``DUAL_OR_QUAD_TENSOR``, ``TENSOR_OR_LIST``,
+    ``COUPLING``, ``FUSED_OPTIMIZER`` and ``ReversibleModuleCache``, ``TensorOffload``, ``replace_grad``,
+    ``reverse_and_swap``; the modules ``core`` and ``utils`` hold ``revlib.core``'s and ``revlib.utils``'s
+    names. rotor, fairscale and FewBit: the ``compat`` module (``compat.rotor``,
+    ``compat.fairscale``, ``compat.fewbit``).
 """
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from . import planner
 from .checkpointable import Checkpointable, atomic, flatten_sequential
+from .core import TensorOffload, replace_grad, reverse_and_swap
 from .coupling import (
     COUPLING,
     TENSOR_OR_LIST,
@@ -16,6 +52,7 @@ from .coupling import (
     momentum_coupling,
 )
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
+from .intermediates import memory_efficient_intermediates
 from .offload import ParameterStreamer
 from .offload_model import OffloadModel, OffloadModelError
 from .reversible import (
@@ -31,35 +68,69 @@ from .reversible import (
     offload_tensor,
 )
 
+if TYPE_CHECKING:
+    from . import compat, core, fewbit, memory, models, utils
+
 __version__ = "0.1.0"
 
+# Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
+_LAZY_MODULES = ("memory", "fewbit", "models", "utils", "core", "compat")
+
 __all__ = [
+    # reversible networks
     "ReversibleSequential",
     "ReversibleModule",
-    "ReversibleModuleCache",
     "MemoryModes",
     "ReversibleError",
+    "check_invertible",
+    "InvertibilityReport",
+    # couplings
     "additive_coupling_forward",
     "additive_coupling_inverse",
     "momentum_coupling",
     "affine_coupling",
     "CouplingPair",
-    "check_invertible",
-    "InvertibilityReport",
-    "offload_tensor",
-    "DUAL_OR_QUAD_TENSOR",
-    "TENSOR_OR_LIST",
-    "COUPLING",
-    "FUSED_OPTIMIZER",
+    # planned checkpointing
     "Checkpointable",
     "atomic",
     "flatten_sequential",
     "planner",
+    # parameters off the device, fused optimizer
+    "offload_tensor",
+    "ParameterStreamer",
+    "OffloadModel",
+    "OffloadModelError",
     "fuse_optimizer",
     "fused_optimizer_of",
     "FusedOptimizer",
     "FusedOptimizerError",
-    "ParameterStreamer",
-    "OffloadModel",
-    "OffloadModelError",
+    # smaller saved activations, memory, models
+    "memory_efficient_intermediates",
+    "fewbit",
+    "memory",
+    "models",
+    # RevLib compatibility
+    "DUAL_OR_QUAD_TENSOR",
+    "TENSOR_OR_LIST",
+    "COUPLING",
+    "FUSED_OPTIMIZER",
+    "ReversibleModuleCache",
+    "TensorOffload",
+    "replace_grad",
+    "reverse_and_swap",
+    "core",
+    "utils",
+    # rotor, fairscale, FewBit compatibility
+    "compat",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import a public module (``_LAZY_MODULES``) on first access."""
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_MODULES))

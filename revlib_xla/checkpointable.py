@@ -43,7 +43,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import backend
-from .grad_destination import GradDestination, grad_destination
+from ._grad_destination import GradDestination, grad_destination
 from .memory import parse_bytes
 from .planner import Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate, solve
 from .planner.chain import StageOption

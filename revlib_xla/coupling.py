@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
+
+from . import _tree
 
 Tensor = torch.Tensor
 TENSOR_OR_LIST = list[Tensor] | Tensor
@@ -50,21 +52,17 @@ class CouplingPair(NamedTuple):
 
 
 def optional_detach(inp: Any) -> Any:
-    """Detach tensors (nested in lists/tuples too), leave everything else alone."""
-    if isinstance(inp, torch.Tensor):
-        return inp.detach()
-    if isinstance(inp, (list, tuple)):
-        return type(inp)(optional_detach(x) for x in inp)
-    return inp
+    """``inp`` with every tensor detached, also inside (nested) tuples, lists and dicts; everything else is kept."""
+    return _tree.detached(inp)
 
 
-def first_tensor(value: TENSOR_OR_LIST) -> Tensor:
+def first_tensor(value: Tensor | Sequence[Any]) -> Tensor:
     """Element 0 of a list/tuple result, or the tensor itself."""
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("a block or coupling returned an empty list/tuple; expected a tensor first")
         return value[0]
-    return value
+    return cast(Tensor, value)  # callers check what a block returned (it may be anything)
 
 
 def _combine(fn_out: TENSOR_OR_LIST, merge: Callable[[Tensor], Tensor]) -> TENSOR_OR_LIST:
@@ -197,7 +195,7 @@ def affine_coupling(dim: int = 1, scale_offset: float = 2.0, eps: float = 1e-3) 
     return CouplingPair(AffineForward(dim, scale_offset, eps), AffineInverse(dim, scale_offset, eps))
 
 
-def pick(couplings: COUPLING | Sequence | None, index: int) -> COUPLING:
+def pick(couplings: COUPLING | Sequence[COUPLING | None] | None, index: int) -> COUPLING | None:
     """RevLib's rule: a list of couplings is cycled per layer; ``None`` (or a ``None`` entry) means additive."""
     if couplings is None:
         return None

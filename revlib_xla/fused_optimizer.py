@@ -48,14 +48,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from . import backend
 
-__all__ = ["OptimizerFactory", "FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"]
+__all__ = [
+    "OptimizerFactory",
+    "FusedOptimizer",
+    "FusedOptimizerError",
+    "StepsInBackward",
+    "fuse_optimizer",
+    "fused_optimizer_of",
+]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -321,6 +328,26 @@ for _name in [n for n in dir(torch.optim.Optimizer) if n.startswith("register_")
     setattr(FusedOptimizer, _name, _refused(_name))
 
 
+@runtime_checkable
+class StepsInBackward(Protocol):
+    """What :func:`fuse_optimizer` needs from a module whose own backward steps a fused optimizer (a
+    ``ReversibleSequential``): the internal protocol between the two features, so neither reads the other's fields.
+
+    Such a module may be built with an optimizer of its own (``fused_optimizer_factory``, RevLib's
+    ``fused_optimizer=``), which cannot be combined with :func:`fuse_optimizer`; otherwise the optimizer that
+    :func:`fuse_optimizer` builds over the whole model is attached to it, so that its forward records what the
+    optimizer must know (:meth:`FusedOptimizer.record_forward`) and :func:`fused_optimizer_of` and copies find it.
+    """
+
+    fused_optimizer_factory: OptimizerFactory | None
+
+    def attach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Use ``optimizer``, fused into a model containing this module."""
+
+    def detach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Stop using ``optimizer`` if it is the one attached (its fusion was removed)."""
+
+
 class _HookedFusedOptimizer(FusedOptimizer):
     """A :class:`FusedOptimizer` driven by post-accumulate-grad hooks; :meth:`remove` undoes :func:`fuse_optimizer`.
 
@@ -338,8 +365,8 @@ class _HookedFusedOptimizer(FusedOptimizer):
         self._model_params = tuple(model.parameters())
         self._model_hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         for module in model.modules():
-            if hasattr(module, "_attached_fused_optimizer"):  # a ReversibleSequential: its forward records
-                module._attached_fused_optimizer = self
+            if isinstance(module, StepsInBackward):
+                module.attach_fused_optimizer(self)
         self._hook_params()
 
     def _hook_params(self) -> None:
@@ -380,8 +407,8 @@ class _HookedFusedOptimizer(FusedOptimizer):
         self._param_hooks = []
         self._model_hook.remove()
         for module in self._model.modules():
-            if getattr(module, "_attached_fused_optimizer", None) is self:
-                module._attached_fused_optimizer = None
+            if isinstance(module, StepsInBackward):
+                module.detach_fused_optimizer(self)
 
 
 def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
@@ -444,7 +471,7 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
                 f"first (revlib_xla.fused_optimizer_of(module) finds it)"
             )
     for module in model.modules():
-        if hasattr(module, "_attached_fused_optimizer") and getattr(module, "fused_optimizer_factory", None):
+        if isinstance(module, StepsInBackward) and module.fused_optimizer_factory is not None:
             raise FusedOptimizerError(
                 f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
                 f"the other"

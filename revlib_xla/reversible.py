@@ -13,7 +13,7 @@ Design (what differs from RevLib and why):
 * A node per layer lets autograd accumulate each layer's parameter gradients through the parameters' own
   ``AccumulateGrad`` as soon as that layer is done (hooks, DDP and micro-batched accumulation see ordinary
   parameters, and only one layer's gradients are in flight); the engine says which gradients a backward uses
-  (:mod:`revlib_xla.grad_destination`), so an input-gradient-only request computes no weight gradient and a fused
+  (:mod:`revlib_xla._grad_destination`), so an input-gradient-only request computes no weight gradient and a fused
   optimizer steps only in a training backward.
 * Before each layer's recomputation the backward places an optimization barrier over what it reads, so XLA cannot
   merge the recomputation with the forward (which would keep the forward's activations alive).
@@ -36,13 +36,13 @@ import enum
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from . import backend
+from . import _tree, backend
+from ._grad_destination import GradDestination, node_destination
 from .coupling import (
     COUPLING,
     CouplingPair,
@@ -55,7 +55,6 @@ from .coupling import (
     pick,
 )
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
-from .grad_destination import GradDestination, node_destination
 from .offload import ParameterStreamer, offload_tensor
 from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 
@@ -92,7 +91,7 @@ class ReversibleError(ValueError):
     """A reversible model was given input it cannot handle; the message names the layer and the problem."""
 
 
-def _describe_coupling(coupling: COUPLING) -> str:
+def _describe_coupling(coupling: COUPLING | None) -> str:
     return getattr(coupling, "__qualname__", None) or repr(coupling)
 
 
@@ -188,7 +187,8 @@ class ReversibleModuleCache:
     memory mode that saves memory runs the reversible backward walk, whose peak does not grow with depth."""
 
     def __init__(self) -> None:
-        self.x0 = self.x1 = None
+        self.x0: Tensor | None = None
+        self.x1: Tensor | None = None
 
     def __call__(self, x0: Tensor, x1: Tensor) -> None:
         self.x0, self.x1 = x0.detach(), x1.detach()
@@ -263,7 +263,7 @@ class ReversibleModule(nn.Module):
             raise ReversibleError("ReversibleModule expects a tuple of 2 streams (x0, x1) (or RevLib's 4-tuple)")
         x0, x1 = inp[0], inp[1]
         y1 = self.wrapped_module(x0, x1, *args, **kwargs)
-        return (x1, y1) + tuple(inp[2:])
+        return cast(DUAL_OR_QUAD_TENSOR, (x1, y1, *inp[2:]))
 
     def inverse(self, out: tuple[Tensor, Tensor], *args, **kwargs) -> tuple[Tensor, Tensor]:
         y0, y1 = out[0], out[1]
@@ -302,7 +302,7 @@ def _refuse_kv_caches(args: Sequence[Any], kwargs: dict[str, Any], layerwise: LA
     named += [(f"keyword argument '{k}'", v) for k, v in kwargs.items()]
     named += [(f"layerwise_args_kwargs[{i}]", entry) for i, entry in enumerate(layerwise or ())]
     for where, value in named:
-        cache = next((leaf for leaf in pytree.tree_leaves(value) if isinstance(leaf, cache_type)), None)
+        cache = next((leaf for leaf in _tree.tree_leaves(value) if isinstance(leaf, cache_type)), None)
         if cache is not None:
             raise ReversibleError(
                 f"ReversibleSequential: {where} is a transformers {type(cache).__name__} (use_cache=True, the default "
@@ -340,38 +340,10 @@ class _Slot:
     index: int
 
 
-def _replace_tensors(obj: Any, fn: Callable[[Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_replace_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _replace_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def _fill_slots(obj: Any, tensors: Sequence[Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_fill_slots(o, tensors) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill_slots(o, tensors) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _fill_slots(v, tensors) for k, v in obj.items()}
-    return obj
-
-
-def _slots_in(obj: Any) -> list[int]:
-    if isinstance(obj, _Slot):
-        return [obj.index]
-    if isinstance(obj, (list, tuple)):
-        return [i for o in obj for i in _slots_in(o)]
-    if isinstance(obj, dict):
-        return [i for o in obj.values() for i in _slots_in(o)]
-    return []
+def _filled(flat: tuple[list[Any], Any], tensors: Sequence[Tensor] | dict[int, Tensor]) -> Any:
+    """A value flattened by :func:`_tree.tree_flatten` with its :class:`_Slot` leaves replaced by ``tensors``."""
+    leaves, spec = flat
+    return _tree.tree_unflatten([tensors[x.index] if isinstance(x, _Slot) else x for x in leaves], spec)
 
 
 @dataclasses.dataclass
@@ -389,14 +361,15 @@ class _Plan:
     seed: int | None
     stream_dtype: torch.dtype | None
     compute_dtype: torch.dtype | None
-    state: RecomputeState | None = None  # the model's: which buffers its layers change in their forward
+    state: RecomputeState  # the model's: which buffers its layers change in their forward
     param_slots: list[list[tuple[nn.Module, str, int]]] = dataclasses.field(default_factory=list)  # per layer:
     # where its parameters sit in its modules (module, name, position in layer_params)
     offload: _LayerOffload | None = None
     fused: FusedOptimizer | None = None
     fused_done: list[list[int]] | None = None  # per layer: positions (in layer_params) of the fused-stepped ones
     autocast: backend.AutocastState | None = None  # at forward time, replayed by each recomputation
-    walk: tuple[Tensor, Tensor] | None = None  # the backward walk: the streams the next layer's backward rebuilds
+    walk: tuple[Tensor, Tensor, Any] | None = None  # the backward walk: the streams the next layer's backward
+    # rebuilt, and what it finished (see _layer_backward)
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -408,6 +381,8 @@ class _Plan:
     # each layer's changed buffers had before its forward.
     generators: dict = dataclasses.field(init=False, default_factory=dict)
     saved_buffers: list[SavedBuffers | None] = dataclasses.field(init=False)
+    flat_args: list[tuple[list[Any], Any] | None] = dataclasses.field(init=False)  # per layer with tensor arguments:
+    # its (args, kwargs) flattened once, for args_for to fill in
 
     def __post_init__(self) -> None:
         self.wrappers = [layer.wrapped_module for layer in self.layers]
@@ -418,12 +393,15 @@ class _Plan:
         self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
         self.saved_buffers = [None] * len(self.layers)
+        self.flat_args = [
+            _tree.tree_flatten(a) if slots else None for a, slots in zip(self.layer_args, self.layer_arg_slots)
+        ]
 
-    def args_for(self, i: int, arg_tensors: Sequence[Tensor] | dict[int, Tensor]):
-        args, kwargs = self.layer_args[i]
-        if not self.layer_arg_slots[i]:  # no tensors inside: nothing to fill in (the common case, and per layer)
-            return args, kwargs
-        return _fill_slots(args, arg_tensors), _fill_slots(kwargs, arg_tensors)
+    def args_for(self, i: int, arg_tensors: Sequence[Tensor] | dict[int, Tensor]) -> tuple[Any, Any]:
+        flat = self.flat_args[i]
+        if flat is None:  # no tensors inside: nothing to fill in (the common case, and per layer)
+            return self.layer_args[i]
+        return _filled(flat, arg_tensors)
 
     def seed_of(self, i: int) -> int | None:
         return self.seeds[i]
@@ -433,7 +411,7 @@ class _Plan:
         ``tensors``, in the order of ``layer_buffers``."""
         if tensors is None:
             return [b for _, b in self.layer_buffers[i]]
-        return [tensors[self.offload.buffer_names[i][id(b)]] for _, b in self.layer_buffers[i]]
+        return [tensors[self.offloaded().buffer_names[i][id(b)]] for _, b in self.layer_buffers[i]]
 
     def watch_buffers(self, i: int, tensors: dict[str, Tensor] | None = None):
         """Before layer ``i``'s forward (see :meth:`RecomputeState.watch`); ``None`` for a layer without buffers."""
@@ -443,6 +421,12 @@ class _Plan:
 
     def describe(self, i: int) -> str:
         return _layer_label(i, self.names[i], self.layers[i])
+
+    def offloaded(self) -> _LayerOffload:
+        """The offload of a plan with ``target_device`` (a caller that holds device copies knows it has one)."""
+        if self.offload is None:
+            raise RuntimeError("ReversibleSequential: internal error: device copies without target_device")
+        return self.offload
 
 
 def _layer_label(i: int, name: str, layer: ReversibleModule) -> str:
@@ -662,12 +646,16 @@ class _ReversibleLayerFn(torch.autograd.Function):
             y0, y1 = streams
             later = ()
         else:
-            y0, y1, later = plan.walk
-        plan.walk = streams = None
+            walk = plan.walk  # left by the next layer's backward, which the engine ran before this one
+            if walk is None:
+                raise RuntimeError(f"ReversibleSequential ({plan.describe(i)}): internal error: no rebuilt streams")
+            y0, y1, later = walk
+        plan.walk = streams = walk = None
         want = _wanted(ctx, plan, i)
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
         # autograd does. Off then and off now (the usual case), there is nothing to enter.
-        ctx.layer_autocast = plan.autocast.replay if plan.autocast.differs_from_now() else _nothing
+        autocast = cast(backend.AutocastState, plan.autocast)  # captured by the forward (_run_layers)
+        ctx.layer_autocast = autocast.replay if autocast.differs_from_now() else _nothing
         with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
             x0, y0, dx0, dx1, grads, finished = _layer_backward(
                 ctx, plan, i, y0, y1, dy0, dy1, reseed, saved[len(plan.layer_params[i]) :], want, later
@@ -729,6 +717,7 @@ def _layer_backward(
     off = plan.offload
     tensors = None
     used = [j for j, dest in enumerate(want.params) if dest is not _UNUSED]  # positions in plan.layer_params[i]
+    layer_params: Sequence[Tensor]
     if off is None:
         layer_params = plan.own_params[i]
     else:  # differentiate against device copies of the host parameters; their gradients go back to the host
@@ -745,7 +734,7 @@ def _layer_backward(
     }
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
     backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
-    replaced = _NOTHING
+    replaced: contextlib.AbstractContextManager[Any] = _NOTHING
     if off is None and used and any(layer_params[j]._backward_hooks for j in used):
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
         # would run their tensor hooks, which run again when the engine accumulates the gradients returned here.
@@ -804,8 +793,10 @@ def _layer_backward(
     arg_grads = [grads.pop() if need else None for need in want.args]
     if off is not None:
         off.streamer.release(i)
-    if plan.fused is not None and plan.fused_done[i]:  # this layer's gradients are complete: step, then free them
-        done = [j for j in plan.fused_done[i] if want.params[j] is _ACCUMULATE]  # never on autograd.grad()
+    fused_done = plan.fused_done  # set with plan.fused
+    if plan.fused is not None and fused_done is not None and fused_done[i]:  # this layer's gradients are complete:
+        # step, then free them
+        done = [j for j in fused_done[i] if want.params[j] is _ACCUMULATE]  # never on autograd.grad()
         if done:
             plan.fused.step_params([plan.params[plan.layer_params[i][j]] for j in done], [param_grads[j] for j in done])
         for j in done:
@@ -840,7 +831,8 @@ def _parameters_replaced(slots: Sequence[tuple[nn.Module, str, int]], tensors: d
         for module, name, j in slots:
             if j in tensors:
                 swapped.append((module, name, module._parameters[name]))
-                module._parameters[name] = tensors[j]
+                # a plain tensor stands in for the parameter, as in torch.func.functional_call
+                module._parameters[name] = tensors[j]  # type: ignore[assignment]
         yield
     finally:
         for module, name, param in swapped:
@@ -939,7 +931,7 @@ class ReversibleSequential(nn.Sequential):
                 f"autograd_function gives the same gradients with a peak that does not grow with depth.",
                 stacklevel=2,
             )
-        layers = collections.OrderedDict()
+        layers: collections.OrderedDict[str, nn.Module] = collections.OrderedDict()
         for i, module in enumerate(modules):
             if not isinstance(module, nn.Module):
                 raise ReversibleError(
@@ -974,7 +966,7 @@ class ReversibleSequential(nn.Sequential):
             )
         self.fused_optimizer_factory = fused_optimizer
         self._own_fused: FusedOptimizer | None = None
-        self._attached_fused_optimizer: FusedOptimizer | None = None  # set by revlib_xla.fuse_optimizer
+        self._attached_fused_optimizer: FusedOptimizer | None = None  # see attach_fused_optimizer
         self._streamer: tuple[tuple[int, ...], ParameterStreamer] | None = None  # (tensor ids, streamer)
 
     # -- streams --------------------------------------------------------------------------------------------------
@@ -1024,7 +1016,7 @@ class ReversibleSequential(nn.Sequential):
         self, x0: Tensor, args, kwargs, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS
     ) -> tuple[_Plan, list[Tensor]]:
         """Deduplicated parameters and tensor arguments of every layer, and the stream and compute dtypes."""
-        layers = list(self._modules.values())
+        layers = cast(list[ReversibleModule], list(self._modules.values()))  # __init__ wraps every module
         names = list(self._modules.keys())
         if not (x0.dtype.is_floating_point or x0.dtype.is_complex):
             dtypes = sorted({str(p.dtype) for p in layers[0].parameters() if p.is_floating_point()}) or ["float"]
@@ -1048,8 +1040,8 @@ class ReversibleSequential(nn.Sequential):
                 arg_tensors.append(t)
             return _Slot(seen[id(t)])
 
-        shared_args = _replace_tensors(tuple(args), slot)
-        shared_kwargs = _replace_tensors(dict(kwargs), slot)
+        shared_args = _tree.map_tensors(slot, tuple(args))
+        shared_kwargs = _tree.map_tensors(slot, dict(kwargs))
         layer_args = []
         for i in range(len(layers)):
             if layerwise_args_kwargs is None:
@@ -1061,8 +1053,8 @@ class ReversibleSequential(nn.Sequential):
                     f"ReversibleSequential: layerwise_args_kwargs[{i}] must be an (args, kwargs) "
                     f"pair with kwargs a dict, got {entry!r}"
                 )
-            own_args = _replace_tensors(tuple(entry[0]), slot)
-            own_kwargs = _replace_tensors(dict(entry[1]), slot)
+            own_args = _tree.map_tensors(slot, tuple(entry[0]))
+            own_kwargs = _tree.map_tensors(slot, dict(entry[1]))
             layer_args.append((shared_args + own_args, {**shared_kwargs, **own_kwargs}))
 
         params: list[nn.Parameter] = []
@@ -1092,13 +1084,12 @@ class ReversibleSequential(nn.Sequential):
                     _layer_label(i, names[i], layer), float_dtypes, blocks_see, self.compute_dtype is not None
                 )
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
-        compute_dtype = self.compute_dtype or x0.dtype
-        compute_dtype = compute_dtype if compute_dtype != (stream_dtype or x0.dtype) else None
+        compute_dtype = blocks_see if blocks_see != (stream_dtype or x0.dtype) else None
         plan = _Plan(
             layers,
             names,
             layer_args,
-            [sorted(set(_slots_in(a))) for a in layer_args],
+            [sorted({x.index for x in _tree.tree_leaves(a) if isinstance(x, _Slot)}) for a in layer_args],
             params,
             layer_params,
             layer_buffers,
@@ -1174,6 +1165,16 @@ class ReversibleSequential(nn.Sequential):
         ``transfers`` say how many layers were on the device at once and how many were copied), else ``None``."""
         return None if self._streamer is None else self._streamer[1]
 
+    def attach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Step ``optimizer``, fused into a model containing this sequence by :func:`revlib_xla.fuse_optimizer`
+        (part of :class:`revlib_xla.fused_optimizer.StepsInBackward`)."""
+        self._attached_fused_optimizer = optimizer
+
+    def detach_fused_optimizer(self, optimizer: FusedOptimizer) -> None:
+        """Forget ``optimizer`` if it is the attached one (its fusion was removed)."""
+        if self._attached_fused_optimizer is optimizer:
+            self._attached_fused_optimizer = None
+
     @property
     def fused_optimizer(self) -> FusedOptimizer | None:
         """The optimizer stepped inside the backward pass (built from ``fused_optimizer=`` at the first forward,
@@ -1185,9 +1186,9 @@ class ReversibleSequential(nn.Sequential):
         layers = list(self._modules.items())
         groups, names = [], []
         for name, layer in layers:
-            own = [p for p in layer.parameters() if p.requires_grad]
-            if own:
-                groups.append(own)
+            trainable = [p for p in layer.parameters() if p.requires_grad]
+            if trainable:
+                groups.append(trainable)
                 names.append(f"layer '{name}'")
         own = self._own_fused  # a copy of the model (deepcopy, pickle) holds a copy bound to its own parameters
         if own is None:
@@ -1217,7 +1218,7 @@ class ReversibleSequential(nn.Sequential):
         return [[j for j, k in enumerate(own) if fused.covers(plan.params[k])] for own in plan.layer_params]
 
     # -- forward / inverse ----------------------------------------------------------------------------------------
-    def forward(
+    def forward(  # type: ignore[override]  # RevLib's signature: streams, then the blocks' arguments
         self, inp: Tensor | tuple[Tensor, Tensor], *args, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs
     ):
         x0, x1, two_stream = self._split(inp)
@@ -1234,11 +1235,11 @@ class ReversibleSequential(nn.Sequential):
                     x0, x1 = (
                         x1,
                         _forward_layer(
-                            plan, i, x0, x1, a, k, None if copies is None else plan.offload.mapping(i, copies)
+                            plan, i, x0, x1, a, k, None if copies is None else plan.offloaded().mapping(i, copies)
                         ),
                     )
                     if copies is not None:
-                        plan.offload.write_back_buffers(i, copies)
+                        plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
             if self._verifies(plan, x0):
@@ -1265,7 +1266,7 @@ class ReversibleSequential(nn.Sequential):
         reversible modes."""
         if plan.offload is None:
             return None
-        return [offload_tensor(t, self.target_device) for t in plan.offload.streamer.units[i]]
+        return [offload_tensor(t, plan.offload.streamer.device) for t in plan.offload.streamer.units[i]]
 
     def inverse(
         self,
@@ -1385,8 +1386,10 @@ def _check_plan(
         if tolerance is not None
         else max(_DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
     )
-    replays, locals_ = [], []
-    active, device, generators = plan.seed is not None, x0.device, {}
+    replays: list[Any] = []  # relative errors: tensors, then (read back at once) floats
+    locals_: list[Any] = []
+    active, device = plan.seed is not None, x0.device
+    generators: dict[Any, Any] = {}
 
     @contextlib.contextmanager
     def as_in_the_forward(i: int, copies: dict[str, Tensor] | None, replay: bool = True) -> Iterator[None]:

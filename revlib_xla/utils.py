@@ -1,6 +1,7 @@
-"""RevLib-compatible helpers: MomentumNet and conversions of ordinary stacks into reversible ones.
+"""RevLib's ``revlib.utils``: MomentumNet and conversions of ordinary stacks into reversible ones.
 
-``from revlib_xla.utils import momentum_net`` works as ``from revlib.utils import momentum_net`` does.
+``from revlib_xla.utils import momentum_net`` works as ``from revlib.utils import momentum_net`` does, and the names
+RevLib's utils takes from its core (``MergeCalls``, ``ReversibleSequential``, ...) are found here too.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .core import MergeCalls, SingleBranchReversibleModule, get_key, split_tensor_list
 from .coupling import COUPLING, detached_additive_coupling_forward, detached_additive_coupling_inverse, optional_detach
 from .intermediates import memory_efficient_intermediates
 from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential
@@ -33,6 +35,14 @@ __all__ = [
     "detached_additive_coupling_forward",
     "detached_additive_coupling_inverse",
     "memory_efficient_intermediates",
+    # what RevLib's utils takes from its core, so that code reaching it through utils finds it
+    "FUSED_OPTIMIZER",
+    "MemoryModes",
+    "ReversibleSequential",
+    "MergeCalls",
+    "SingleBranchReversibleModule",
+    "get_key",
+    "split_tensor_list",
 ]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -92,7 +102,7 @@ def residual_to_plain(*modules: nn.Module) -> list[ResidualToPlain]:
 
 def maybe_residual_to_plain(modules: Iterable[nn.Module], residual: bool = False) -> list[nn.Module]:
     modules = list(modules)
-    return residual_to_plain(*modules) if residual else modules
+    return [*residual_to_plain(*modules)] if residual else modules
 
 
 def _check_beta(beta: float) -> None:

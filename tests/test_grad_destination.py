@@ -5,7 +5,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from revlib_xla.grad_destination import GradDestination, grad_destination
+from revlib_xla._grad_destination import GradDestination, grad_destination
 
 A, C, U = GradDestination.ACCUMULATE, GradDestination.CAPTURE, GradDestination.UNUSED
 

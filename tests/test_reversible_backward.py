@@ -1,7 +1,7 @@
 """What the reversible backward does with each request for gradients (issue 15: 2.1, 2.4 and the gradient
 accumulation item of 4).
 
-* Where each gradient goes (``revlib_xla.grad_destination``): ``torch.autograd.grad(loss, x)`` and
+* Where each gradient goes (``revlib_xla._grad_destination``): ``torch.autograd.grad(loss, x)`` and
   ``backward(inputs=[x])`` leave the weights of a fused model alone (``fused_optimizer=`` and ``fuse_optimizer``),
   and compute no weight gradient at all; ``torch.autograd.grad(loss, params)`` returns the ``no_savings``
   gradients and steps nothing.

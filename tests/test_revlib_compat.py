@@ -1,8 +1,10 @@
 """`import revlib_xla as revlib` runs RevLib 1.7 code: names, signatures, defaults, layout and the README examples."""
 
+import importlib
 import inspect
 
 import pytest
+import revlib_checkpoint
 import torch
 from conftest import max_rel_err
 from torch import nn
@@ -271,3 +273,171 @@ def test_standalone_reversible_module():
     assert mod((a, b, z, z))[2] is z
     r0, r1 = mod.inverse((y0, y1))
     assert torch.allclose(r0, a, atol=1e-6) and torch.equal(r1, b)
+
+
+# RevLib 1.7.2's public names, read from the installed package (revlib/__init__.py's __all__; the public names
+# defined in or imported into revlib/core.py and revlib/utils.py, modules like torch and typing left out).
+REVLIB_1_7_2 = {
+    "revlib": [
+        "ReversibleSequential",
+        "ReversibleModule",
+        "ReversibleModuleCache",
+        "reverse_and_swap",
+        "MemoryModes",
+        "offload_tensor",
+        "TensorOffload",
+        "DUAL_OR_QUAD_TENSOR",
+        "replace_grad",
+        "additive_coupling_forward",
+        "additive_coupling_inverse",
+    ],
+    "revlib.core": [
+        "DUAL_OR_QUAD_TENSOR",
+        "TENSOR_OR_LIST",
+        "COUPLING",
+        "FUSED_OPTIMIZER",
+        "MemoryModes",
+        "split_tensor_list",
+        "take_0th_tensor",
+        "ReversibleWrapper",
+        "TensorOffload",
+        "offload_tensor",
+        "replace_grad",
+        "reverse_and_swap",
+        "additive_coupling_forward",
+        "additive_coupling_inverse",
+        "ReversibleModuleCache",
+        "get_key",
+        "ReversibleModule",
+        "SingleBranchReversibleModule",
+        "MergeCalls",
+        "ReversibleSequential",
+    ],
+    "revlib.utils": [
+        "FUSED_OPTIMIZER",
+        "MemoryModes",
+        "MergeCalls",
+        "ReversibleSequential",
+        "SingleBranchReversibleModule",
+        "get_key",
+        "split_tensor_list",
+        "MomentumNetSide",
+        "MomentumNetStem",
+        "ResidualToPlain",
+        "optional_detach",
+        "detached_additive_coupling_forward",
+        "detached_additive_coupling_inverse",
+        "momentum_net",
+        "residual_to_plain",
+        "maybe_residual_to_plain",
+        "sequential_to_revnet",
+        "sequential_to_momentum_net",
+        "module_list_to_momentum_net",
+        "is_float",
+        "memory_efficient_intermediates",
+    ],
+}
+# Pieces of RevLib's per-layer engine: importable, and raising at use with what to do instead (revlib_xla.core).
+UNAVAILABLE = {"reverse_and_swap", "SingleBranchReversibleModule"}
+
+
+@pytest.mark.parametrize("module", sorted(REVLIB_1_7_2))
+def test_every_public_revlib_name_is_found(module):
+    ours = importlib.import_module(module.replace("revlib", "revlib_xla", 1))
+    missing = [name for name in REVLIB_1_7_2[module] if not hasattr(ours, name)]
+    assert not missing, f"{module}: {missing}"
+    if hasattr(ours, "__all__"):  # `from revlib_xla.core import *` gives what `from revlib.core import *` gives
+        assert set(REVLIB_1_7_2[module]) <= set(ours.__all__) | {n for n in dir(revlib) if not n.startswith("_")}
+
+
+def test_facade_names_are_the_native_objects():
+    """revlib_xla.core and revlib_xla.utils add no second implementation of what the package already has."""
+    core = importlib.import_module("revlib_xla.core")
+    for name in REVLIB_1_7_2["revlib"]:
+        if hasattr(revlib, name) and name not in UNAVAILABLE:
+            assert getattr(core, name) is getattr(revlib, name), name
+    for name in ("MergeCalls", "get_key", "split_tensor_list", "ReversibleSequential", "MemoryModes"):
+        assert getattr(utils, name) is getattr(core, name), name
+    for alias in ("DUAL_OR_QUAD_TENSOR", "TENSOR_OR_LIST", "COUPLING", "FUSED_OPTIMIZER"):
+        assert getattr(revlib, alias) is getattr(core, alias)
+
+
+def test_engine_pieces_raise_with_what_to_use():
+    from revlib_xla.core import SingleBranchReversibleModule, reverse_and_swap
+
+    with pytest.raises(revlib.ReversibleError, match=r"reverse_and_swap.*ReversibleSequential\(\*blocks\)"):
+        reverse_and_swap(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(revlib.ReversibleError, match=r"module_list_to_momentum_net\(module_list, beta=...\)"):
+        SingleBranchReversibleModule([], nn.Linear(2, 2))
+
+
+def test_checkpoint_saved_by_revlib_1_7_2_loads_with_its_outputs_and_gradients():
+    """tests/data/revlib_1_7_2_checkpoint.pt was written by the real RevLib 1.7.2 (tests/revlib_checkpoint.py): its
+    state dict loads strictly, and revlib_xla computes RevLib's output and gradients from it (float64)."""
+    saved = torch.load(revlib_checkpoint.PATH)
+    assert saved["revlib_version"] == "1.7.2"
+    from revlib_xla.core import ReversibleSequential  # RevLib-style import
+
+    model = ReversibleSequential(*revlib_checkpoint.blocks()).double()
+    model.load_state_dict(saved["state_dict"], strict=True)
+    x = saved["input"].clone().requires_grad_()
+    out = model(x)
+    assert max_rel_err(out, saved["output"]) <= 1e-13
+    out.square().mean().backward()
+    assert max_rel_err(x.grad, saved["input_grad"]) <= 1e-12
+    grads = dict(model.named_parameters())
+    assert grads.keys() == saved["param_grads"].keys()
+    for name, want in saved["param_grads"].items():
+        assert max_rel_err(grads[name].grad, want) <= 1e-12, name
+
+
+def test_merge_calls_collates_list_outputs_revlib_style():
+    """RevLib's utils.MergeCalls: modules called in turn with the same extra arguments; list outputs pass their
+    first element on and are collated at the end."""
+    from revlib_xla.utils import MergeCalls
+
+    torch.manual_seed(0)
+
+    class WithExtra(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3).double()
+
+        def forward(self, x, scale):
+            y = torch.tanh(self.lin(x)) * scale
+            return [y, y.sum()]
+
+    a, b = WithExtra(), WithExtra()
+    merged = MergeCalls(a, b, collate_fn=lambda y, outs: [y] + [o[1] for o in outs])
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    y, s0, s1 = merged(x, 0.5)
+    ya = torch.tanh(a.lin(x)) * 0.5
+    yb = torch.tanh(b.lin(ya)) * 0.5
+    assert max_rel_err(y, yb) <= 1e-15 and max_rel_err(s0, ya.sum()) <= 1e-15 and max_rel_err(s1, yb.sum()) <= 1e-15
+    got = torch.autograd.grad((y.sum() + s0 + s1), [x, *merged.parameters()])
+    want = torch.autograd.grad((yb.sum() + ya.sum() + yb.sum()), [x, *a.parameters(), *b.parameters()])
+    for g, w in zip(got, want):
+        assert max_rel_err(g, w) <= 1e-14
+    plain = MergeCalls(nn.Tanh(), nn.Tanh(), collate_fn=lambda y, outs: 1 / 0)  # no list output: no collate
+    assert torch.equal(plain(x), torch.tanh(torch.tanh(x)))
+
+
+def test_core_helpers():
+    from revlib_xla.core import TensorOffload, get_key, offload_tensor, replace_grad, split_tensor_list, take_0th_tensor
+
+    t, u = torch.ones(2), torch.zeros(3)
+    assert split_tensor_list(t) is t
+    first, rest = split_tensor_list((t, u, 1))
+    assert first is t and rest == [u, 1] and take_0th_tensor([u, t]) is u and take_0th_tensor(t) is t
+    with pytest.raises(ValueError, match="expected a tensor or an iterable"):
+        split_tensor_list(3)
+    assert get_key(1, t) != get_key(2, t) != get_key(2, u)
+    assert TensorOffload.apply is offload_tensor
+    # replace_grad: the values pass through; the carried tensors receive the values as their gradients
+    a, b = torch.randn(2, requires_grad=True), torch.randn(2, requires_grad=True)
+    ca, cb = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    ra, rb = replace_grad(a, b, ca, cb)
+    assert torch.equal(ra, a) and torch.equal(rb, b)
+    (ra * 3 + rb * 5).sum().backward()
+    assert torch.equal(a.grad, torch.full((2,), 3.0)) and torch.equal(b.grad, torch.full((2,), 5.0))
+    assert torch.equal(ca.grad, a.detach()) and torch.equal(cb.grad, b.detach())

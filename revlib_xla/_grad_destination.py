@@ -1,4 +1,4 @@
-"""Where the running backward pass sends a leaf's gradient.
+"""Where the running backward pass sends a leaf's gradient (internal: asked by the reversible walk and the planner).
 
 A custom backward (the reversible walk, a fused optimizer step) must behave differently depending on what the
 user asked autograd for:
