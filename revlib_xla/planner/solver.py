@@ -30,7 +30,7 @@ import torch
 from .chain import Chain
 from .schedule import Op, OpKind, Schedule, simulate
 
-__all__ = ["solve", "min_memory", "no_checkpoint_memory", "InfeasibleBudget"]
+__all__ = ["solve", "plan", "min_memory", "no_checkpoint_memory", "InfeasibleBudget"]
 
 _INF = math.inf
 
@@ -461,3 +461,34 @@ def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> tuple[_
         return None, a, top
     tables = _Tables(a, slots, dtype)
     return (tables if math.isfinite(tables.value(False, 0, a.n, top)) else None), a, top
+
+
+def plan(chain: Chain, mem_limit: float, mem_slots: int = 500, held: float = 0.0) -> Schedule:
+    """The planning step (a chain of costs in, a schedule out): :func:`solve` for a budget ``mem_limit`` of which
+    ``held`` is taken by values outside the chain for the whole backward (a model's output and its gradient).
+    :class:`InfeasibleBudget` says, in budgets that include ``held``, the smallest one that works."""
+    if mem_limit <= held:
+        raise InfeasibleBudget(
+            f"Checkpointable: mem_limit {mem_limit:.6g} does not even hold the model's output and "
+            f"its gradient ({held:.6g} bytes)",
+            held + min_memory(chain),
+        )
+    try:
+        return solve(chain, mem_limit - held, mem_slots)
+    except InfeasibleBudget as exc:
+        smallest = exc.minimum + held
+        if exc.unit is None:
+            why = f"the smallest budget for this model and input is {smallest:.6g} bytes"
+        else:
+            why = (
+                f"it is above the smallest budget for this model and input ({smallest:.6g} bytes), but the "
+                f"planner rounds sizes up to multiples of {exc.unit:.6g} bytes and the rounded plan does not "
+                f"fit"
+            )
+        raise InfeasibleBudget(
+            f"Checkpointable: no schedule fits in mem_limit {mem_limit:.6g} bytes: {why} "
+            f"(budgets include {held:.6g} bytes for the output and its gradient); pass a "
+            f"larger mem_limit",
+            smallest,
+            exc.unit,
+        ) from None
