@@ -433,11 +433,10 @@ class Schedule:
         return " ".join(str(op) for op in self.ops)
 
     def counts(self) -> dict[str, int]:
-        """How many operations of each kind the plan runs (keys are :class:`OpKind` members, equal to their
-        names)."""
+        """How many operations of each kind the plan runs, by name (equal to the :class:`OpKind` members)."""
         out: dict[str, int] = {}
         for op in self.ops:
-            out[op.kind] = out.get(op.kind, 0) + 1
+            out[op.kind.value] = out.get(op.kind.value, 0) + 1
         return out
 
     def describe(self) -> str:
