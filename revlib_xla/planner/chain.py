@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["Chain", "StageOption"]
 
@@ -159,9 +160,9 @@ class Chain:
         off = [self.cw[i] / bytes_per_second if i in chosen else self.offload_time[i] for i in range(self.length)]
         return self.replace(offload_time=off)
 
-    def replace(self, **changes) -> Chain:
+    def replace(self, **changes: Any) -> Chain:
         """A copy with some fields changed (same keywords as the constructor)."""
-        fields = dict(
+        fields: dict[str, Any] = dict(
             fw=self.fw,
             bw=self.bw,
             cw=self.cw,

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from .. import backend
 from .._tree import detached, tensor_leaves
 from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
+from .stages import inverse_of
 
 __all__ = [
     "StageMeasurement",
@@ -169,6 +170,20 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
     return StagePrograms(forward, backward, arguments, len(outs), input_gradients)
 
 
+def _appending_to(into: list[torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A pack hook that notes each saved tensor in ``into`` and saves it as it is."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        into.append(t)
+        return t
+
+    return pack
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def measure_stage(
     stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
 ) -> tuple[StageMeasurement, Any]:
@@ -202,7 +217,7 @@ def measure_stage(
         inverse_time = None
         if reversible:
             with torch.no_grad():
-                inverse_time = _flops(lambda: stage.inverse(out))
+                inverse_time = _flops(lambda: inverse_of(stage)(out))
         return StageMeasurement(fw, bw, cw, max(cbw, value_bytes(out)), 0, 0, inverse_time), out
 
     with torch.no_grad():
@@ -219,7 +234,7 @@ def measure_stage(
     inverse_time = None
     if reversible:
         with torch.no_grad():
-            inverse_time = _median_time(lambda: stage.inverse(out), device, repeats)
+            inverse_time = _median_time(lambda: inverse_of(stage)(out), device, repeats)
     # Parameter gradients exist before measuring (as in a training step after the first), so accumulating into
     # them is not counted; the caller's gradients are put back afterwards.
     kept_grads = [p.grad for p in params]
@@ -233,7 +248,7 @@ def measure_stage(
             saved: list[torch.Tensor] = []
             tracker = _tracker()
             tracker.track_external(stage, *tensor_leaves(inp))
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t), tracker:  # noqa: F821, B023 (ruff: `del saved` below; called in this iteration)
+            with torch.autograd.graph.saved_tensors_hooks(_appending_to(saved), _same), tracker:
                 start = _total(tracker.get_tracker_snapshot("current"), device)
                 y = stage(inp)
                 end = _total(tracker.get_tracker_snapshot("current"), device)

@@ -22,13 +22,15 @@ Every candidate is evaluated for all ``i`` of one segment length and all ``m`` a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
 from .chain import Chain
-from .schedule import Op, Schedule, simulate
+from .schedule import Op, OpKind, Schedule, simulate
 
-__all__ = ["solve", "min_memory", "no_checkpoint_memory", "InfeasibleBudget"]
+__all__ = ["solve", "plan", "min_memory", "no_checkpoint_memory", "InfeasibleBudget"]
 
 _INF = math.inf
 
@@ -47,7 +49,7 @@ class InfeasibleBudget(ValueError):
 class _Arrays:
     """The chain as padded tensors: stage i in 0..L (the loss is stage L), x_i for i in 0..L+1."""
 
-    def __init__(self, chain: Chain, unit: float, rounding) -> None:
+    def __init__(self, chain: Chain, unit: float, rounding: Callable[[float], float]) -> None:
         n = chain.length
         self.n = n
         size = lambda v: rounding(v / unit)
@@ -82,9 +84,8 @@ class _Arrays:
                 if j - 1 > i:
                     running = max(running, cw[j - 1] + cw[j] + ftmp[j - 1])  # Fn_{j-1}: x_{j-1}, x_j, temporaries
                 fmax[i][j] = running
-        fmax = torch.tensor(fmax, dtype=torch.float64)
-        self.fmax = fmax
-        self.fmax_list = fmax.tolist()
+        self.fmax = torch.tensor(fmax, dtype=torch.float64)
+        self.fmax_list = self.fmax.tolist()
         self.lists = {
             name: getattr(self, name).tolist()
             for name in ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")
@@ -211,7 +212,21 @@ class _Tables:
         return float((self.free if free else self.kept)[l - i, i, m])
 
 
-def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
+class _Segment(NamedTuple):
+    """Segment [i, l] to run with m slots, its input x_i freeable or not (see :class:`_Tables`)."""
+
+    free: bool
+    i: int
+    l: int
+    m: int
+
+
+# A choice's operations and sub-segments, built only for the choice taken (lambdas bind their loop values as
+# defaults, hence the open signature).
+_Steps = Callable[..., Sequence["Op | _Segment"]]
+
+
+def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int) -> Iterator[tuple[float, _Steps]]:
     """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
     in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
@@ -221,29 +236,26 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
             if m >= a.fe_b_need(i, i, c):
                 yield (
                     ofw[i][c] + obw[i][c],
-                    (
-                        lambda c=c: (
-                            [("op", Op("L", a.n))] if i == a.n else [("op", Op("Fe", i, c)), ("op", Op("B", i, c))]
-                        )
-                    ),
+                    (lambda c=c: [Op(OpKind.L, a.n)] if i == a.n else [Op(OpKind.FE, i, c), Op(OpKind.B, i, c)]),
                 )
         return
 
-    def forward(j: int) -> list:
-        return [("op", Op("CF", i))] + [("op", Op("Fn", k)) for k in range(i + 1, j)]
+    def forward(j: int) -> list[Op | _Segment]:
+        steps: list[Op | _Segment] = [Op(OpKind.CF, i)]
+        return steps + [Op(OpKind.FN, k) for k in range(i + 1, j)]
 
     for j in range(i + 1, l + 1):
         if m >= cw[l + 1] + fmax[i][j]:
             yield (
                 prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
-                lambda j=j: forward(j) + [("seg", True, j, l, m - int(cw[j])), ("seg", free, i, j - 1, m)],
+                lambda j=j: forward(j) + [_Segment(True, j, l, m - int(cw[j])), _Segment(free, i, j - 1, m)],
             )
     for c in range(a.k):
         if m >= a.fe_b_need(i, l, c):
             sub = m - int(oxb[i][c])
             yield (
                 ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
-                lambda c=c, sub=sub: [("op", Op("Fe", i, c)), ("seg", False, i + 1, l, sub), ("op", Op("B", i, c))],
+                lambda c=c, sub=sub: [Op(OpKind.FE, i, c), _Segment(False, i + 1, l, sub), Op(OpKind.B, i, c)],
             )
     if not free:
         return
@@ -253,7 +265,7 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
             if m >= a.fr_br_need(i, l, c):
                 yield (
                     fw[i] + a.lists["inv"][i] + ofw[i][c] + obw[i][c] + t.value(True, i + 1, l, sub),
-                    lambda c=c: [("op", Op("Fr", i)), ("seg", True, i + 1, l, sub), ("op", Op("Br", i, c))],
+                    lambda c=c: [Op(OpKind.FR, i), _Segment(True, i + 1, l, sub), Op(OpKind.BR, i, c)],
                 )
     off = a.lists["off"][i]
     if math.isfinite(off):
@@ -265,10 +277,10 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
                     lambda j=j, sub=sub: (
                         forward(j)
                         + [
-                            ("op", Op("WM", i)),
-                            ("seg", True, j, l, sub),
-                            ("op", Op("RM", i)),
-                            ("seg", True, i, j - 1, m),
+                            Op(OpKind.WM, i),
+                            _Segment(True, j, l, sub),
+                            Op(OpKind.RM, i),
+                            _Segment(True, i, j - 1, m),
                         ]
                     ),
                 )
@@ -277,13 +289,13 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int):
 def _rebuild(t: _Tables, a: _Arrays, top: int) -> list[Op]:
     ops: list[Op] = []
     # An explicit stack instead of recursion: deep chains would exceed Python's recursion limit.
-    stack: list[tuple] = [("seg", False, 0, a.n, top)]
+    stack: list[Op | _Segment] = [_Segment(False, 0, a.n, top)]
     while stack:
         item = stack.pop()
-        if item[0] == "op":
-            ops.append(item[1])
+        if isinstance(item, Op):
+            ops.append(item)
             continue
-        _, free, i, l, m = item
+        free, i, l, m = item
         target = t.value(free, i, l, m)
         # The table was computed in its own precision and order of additions: accept the first choice within it.
         slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
@@ -344,7 +356,7 @@ def _least(a: _Arrays) -> float:
 
 def _plain_ops(chain: Chain) -> list[Op]:
     n = chain.length
-    return [Op("Fe", i) for i in range(n)] + [Op("L", n)] + [Op("B", i) for i in reversed(range(n))]
+    return [Op(OpKind.FE, i) for i in range(n)] + [Op(OpKind.L, n)] + [Op(OpKind.B, i) for i in reversed(range(n))]
 
 
 def no_checkpoint_memory(chain: Chain) -> float:
@@ -449,3 +461,34 @@ def _table(chain: Chain, unit: float, slots: int, dtype: torch.dtype) -> tuple[_
         return None, a, top
     tables = _Tables(a, slots, dtype)
     return (tables if math.isfinite(tables.value(False, 0, a.n, top)) else None), a, top
+
+
+def plan(chain: Chain, mem_limit: float, mem_slots: int = 500, held: float = 0.0) -> Schedule:
+    """The planning step (a chain of costs in, a schedule out): :func:`solve` for a budget ``mem_limit`` of which
+    ``held`` is taken by values outside the chain for the whole backward (a model's output and its gradient).
+    :class:`InfeasibleBudget` says, in budgets that include ``held``, the smallest one that works."""
+    if mem_limit <= held:
+        raise InfeasibleBudget(
+            f"Checkpointable: mem_limit {mem_limit:.6g} does not even hold the model's output and "
+            f"its gradient ({held:.6g} bytes)",
+            held + min_memory(chain),
+        )
+    try:
+        return solve(chain, mem_limit - held, mem_slots)
+    except InfeasibleBudget as exc:
+        smallest = exc.minimum + held
+        if exc.unit is None:
+            why = f"the smallest budget for this model and input is {smallest:.6g} bytes"
+        else:
+            why = (
+                f"it is above the smallest budget for this model and input ({smallest:.6g} bytes), but the "
+                f"planner rounds sizes up to multiples of {exc.unit:.6g} bytes and the rounded plan does not "
+                f"fit"
+            )
+        raise InfeasibleBudget(
+            f"Checkpointable: no schedule fits in mem_limit {mem_limit:.6g} bytes: {why} "
+            f"(budgets include {held:.6g} bytes for the output and its gradient); pass a "
+            f"larger mem_limit",
+            smallest,
+            exc.unit,
+        ) from None

@@ -1,0 +1,235 @@
+"""The planner's parts on their own: the operation table, the pure planning step, sizing, the executor running a
+given schedule, and the simulator and the executor agreeing on what each operation keeps, in bytes, measured."""
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import SeededUnits, max_rel_err
+from torch import nn
+
+import revlib_xla as revlib
+from revlib_xla._tree import tensor_leaves
+from revlib_xla.planner import (
+    KINDS,
+    OPERATIONS,
+    Chain,
+    InfeasibleBudget,
+    Op,
+    OpKind,
+    Schedule,
+    ScheduleExecutor,
+    Simulation,
+    Sizing,
+    ValueKind,
+    fit_budget,
+    measure_chain,
+    min_memory,
+    no_checkpoint_memory,
+    plan,
+    solve,
+)
+
+
+class Coupling(nn.Module):
+    """An additive coupling on the two halves of the last dimension: a stage that can rebuild its input."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(width, 4 * width), nn.Tanh(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        a, b = x.chunk(2, -1)
+        return torch.cat([a, b + self.f(a)], -1)
+
+    def inverse(self, y):
+        a, c = y.chunk(2, -1)
+        return torch.cat([a, c - self.f(a)], -1)
+
+
+def _model(width=8, pairs=3):
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(pairs):
+        blocks.append(
+            revlib.atomic(nn.Sequential(nn.Linear(2 * width, 6 * width), nn.Tanh(), nn.Linear(6 * width, 2 * width)))
+        )
+        blocks.append(Coupling(width))
+    return nn.Sequential(*blocks).double(), torch.randn(16, 2 * width, dtype=torch.float64)
+
+
+def _priced(chain):
+    """Times by position, the same on every machine (plans follow times)."""
+    n = chain.length
+    return chain.replace(
+        fw=[1.0 + (i % 3) for i in range(n)], bw=[2.0 + (i % 3) for i in range(n)] + [1.0], inverse_time=[1.0] * n
+    )
+
+
+def _couplings(depth=6, width=8):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Coupling(width) for _ in range(depth)]).double()
+    return model, torch.randn(16, 2 * width, dtype=torch.float64)
+
+
+def _saved_by_graph(outputs):
+    """The tensors autograd's graph behind ``outputs`` holds for its backward (every node's saved tensors)."""
+    nodes, seen, saved = [t.grad_fn for t in outputs if t.grad_fn is not None], set(), []
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                saved += [t for t in (value if isinstance(value, tuple) else (value,)) if isinstance(t, torch.Tensor)]
+        nodes += [next_node for next_node, _ in node.next_functions]
+    return saved
+
+
+def _held_bytes(run, parameters):
+    """The bytes of the tensor storages the executor holds (each storage once; parameters not counted): stage
+    inputs, what each stage run with autograd keeps (its output and what its graph saved), gradients."""
+    tensors = [t for value in run.x.values() for t in tensor_leaves(value)]
+    for _, out in run.xbar.values():
+        tensors += tensor_leaves(out) + _saved_by_graph(tensor_leaves(out))
+    tensors += [g for grads in run.grad.values() for g in grads if g is not None]
+    skip = {p.untyped_storage().data_ptr() for p in parameters}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(size for ptr, size in storages.items() if ptr not in skip)
+
+
+def _run_recorded(checkpointed, chain, schedule, x, monkeypatch):
+    """One training step of ``checkpointed`` with ``schedule``, recording after each operation the values the
+    executor holds (their keys) and their bytes, measured."""
+    records = []
+    parameters = list(checkpointed.parameters())
+    for kind, row in OPERATIONS.items():
+
+        def execute(executor, op, rule=row.execute):
+            rule(executor, op)
+            records.append((op, executor.live(), _held_bytes(executor, parameters)))
+
+        monkeypatch.setitem(OPERATIONS, kind, dataclasses.replace(row, execute=execute))
+    checkpointed.chain, checkpointed.sequence = chain, schedule
+    checkpointed(x).backward(torch.randn(x.shape, dtype=x.dtype))
+    monkeypatch.undo()
+    return records
+
+
+def test_simulator_and_executor_agree_for_every_operation_kind(monkeypatch):
+    """For the schedules the solver makes over a range of budgets (with reversible stages, and with offloading, so
+    that every operation kind runs), after every operation the executor holds exactly the values the cost model
+    holds (x_i, x̄_i, gradients), and the bytes of the tensor storages it holds are the model's level."""
+    model, x = _couplings()
+    checkpointed = revlib.Checkpointable(model, reversible=True)
+    measured = _priced(checkpointed.measure(x))
+    n = measured.length
+    seen = set()
+    for chain in (measured, measured.replace(offload_time=[None] + [0.6] * (n - 1))):
+        low, high = min_memory(chain), no_checkpoint_memory(chain)
+        for fraction in (0.0, 0.1, 1.0) if chain is measured else (0.0,):
+            schedule = solve(chain, low + fraction * (high - low))
+            seen |= set(schedule.counts())
+            records = _run_recorded(checkpointed, chain, schedule, x, monkeypatch)
+            assert [op for op, _, _ in records] == list(schedule.ops)
+            sim = Simulation(chain)
+            for op, live, held in records:
+                sim.step(op)
+                modelled = {key for key in sim.live if key != (ValueKind.GRAD, n + 1)}
+                level = sim.level
+                if op.kind is OpKind.L:  # the output's gradient reaches the executor as its backward phase starts
+                    modelled.discard((ValueKind.GRAD, n))
+                    level -= chain.cw[n]
+                if (ValueKind.GRAD, 0) in sim.live:  # the input needs no gradient: the executor computes none
+                    level -= chain.cw[0]
+                assert live == modelled, (str(schedule), str(op))
+                assert held == level, (str(schedule), str(op))
+    assert seen == set(OpKind)
+
+
+def test_operation_kinds_are_an_enum_with_one_row_each():
+    """Every kind has its row (time, cost-model rule, executor rule); kinds given as names map to the enum, and an
+    unknown one is refused naming the kinds."""
+    assert set(OPERATIONS) == set(OpKind) and all(OPERATIONS[k].kind is k for k in OpKind)
+    assert KINDS == ("Fn", "CF", "Fe", "B", "L", "Fr", "Br", "WM", "RM")
+    op = Op("Fe", 1, 1)
+    assert op.kind is OpKind.FE and op == Op(OpKind.FE, 1, 1) and str(op) == "Fe_1[1]"
+    with pytest.raises(ValueError, match="unknown kind 'Xx'; expected one of Fn, CF, Fe"):
+        Op("Xx", 0)
+    chain = Chain([1, 1, 1], [2, 2, 2, 0], [1, 1, 1, 1], [0, 3, 3, 3], [0, 0, 0], [0, 0, 0, 0])
+    schedule = solve(chain, 7, mem_slots=7)
+    counts = schedule.counts()
+    assert counts["CF"] == counts[OpKind.CF] == 2 and str(schedule) == "CF_0 Fn_1 Fe_2 L B_2 CF_0 Fe_1 B_1 Fe_0 B_0"
+
+
+def test_plan_is_the_pure_planning_step():
+    """A chain of costs in, a schedule out, no model: the budget less what is held outside the chain goes to the
+    solver; a budget below the smallest one names it, held bytes included."""
+    chain = Chain([1] * 6, [2] * 6 + [0], [1] * 7, [1] + [3] * 6, [0] * 6, [0] * 7)
+    planned = plan(chain, 12, mem_slots=10, held=2)
+    assert planned.ops == solve(chain, 10, mem_slots=10).ops and planned.peak_memory <= 10
+    with pytest.raises(InfeasibleBudget, match="smallest budget for this model and input is 9") as info:
+        plan(chain, 8, mem_slots=8, held=2)
+    assert info.value.minimum == min_memory(chain) + 2 == 9
+    with pytest.raises(InfeasibleBudget, match="does not even hold the model's output"):
+        plan(chain, 2, held=2)
+
+
+def test_measure_chain_alone_gives_checkpointables_sizes():
+    """Sizing on its own: the stages of a model measured into a chain, the same sizes Checkpointable measures."""
+    model, x = _model(pairs=2)
+    alone = measure_chain(revlib.flatten_sequential(model), x, sizing=Sizing(reversible=False))
+    chain = revlib.Checkpointable(model, reversible=False).measure(x)
+    for field in ("cw", "cbw", "fwd_tmp", "bwd_tmp", "reversible", "names"):
+        assert getattr(alone.chain, field) == getattr(chain, field), field
+    assert alone.chain.reversible == (False,) * 4 and not alone.lazy and len(alone.measurements) == 4
+    assert alone.chain.cw[0] == x.numel() * 8 and alone.chain.cbw[1] > alone.chain.cw[1]
+
+
+def test_schedule_executor_runs_a_given_schedule():
+    """Execution on its own: a schedule solved for a model's chain runs on the model and gives the plain model's
+    gradients (float64, same dropout masks); a schedule for another chain, or one that cannot run, is refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = model.double()
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    chain = measure_chain(revlib.flatten_sequential(model), x).chain
+    schedule = solve(chain, min_memory(chain))
+    assert schedule.counts().get("Fn", 0) + schedule.counts().get("CF", 0) > 0
+    executor = ScheduleExecutor(model, schedule)
+    weights = torch.randn(5, 3, dtype=torch.float64)
+
+    def grads(m):
+        torch.manual_seed(1)
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        (m(x) * weights).sum().backward()
+        return [p.grad.clone() for p in model.parameters()] + [x.grad.clone()]
+
+    for got, want in zip(grads(executor), grads(SeededUnits(revlib.flatten_sequential(model)))):
+        assert max_rel_err(got, want) <= 1e-12
+    with pytest.raises(ValueError, match="chain of 3 stages and the model has 6"):
+        ScheduleExecutor(model, solve(Chain([1] * 3, [1] * 4, [1] * 4, [1] * 4, [0] * 3, [0] * 4), 100))
+    bad = Schedule((Op("CF", 0), Op("Fn", 2), Op("L", 6)), 0.0, 0.0, chain)
+    with pytest.raises(ValueError, match="ScheduleExecutor: the schedule cannot run on its chain: Fn_2: x_2 is not"):
+        ScheduleExecutor(model, bad)
+
+
+def test_fit_budget_bisects_for_the_compiled_peak():
+    """The budget search of fit_to_tpu on its own, with a stand-in for the compiler: the largest probed budget
+    whose compiled peak fits, the fastest end when it fits, and a clear error when even the smallest does not."""
+    chain = Chain([1] * 4, [2] * 4 + [0], [1] * 5, [1] + [3] * 4, [0] * 4, [0] * 5)
+    probed = []
+
+    def compiled_peak(budget):
+        probed.append(budget)
+        return solve(chain, budget), int(100 * budget)
+
+    budget, schedule, peak = fit_budget(compiled_peak, 7.0, 15.0, 1000, probes=4)
+    assert (budget, peak) == (10.0, 1000) and probed == [15.0, 7.0, 11.0, 9.0, 10.0, 10.5]
+    assert schedule.ops == solve(chain, 10.0).ops
+    assert fit_budget(compiled_peak, 7.0, 15.0, 1500)[0] == 15.0
+    with pytest.raises(InfeasibleBudget, match="even the smallest plan needs 700 bytes of TPU v5e HBM"):
+        fit_budget(compiled_peak, 7.0, 15.0, 600)
