@@ -317,7 +317,11 @@ def rewind(record: GeneratorRecord) -> None:
 class CallReplay:
     """What one engine call's forward captured for its recomputations: one seed (unit ``i`` runs under
     ``derive_seed(seed, i)``; ``None`` with ``preserve_rng=False``, then units draw from the global generators
-    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit."""
+    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit.
+
+    Every engine takes these from here: ``Checkpointable`` and ``OffloadModel`` enter a scope per unit
+    (:meth:`first_run`, :meth:`rerun`); the reversible core enters one :meth:`scope` for its whole forward, and one
+    per layer in the backward, and reseeds it per layer with :meth:`unit_seed`."""
 
     def __init__(self, device: backend.DeviceLike, preserve_rng: bool = True) -> None:
         self.device = device
@@ -325,20 +329,27 @@ class CallReplay:
         self.autocast = backend.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
 
-    def _unit_seed(self, unit: int) -> int | None:
+    def unit_seed(self, unit: int) -> int | None:
+        """The seed unit ``unit`` runs under, in its first run and in every recomputation."""
         return None if self.seed is None else backend.derive_seed(self.seed, unit)
+
+    def scope(self, replay: bool = False) -> contextlib.AbstractContextManager[Reseed]:
+        """An :func:`rng_scope` for several units of this call (``reseed(self.unit_seed(i))`` before unit ``i``):
+        the first runs (recording the user's generators), or with ``replay=True`` recomputations (starting them
+        again where each unit found them). Autocast is not entered: see :meth:`rerun`."""
+        return rng_scope(self.device, self.seed is not None, self.record, replay)
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:
-        with rng_scope(self.device, self.seed is not None, self.record) as reseed:
-            reseed(self._unit_seed(unit))
+        with self.scope() as reseed:
+            reseed(self.unit_seed(unit))
             yield
 
     @contextlib.contextmanager
     def rerun(self, unit: int) -> Iterator[None]:
         """The unit's random numbers and the forward's autocast state, for a recomputation."""
-        with rng_scope(self.device, self.seed is not None, self.record, replay=True) as reseed, self.autocast.replay():
-            reseed(self._unit_seed(unit))
+        with self.scope(replay=True) as reseed, self.autocast.replay():
+            reseed(self.unit_seed(unit))
             yield
 
 
