@@ -22,6 +22,14 @@ computed. Three things can differ between the two runs, and each is handled here
   Putting back waits for the gradient because normalization layers save their running statistics for their
   backward, and autograd refuses a saved tensor changed in between. Buffers replaced by assignment rather than
   changed in place are not tracked.
+* **Merging with the forward** (lazily traced devices, XLA): a recomputation computes what the forward computed, and
+  a compiler that sees both in one graph merges them and keeps the forward's activations. The reversible core and
+  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier_`) over what a recomputation
+  reads before running it; ``OffloadModel`` cuts the graph after each slice's forward and recomputation, so the two
+  never share a graph.
+
+Autocast is replayed around the recomputed forward only: gradients are taken in the ambient autocast state, as plain
+autograd takes them (a block that keeps a matmul in float32 under autocast gets float32 gradients there).
 
 Cost: a unit without buffers and random operators pays one seeding per run; each random operator pays one Python
 call (a few microseconds); a unit with buffers pays a version check per buffer and a copy of the changed ones.
@@ -108,9 +116,9 @@ class _Frame:
         if self.record is None or self.seed is None or id(g) in self.owned:
             return
         if not self.replay:
-            first = self.record.setdefault(self.seed, {})
-            if id(g) not in first:
-                first[id(g)] = (g, g.get_state())
+            unit = self.record.setdefault(self.seed, {})
+            if id(g) not in unit:
+                unit[id(g)] = (g, g.get_state())
         elif all(m is not g for m, _ in self.moved):
             first = self.record.get(self.seed, {}).get(id(g))
             if first is not None:
@@ -187,10 +195,10 @@ def _forking(op: Any, position: int, key: Any) -> Callable:
         frames = getattr(_local, "frames", None)
         p = kwargs.get("dropout_p", args[position] if len(args) > position else 0.0)
         device = _device_of(args, kwargs)
-        glob = backend.default_generator(device) if frames and p and frames[-1].generator(device) else None
-        if glob is None:
+        frame = frames[-1] if frames else None
+        glob = backend.default_generator(device) if frame is not None and p and frame.generator(device) else None
+        if frame is None or frame.seed is None or glob is None:
             return op.redispatch(keyset.remove(key), *args, **kwargs)
-        frame = frames[-1]
         frame.forks += 1
         state = glob.get_state()
         glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
@@ -283,7 +291,7 @@ def rng_scope(
     if not active:
         yield _ignore
         return
-    dev = device.device if isinstance(device, Tensor) else torch.device(device)
+    dev = device.device if isinstance(device, Tensor) else torch.device("cpu" if device is None else device)
     key = _install()
     if key is None:
         saved = backend.RngState.capture(dev)
@@ -455,12 +463,14 @@ class RecomputeState:
         """After the unit's first run: the buffers it changed, with their values from before (``None``: none)."""
         if watch is None:
             return None
-        saved, missing = [], 0
+        saved: list[int] = []
+        before: list[Tensor] = []
+        missing = 0
         for k, t in enumerate(watch.tensors):
             key, copy = watch.keys[k], watch.copies[k]
             if watch.fresh[k]:
                 self._seen.add(key)
-                if t._version == watch.versions[k] and torch.equal(t, copy):
+                if t._version == watch.versions[k] and copy is not None and torch.equal(t, copy):
                     continue
                 self._changing.add(key)
             elif key not in self._changing:
@@ -469,7 +479,11 @@ class RecomputeState:
                 self._changing.add(key)
                 missing += 1
                 continue
+            if copy is None:  # known to change only since watch() (a unit sharing the buffer ran meanwhile)
+                missing += 1
+                continue
             saved.append(k)
+            before.append(copy)
         if missing:
             warnings.warn(
                 f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
@@ -478,7 +492,7 @@ class RecomputeState:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return SavedBuffers(saved, [watch.copies[k] for k in saved]) if saved else None
+        return SavedBuffers(saved, before) if saved else None
 
     def python_random_check(self, where: str) -> Any:
         """A context for an engine's training call: at the first one, report a block that draws from Python's

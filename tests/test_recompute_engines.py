@@ -22,9 +22,25 @@ WIDTH = 8
 UNITS = 3
 
 
+class Float32Island(nn.Module):
+    """A matmul kept in float32 under autocast, as models do for rotary embeddings or attention scores. Its backward
+    computes in float32 when the gradient is taken outside autocast (as plain autograd takes it), and in bfloat16
+    when a recomputation also takes the gradient under the forward's autocast state."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return torch.tanh(x.to(self.weight.dtype) @ self.weight)
+
+
 def _block(width):
     # No bias before the BatchNorm: its gradient is zero (the normalization removes it), so only rounding is left.
-    return nn.Sequential(nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.Dropout(0.3), nn.Tanh())
+    return nn.Sequential(
+        nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.Dropout(0.3), nn.Tanh(), Float32Island(width)
+    )
 
 
 def _reversible(dtype):
@@ -92,7 +108,7 @@ def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, sett
     model, reference = ENGINES[engine](dtype)
     model.train(), reference.train()
     params, ref_params = list(model.parameters()), list(reference.parameters())
-    assert len(params) == len(ref_params) == 3 * UNITS
+    assert len(params) == len(ref_params) == 4 * UNITS
     data = torch.Generator().manual_seed(1)
     for step in range(2):  # the second step starts from the running statistics the first one left
         x = torch.randn(4, WIDTH, dtype=dtype, generator=data)
