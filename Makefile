@@ -5,7 +5,18 @@ PYTHON ?= python3
 EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test,lint
 export PJRT_DEVICE ?= CPU
 
-.PHONY: venv lint test test-fast demo bench clean
+# The second environment: the newest torch (no torch_xla, no jax), the stack of the CUDA images and Colab's
+# runtimes. A local wheel folder with torch's CPU build (as on this project's machines) avoids downloading the
+# CUDA build's libraries; without it the index's build is installed.
+NEWER_VENV ?= .venv-newer
+NEWER_PY := $(NEWER_VENV)/bin/python
+WHEELS ?= /opt/wheels
+FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
+
+# pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
+PYTEST_N := -m pytest -n 2 --dist loadfile -q
+
+.PHONY: venv venv-newer lint typecheck test test-fast test-newer demo bench clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
 LINT_PATHS := revlib_xla tests bench kernels
@@ -16,17 +27,34 @@ $(VENV)/.installed: setup.cfg constraints.txt
 	uv pip install -q -p $(PY) -c constraints.txt -e '.[$(EXTRAS)]'
 	@touch $@
 
+$(NEWER_VENV)/.installed: setup.cfg constraints-newer.txt
+	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
+	@test -x $(NEWER_PY) || uv venv -q -p $(PYTHON) $(NEWER_VENV)
+	uv pip install -q -p $(NEWER_PY) $(FIND_LINKS) -c constraints-newer.txt -e '.[test]'
+	@touch $@
+
 venv: $(VENV)/.installed
+
+venv-newer: $(NEWER_VENV)/.installed
 
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
-test: lint
-	$(PY) -m pytest -n 2 --dist loadfile -q tests
+# mypy over the library, configured in setup.cfg ([mypy]); not yet part of lint.
+typecheck: venv
+	$(VENV)/bin/mypy
 
+test: lint
+	$(PY) $(PYTEST_N) tests
+
+# Everything but the tests marked slow (setup.cfg registers the marker).
 test-fast: venv
-	$(PY) -m pytest -q -x -m "not slow" tests
+	$(PY) $(PYTEST_N) -m "not slow" tests
+
+# The suite on the newer torch; what needs torch_xla, jax or libtpu skips with its reason.
+test-newer: venv-newer
+	$(NEWER_PY) $(PYTEST_N) tests
 
 demo: venv
 	$(PY) -m revlib_xla.demo
@@ -35,4 +63,4 @@ bench: venv
 	$(PY) bench/reversible_vs_peers.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWER_VENV) build *.egg-info

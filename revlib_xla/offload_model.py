@@ -67,6 +67,15 @@ def split_by_parameters(modules: Sequence[nn.Module], num_slices: int) -> list[l
 # Micro-batches
 
 
+def _as_device(device: backend.DeviceLike, argument: str) -> torch.device:
+    """``device`` (a device, its name, or a tensor standing for its device) as a ``torch.device``."""
+    if isinstance(device, Tensor):
+        return device.device
+    if device is None:
+        raise OffloadModelError(f"OffloadModel: `{argument}` is None; give a device (e.g. 'cpu')")
+    return torch.device(device)
+
+
 def _batch_size(inputs: Sequence[Any]) -> int | None:
     sizes = {t.shape[0] for t in inputs if isinstance(t, Tensor) and t.dim() > 0}
     if len(sizes) > 1:
@@ -108,12 +117,12 @@ class _Attach(torch.autograd.Function):
     """A device copy standing for a host tensor: its gradient goes to the host tensor."""
 
     @staticmethod
-    def forward(ctx, host: Tensor, copy: Tensor) -> Tensor:
+    def forward(ctx: Any, host: Tensor, copy: Tensor) -> Tensor:
         ctx.host_device = host.device
         return copy.detach()
 
     @staticmethod
-    def backward(ctx, grad: Tensor):
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         backend.cut_graph(grad)
         return backend.to_host_blocking(grad, ctx.host_device), None
 
@@ -123,14 +132,14 @@ class _Boundary(torch.autograd.Function):
     slice's tensors, so the slice's backward runs with its parameters on the device and no longer."""
 
     @staticmethod
-    def forward(ctx, owner: OffloadModel, index: int, entering: bool, dummy: Tensor, *acts: Tensor):
+    def forward(ctx: Any, owner: OffloadModel, index: int, entering: bool, dummy: Tensor, *acts: Tensor) -> Any:
         ctx.owner, ctx.index, ctx.entering = owner, index, entering
         out = tuple(a.detach() for a in acts)
         ctx.mark_non_differentiable(*(o for o in out if not (o.is_floating_point() or o.is_complex())))
         return out
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         streamer = ctx.owner._streamer
         if ctx.entering:
             streamer.release(ctx.index)
@@ -147,7 +156,7 @@ class _CheckpointedSlice(torch.autograd.Function):
     slice in again, recomputes it as its forward ran (:mod:`revlib_xla.recompute`) and differentiates it."""
 
     @staticmethod
-    def forward(ctx, owner: OffloadModel, index: int, call: CallReplay, n_acts: int, *flat: Tensor):
+    def forward(ctx: Any, owner: OffloadModel, index: int, call: CallReplay, n_acts: int, *flat: Tensor) -> Any:
         acts = flat[:n_acts]
         ctx.owner, ctx.index, ctx.call, ctx.n_acts = owner, index, call, n_acts
         with torch.no_grad():
@@ -157,13 +166,17 @@ class _CheckpointedSlice(torch.autograd.Function):
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         owner: OffloadModel = ctx.owner
         saved = ctx.saved_tensors
         acts = [s.to(d) for s, d in zip(saved, ctx.act_devices)]
         leaves = [a.detach().requires_grad_(a.is_floating_point()) for a in acts]
         host = owner._slice_tensors[ctx.index]
-        with torch.enable_grad(), ctx.call.rerun(ctx.index):
+        call: CallReplay = ctx.call
+        # The recomputation replays the forward's random numbers and autocast state; the gradient is taken in the
+        # ambient autocast state, as plain autograd takes it (the reversible core and Checkpointable do the same).
+        with torch.enable_grad(), call.scope(replay=True) as reseed:
+            reseed(call.unit_seed(ctx.index))
             copies = list(owner._streamer.fetch(ctx.index, prefetch=ctx.index - 1))
             if ctx.saved_buffers is not None:  # the copies are scratch: nothing to put back afterwards
                 ctx.saved_buffers.swap_in(owner._buffers_of(ctx.index, copies))
@@ -175,7 +188,8 @@ class _CheckpointedSlice(torch.autograd.Function):
             mbs = _micro_batches(leaves, owner._num_microbatches)
             grad_mbs = _micro_batches(grads, owner._num_microbatches)
             for mb, gmb in zip(mbs, grad_mbs):
-                outs = owner._call(ctx.index, copies, mb)
+                with call.autocast.replay():
+                    outs = owner._call(ctx.index, copies, mb)
                 pairs = [(o, g) for o, g in zip(outs, gmb) if o.requires_grad and g is not None]
                 wrt = [t for t in mb if t.requires_grad] + [copies[k] for k in trainable]
                 got = (
@@ -188,18 +202,18 @@ class _CheckpointedSlice(torch.autograd.Function):
                 for k in trainable:
                     g = next(it)
                     if g is not None:
-                        param_grads[k] = g if param_grads[k] is None else param_grads[k] + g
+                        so_far = param_grads[k]
+                        param_grads[k] = g if so_far is None else so_far + g
             del copies, outs, mbs
         owner._streamer.release(ctx.index)
         if ctx.index == 0:
             owner._streamer.release_all()
         backend.cut_graph(owner.device)
-        input_grads = []
+        input_grads: list[Tensor | None] = []
         for j in range(ctx.n_acts):
-            parts = [mb[j] for mb in act_grads]
-            input_grads.append(
-                None if any(p is None for p in parts) else (parts[0] if len(parts) == 1 else torch.cat(parts, 0))
-            )
+            parts = [g for mb in act_grads if (g := mb[j]) is not None]
+            whole = len(parts) == len(act_grads)  # every micro-batch has a gradient for this input
+            input_grads.append(None if not whole else (parts[0] if len(parts) == 1 else torch.cat(parts, 0)))
         host_grads = [None if g is None else backend.to_host_blocking(g, h.device) for g, h in zip(param_grads, host)]
         return (None, None, None, None, *input_grads, *host_grads)
 
@@ -261,8 +275,8 @@ class OffloadModel(nn.Module):
             )
         if not isinstance(num_microbatches, int) or num_microbatches < 1:
             raise OffloadModelError(f"OffloadModel: num_microbatches must be a positive int, got {num_microbatches!r}")
-        self.device = torch.device(device) if not isinstance(device, torch.device) else device
-        self.offload_device = torch.device(offload_device)
+        self.device = _as_device(device, "device")
+        self.offload_device = _as_device(offload_device, "offload_device")
         self.model_slices = nn.ModuleList(slices)
         self.model_slices.to(self.offload_device)
         self._checkpoint_activation = checkpoint_activation
@@ -270,7 +284,9 @@ class OffloadModel(nn.Module):
         self._slice_tensors: list[list[Tensor]] = []
         self._slice_names: list[list[list[str]]] = []
         for s in self.model_slices:
-            tensors, names, seen = [], [], {}
+            tensors: list[Tensor] = []
+            names: list[list[str]] = []
+            seen: dict[int, int] = {}
             for name, t in list(s.named_parameters(remove_duplicate=False)) + list(
                 s.named_buffers(remove_duplicate=False)
             ):
@@ -351,14 +367,14 @@ class OffloadModel(nn.Module):
             if t.requires_grad:
                 copies[k] = _Attach.apply(t, copies[k])
 
-        def pack(t: Tensor):
+        def pack(t: Tensor) -> Any:
             if t.device.type != "xla":
                 k = storages.get(t.untyped_storage().data_ptr())
                 if k is not None:
                     return ("slice tensor", index, k, t.size(), t.stride(), t.storage_offset(), versions[k])
             return t
 
-        def unpack(packed):
+        def unpack(packed: Any) -> Tensor:
             if not (isinstance(packed, tuple) and packed and packed[0] == "slice tensor"):
                 return packed
             _, i, k, size, stride, offset, version = packed

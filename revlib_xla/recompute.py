@@ -22,6 +22,14 @@ computed. Three things can differ between the two runs, and each is handled here
   Putting back waits for the gradient because normalization layers save their running statistics for their
   backward, and autograd refuses a saved tensor changed in between. Buffers replaced by assignment rather than
   changed in place are not tracked.
+* **Merging with the forward** (lazily traced devices, XLA): a recomputation computes what the forward computed, and
+  a compiler that sees both in one graph merges them and keeps the forward's activations. The reversible core and
+  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier_`) over what a recomputation
+  reads before running it; ``OffloadModel`` cuts the graph after each slice's forward and recomputation, so the two
+  never share a graph.
+
+Autocast is replayed around the recomputed forward only: gradients are taken in the ambient autocast state, as plain
+autograd takes them (a block that keeps a matmul in float32 under autocast gets float32 gradients there).
 
 Cost: a unit without buffers and random operators pays one seeding per run; each random operator pays one Python
 call (a few microseconds); a unit with buffers pays a version check per buffer and a copy of the changed ones.
@@ -108,9 +116,9 @@ class _Frame:
         if self.record is None or self.seed is None or id(g) in self.owned:
             return
         if not self.replay:
-            first = self.record.setdefault(self.seed, {})
-            if id(g) not in first:
-                first[id(g)] = (g, g.get_state())
+            unit = self.record.setdefault(self.seed, {})
+            if id(g) not in unit:
+                unit[id(g)] = (g, g.get_state())
         elif all(m is not g for m, _ in self.moved):
             first = self.record.get(self.seed, {}).get(id(g))
             if first is not None:
@@ -187,10 +195,10 @@ def _forking(op: Any, position: int, key: Any) -> Callable:
         frames = getattr(_local, "frames", None)
         p = kwargs.get("dropout_p", args[position] if len(args) > position else 0.0)
         device = _device_of(args, kwargs)
-        glob = backend.default_generator(device) if frames and p and frames[-1].generator(device) else None
-        if glob is None:
+        frame = frames[-1] if frames else None
+        glob = backend.default_generator(device) if frame is not None and p and frame.generator(device) else None
+        if frame is None or frame.seed is None or glob is None:
             return op.redispatch(keyset.remove(key), *args, **kwargs)
-        frame = frames[-1]
         frame.forks += 1
         state = glob.get_state()
         glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
@@ -283,7 +291,7 @@ def rng_scope(
     if not active:
         yield _ignore
         return
-    dev = device.device if isinstance(device, Tensor) else torch.device(device)
+    dev = device.device if isinstance(device, Tensor) else torch.device("cpu" if device is None else device)
     key = _install()
     if key is None:
         saved = backend.RngState.capture(dev)
@@ -317,7 +325,11 @@ def rewind(record: GeneratorRecord) -> None:
 class CallReplay:
     """What one engine call's forward captured for its recomputations: one seed (unit ``i`` runs under
     ``derive_seed(seed, i)``; ``None`` with ``preserve_rng=False``, then units draw from the global generators
-    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit."""
+    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit.
+
+    Every engine takes these from here: ``Checkpointable`` and ``OffloadModel`` enter a scope per unit
+    (:meth:`first_run`, :meth:`rerun`); the reversible core enters one :meth:`scope` for its whole forward, and one
+    per layer in the backward, and reseeds it per layer with :meth:`unit_seed`."""
 
     def __init__(self, device: backend.DeviceLike, preserve_rng: bool = True) -> None:
         self.device = device
@@ -325,20 +337,27 @@ class CallReplay:
         self.autocast = backend.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
 
-    def _unit_seed(self, unit: int) -> int | None:
+    def unit_seed(self, unit: int) -> int | None:
+        """The seed unit ``unit`` runs under, in its first run and in every recomputation."""
         return None if self.seed is None else backend.derive_seed(self.seed, unit)
+
+    def scope(self, replay: bool = False) -> contextlib.AbstractContextManager[Reseed]:
+        """An :func:`rng_scope` for several units of this call (``reseed(self.unit_seed(i))`` before unit ``i``):
+        the first runs (recording the user's generators), or with ``replay=True`` recomputations (starting them
+        again where each unit found them). Autocast is not entered: see :meth:`rerun`."""
+        return rng_scope(self.device, self.seed is not None, self.record, replay)
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:
-        with rng_scope(self.device, self.seed is not None, self.record) as reseed:
-            reseed(self._unit_seed(unit))
+        with self.scope() as reseed:
+            reseed(self.unit_seed(unit))
             yield
 
     @contextlib.contextmanager
     def rerun(self, unit: int) -> Iterator[None]:
         """The unit's random numbers and the forward's autocast state, for a recomputation."""
-        with rng_scope(self.device, self.seed is not None, self.record, replay=True) as reseed, self.autocast.replay():
-            reseed(self._unit_seed(unit))
+        with self.scope(replay=True) as reseed, self.autocast.replay():
+            reseed(self.unit_seed(unit))
             yield
 
 
@@ -444,12 +463,14 @@ class RecomputeState:
         """After the unit's first run: the buffers it changed, with their values from before (``None``: none)."""
         if watch is None:
             return None
-        saved, missing = [], 0
+        saved: list[int] = []
+        before: list[Tensor] = []
+        missing = 0
         for k, t in enumerate(watch.tensors):
             key, copy = watch.keys[k], watch.copies[k]
             if watch.fresh[k]:
                 self._seen.add(key)
-                if t._version == watch.versions[k] and torch.equal(t, copy):
+                if t._version == watch.versions[k] and copy is not None and torch.equal(t, copy):
                     continue
                 self._changing.add(key)
             elif key not in self._changing:
@@ -458,7 +479,11 @@ class RecomputeState:
                 self._changing.add(key)
                 missing += 1
                 continue
+            if copy is None:  # known to change only since watch() (a unit sharing the buffer ran meanwhile)
+                missing += 1
+                continue
             saved.append(k)
+            before.append(copy)
         if missing:
             warnings.warn(
                 f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
@@ -467,7 +492,7 @@ class RecomputeState:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        return SavedBuffers(saved, [watch.copies[k] for k in saved]) if saved else None
+        return SavedBuffers(saved, before) if saved else None
 
     def python_random_check(self, where: str) -> Any:
         """A context for an engine's training call: at the first one, report a block that draws from Python's

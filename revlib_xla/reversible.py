@@ -56,7 +56,7 @@ from .coupling import (
 )
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
-from .recompute import RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
+from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
 
 Tensor = torch.Tensor
 DUAL_OR_QUAD_TENSOR = tuple[Tensor, Tensor, Tensor, Tensor] | tuple[Tensor, Tensor]
@@ -358,7 +358,7 @@ class _Plan:
     params: list[nn.Parameter]
     layer_params: list[list[int]]
     layer_buffers: list[list[tuple[nn.Module, Tensor]]]  # per layer: its buffers, each once, with their modules
-    seed: int | None
+    call: CallReplay  # the call's seed, autocast state and the user's generators met in each layer
     stream_dtype: torch.dtype | None
     compute_dtype: torch.dtype | None
     state: RecomputeState  # the model's: which buffers its layers change in their forward
@@ -367,7 +367,6 @@ class _Plan:
     offload: _LayerOffload | None = None
     fused: FusedOptimizer | None = None
     fused_done: list[list[int]] | None = None  # per layer: positions (in layer_params) of the fused-stepped ones
-    autocast: backend.AutocastState | None = None  # at forward time, replayed by each recomputation
     walk: tuple[Tensor, Tensor, Any] | None = None  # the backward walk: the streams the next layer's backward
     # rebuilt, and what it finished (see _layer_backward)
     # Derived once per call rather than once per layer and pass (see _layer_backward):
@@ -377,9 +376,8 @@ class _Plan:
     additive: list[bool] = dataclasses.field(init=False)  # adds, and streams and blocks share one dtype
     seeds: list[int | None] = dataclasses.field(init=False)
     own_params: list[list[nn.Parameter]] = dataclasses.field(init=False)
-    # What the forward leaves for the recomputations: the user's generators met in each layer, and the values
-    # each layer's changed buffers had before its forward.
-    generators: dict = dataclasses.field(init=False, default_factory=dict)
+    # What the forward leaves for the recomputations besides ``call``: the values each layer's changed buffers had
+    # before its forward.
     saved_buffers: list[SavedBuffers | None] = dataclasses.field(init=False)
     flat_args: list[tuple[list[Any], Any] | None] = dataclasses.field(init=False)  # per layer with tensor arguments:
     # its (args, kwargs) flattened once, for args_for to fill in
@@ -390,7 +388,7 @@ class _Plan:
         self.subtracts = [w.coupling_inverse is additive_coupling_inverse for w in self.wrappers]
         one_dtype = self.stream_dtype is None and self.compute_dtype is None
         self.additive = [one_dtype and add for add in self.adds]
-        self.seeds = [None if self.seed is None else backend.derive_seed(self.seed, i) for i in range(len(self.layers))]
+        self.seeds = [self.call.unit_seed(i) for i in range(len(self.layers))]
         self.own_params = [[self.params[k] for k in ks] for ks in self.layer_params]
         self.saved_buffers = [None] * len(self.layers)
         self.flat_args = [
@@ -545,9 +543,8 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
     """The reversible forward: each layer runs without autograd as its own :class:`_ReversibleLayerFn` node, which
     keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams)."""
     device = x0.device
-    plan.autocast = backend.AutocastState.capture(device)
     off = plan.offload
-    with plan.autocast.replay(), rng_scope(device, plan.seed is not None, plan.generators) as reseed:
+    with plan.call.autocast.replay(), plan.call.scope() as reseed:
         for i in range(len(plan.layers)):
             reseed(plan.seed_of(i))
             own_args = [arg_tensors[k] for k in plan.layer_arg_slots[i]]
@@ -654,9 +651,9 @@ class _ReversibleLayerFn(torch.autograd.Function):
         want = _wanted(ctx, plan, i)
         # Each recomputation replays the forward's autocast state; gradients are taken in the ambient one, as plain
         # autograd does. Off then and off now (the usual case), there is nothing to enter.
-        autocast = cast(backend.AutocastState, plan.autocast)  # captured by the forward (_run_layers)
+        autocast = plan.call.autocast
         ctx.layer_autocast = autocast.replay if autocast.differs_from_now() else _nothing
-        with rng_scope(y0.device, plan.seed is not None, plan.generators, replay=True) as reseed:
+        with plan.call.scope(replay=True) as reseed:
             x0, y0, dx0, dx1, grads, finished = _layer_backward(
                 ctx, plan, i, y0, y1, dy0, dy1, reseed, saved[len(plan.layer_params[i]) :], want, later
             )
@@ -851,13 +848,22 @@ def _vjp(out: Tensor, inputs: Sequence[Tensor], grad: Tensor) -> tuple[Tensor | 
     depend on, and for every input when it depends on none.
 
     ``torch.autograd.grad`` without its argument checks, which cost about 45 us per call and run once per layer:
-    here the arguments are built by the caller and are known to be well-formed. Falls back to the public function
-    on torch versions without the engine entry point."""
+    here the arguments are built by the caller and are known to be well-formed. The private entry point is called
+    with keywords (torch 2.5 to 2.13 name them alike), so a reordering fails loudly instead of passing a flag for
+    another; a torch without it gets the public function."""
     if not out.requires_grad:
         return (None,) * len(inputs)
     if _ENGINE_BACKWARD is None:
         return torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return _ENGINE_BACKWARD((out,), (grad,), False, False, tuple(inputs), True, accumulate_grad=False)
+    return _ENGINE_BACKWARD(
+        (out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=False,
+    )
 
 
 class ReversibleSequential(nn.Sequential):
@@ -1093,7 +1099,7 @@ class ReversibleSequential(nn.Sequential):
             params,
             layer_params,
             layer_buffers,
-            backend.draw_seed() if self.preserve_rng_state else None,
+            CallReplay(x0.device, self.preserve_rng_state),
             stream_dtype,
             compute_dtype,
             RecomputeState.of(self),
@@ -1227,7 +1233,7 @@ class ReversibleSequential(nn.Sequential):
         x0, x1 = _to_streams(plan, x0, x1)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
-            with rng_scope(x0.device, plan.seed is not None) as reseed:
+            with plan.call.scope() as reseed:
                 for i in range(len(plan.layers)):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
@@ -1388,7 +1394,7 @@ def _check_plan(
     )
     replays: list[Any] = []  # relative errors: tensors, then (read back at once) floats
     locals_: list[Any] = []
-    active, device = plan.seed is not None, x0.device
+    active, device = plan.call.seed is not None, x0.device
     generators: dict[Any, Any] = {}
 
     @contextlib.contextmanager
@@ -1433,7 +1439,7 @@ def _check_plan(
                 f"cache it appends to (a transformers KV cache: pass use_cache=False when training) or Python's "
                 f"random. Make its output depend only on its input, arguments, parameters, buffers and torch's random "
                 f"numbers (a torch.Generator of its own included), or use memory_mode=MemoryModes.no_savings."
-                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.seed is None else "")
+                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.call.seed is None else "")
             )
         if not locals_[i] <= tol:
             raise ReversibleError(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from revlib_xla import backend
+from revlib_xla._tree import map_tensors
 
 # torch's autograd engine sizes its per-device queues once, at the first backward pass of the process, from the
 # device counts known then. XLA's count is known only once torch_xla's runtime has started, so start it before any
@@ -37,14 +38,8 @@ def device(request):
 
 
 def to_host(t):
-    """Bring a tensor (or nested structure) back to the CPU, syncing XLA first."""
-    if isinstance(t, torch.Tensor):
-        return t.detach().cpu()
-    if isinstance(t, (list, tuple)):
-        return type(t)(to_host(x) for x in t)
-    if isinstance(t, dict):
-        return {k: to_host(v) for k, v in t.items()}
-    return t
+    """Bring a tensor (or the tensors in a nested structure) back to the CPU, syncing XLA first."""
+    return map_tensors(lambda x: x.detach().cpu(), t)
 
 
 def max_rel_err(a, b):

@@ -46,6 +46,7 @@ def activation_peak(step, module, x):
 
 
 @pytest.mark.parametrize("build", [small_resnet, small_gpt], ids=["resnet18", "gpt"])
+@pytest.mark.slow
 def test_schedules_match_plain_gradients_within_budget(build):
     model, x = build()
     out_shape = model(x).shape
@@ -80,6 +81,7 @@ def _priced_by_parameters(checkpointed, measured: Chain) -> Chain:
     return measured.replace(fw=work, bw=[2 * w for w in work] + [1.0], inverse_time=work)
 
 
+@pytest.mark.slow
 def test_hybrid_plan_is_faster_and_exact():
     """A transformer whose blocks are reversible: at a budget where rotor alone must recompute a lot, the plan
     that may also rebuild inputs from outputs is faster, and the step gives the plain gradients."""
@@ -104,6 +106,7 @@ def test_hybrid_plan_is_faster_and_exact():
         assert max_rel_err(g, r) <= 1e-10
 
 
+@pytest.mark.slow
 def test_rebuilt_inputs_run_at_every_budget():
     """Plans with rebuilt inputs (Fr/Br), as `Checkpointable(reversible=True)` makes them on a deeper reversible
     decoder at budgets from 20 % of the no-checkpoint peak up, run and give the plain gradients (a Br once read the
@@ -158,6 +161,7 @@ def test_tuple_io_and_input_gradient():
         assert max_rel_err(g, w) <= 1e-12
 
 
+@pytest.mark.slow
 def test_parameters_get_gradients_without_input_grad_and_eval_is_plain():
     model, x = small_resnet()
     checkpointed = revlib.Checkpointable(model, input=x, mem_limit=None)
@@ -170,6 +174,7 @@ def test_parameters_get_gradients_without_input_grad_and_eval_is_plain():
     assert torch.equal(checkpointed(x), model(x))
 
 
+@pytest.mark.slow
 def test_running_statistics_are_updated_once():
     model, x = small_resnet()
     reference = [b.clone() for b in model.buffers()]
@@ -189,6 +194,7 @@ def test_running_statistics_are_updated_once():
         assert torch.allclose(after[key].double(), value.double(), rtol=1e-12, atol=0), key
 
 
+@pytest.mark.slow
 def test_bad_input():
     with pytest.raises(TypeError, match="needs an nn.Sequential.*nn.Sequential\\(stage_0"):
         revlib.Checkpointable(nn.Linear(3, 3))
@@ -217,6 +223,7 @@ def test_inplace_relu_is_merged():
     assert isinstance(stages[1], nn.Sequential) and isinstance(stages[1][1], nn.ReLU)
 
 
+@pytest.mark.slow
 def test_xla_schedule_compiles_once_keeps_recomputation_and_matches_cpu():
     """On XLA (PJRT CPU): stage costs come from FLOP counts, the schedule runs in the one compiled training step,
     later steps compile nothing, recomputations sit behind optimization barriers, gradients equal the plain model."""
@@ -292,6 +299,7 @@ def test_cuda_peak_within_budget():
         assert peak <= 1.05 * budget + sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_stage_options_are_planned_and_run():
     """Stages may offer other ways to run with autograd; here every stage may store what it saves in float32 (the
     model is float64): the planner measures the options (half the saved bytes), uses them where memory is tight,
@@ -335,6 +343,7 @@ def test_stage_options_are_planned_and_run():
         assert max_rel_err(g, r) <= 1e-6
 
 
+@pytest.mark.slow
 def test_fit_to_tpu_finds_a_plan_that_the_tpu_compiler_fits():
     """Planning for a TPU without one: the schedule chosen for an HBM limit compiles (deviceless, TPU v5e) to a
     step within the limit and is at least as fast as the smallest plan; a limit that no probe fits is refused.
@@ -378,6 +387,7 @@ class _ResidualBlock(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+@pytest.mark.slow
 def test_planned_peak_tracks_what_the_tpu_compiler_keeps():
     """The plan's activation peak is what the compiled step keeps: a residual MLP planned on XLA at six budgets from
     the smallest to the no-checkpoint peak, each step compiled deviceless for TPU v5e (every buffer in HBM) and its
@@ -610,6 +620,7 @@ def _tied_model(device):
     return model, torch.randn(5, 8, dtype=torch.float64).to(device)
 
 
+@pytest.mark.slow
 def test_autograd_grad_and_backward_inputs_through_checkpointable(device):
     """torch.autograd.grad(loss, params) returns the plain gradients (a shared parameter's summed over its uses)
     and leaves .grad alone; torch.autograd.grad(loss, x) and backward(inputs=[x]) give the input gradient and

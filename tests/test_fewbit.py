@@ -354,6 +354,7 @@ def _saved_codes(module, x):
     return torch.cat([to_host(t).view(torch.uint8) for t in saved])  # the codes, then any NaN flags
 
 
+@pytest.mark.slow
 def test_xla_codes_equal_cpu_codes_bit_for_bit():
     from revlib_xla import backend
 

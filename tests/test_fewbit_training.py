@@ -94,6 +94,7 @@ def plain_loss(initial):
 
 
 @pytest.mark.parametrize("few_bit_gelu,ratio", [(True, None), (False, 0.2), (True, 0.3)])
+@pytest.mark.slow
 def test_bert_like_final_loss_within_two_percent_of_plain(initial, plain_loss, few_bit_gelu, ratio):
     model = convert(initial, few_bit_gelu, ratio)
     kinds = [type(m) for m in model.modules()]
@@ -108,6 +109,7 @@ def test_bert_like_final_loss_within_two_percent_of_plain(initial, plain_loss, f
     assert abs(loss / plain_loss - 1) <= 0.02
 
 
+@pytest.mark.slow
 def test_xla_training_step_compiles_once():
     if not backend.xla_available():
         pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")

@@ -91,6 +91,7 @@ def _train(model, device, optimizer, in_width, scheduler=None, batches=None):
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
+@pytest.mark.slow
 def test_reversible_fused_losses_equal_unfused_bit_for_bit(device, opt):
     factory = OPTIMIZERS[opt]
     unfused = _reversible().to(device)
@@ -106,6 +107,7 @@ def test_reversible_fused_losses_equal_unfused_bit_for_bit(device, opt):
 @pytest.mark.parametrize(
     "make, opt", [(_plain, "sgd_momentum"), (_mixed, "adamw")], ids=["plain-sgd_momentum", "plain_and_reversible-adamw"]
 )
+@pytest.mark.slow
 def test_fuse_optimizer_equals_unfused_bit_for_bit(device, opt, make):
     factory = OPTIMIZERS[opt]
     unfused = make().to(device)
@@ -158,6 +160,7 @@ def _planned(seed=0):
     return model
 
 
+@pytest.mark.slow
 def test_fuse_optimizer_with_the_planners_checkpointable():
     """Checkpointable runs each stage's backward with autograd, so the per-parameter hooks step every stage as its
     gradients complete, in the planned schedule with recomputation (the smallest budget)."""

@@ -87,6 +87,7 @@ def grads(model, **kw):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.slow
 def test_training_with_the_kv_cache_on_is_refused(name, monkeypatch):
     """Issue 15 §2.13: with use_cache left at its default (True), every block wrote its keys and values into the
     cache in the forward and again in the recomputation: gradients 16-56 % off (here 100 %), silently."""
@@ -111,6 +112,7 @@ def test_gradients_equal_plain_autograd(name):
         assert max_rel_err(got[n], want[n]) <= 1e-10, n
 
 
+@pytest.mark.slow
 def test_small_beta_in_float32_is_refused_where_it_would_be_wrong():
     """Issue 15 §2.14 as reported (GPT-2 blocks, use_cache=False, beta 0.1, float32): refused at the first training
     forward where the input cannot be rebuilt, otherwise the gradients of plain autograd."""

@@ -80,6 +80,7 @@ class _RoundSaved(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(pack, unpack)
 
 
+@pytest.mark.slow
 def test_cast_keeps_the_forward_and_gradients_within_one_percent(device):
     y, grads = _grads(device, contextlib.nullcontext())
     y16, grads16 = _grads(device, memory_efficient_intermediates(torch.bfloat16))
@@ -205,6 +206,7 @@ def _step(context):
     return step
 
 
+@pytest.mark.slow
 def test_xla_offload_annotations_and_tpu_hbm_peak():
     if not backend.xla_available():
         pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")

@@ -210,6 +210,7 @@ def jax_reference(case, dtype, model, coupling_specs, x_host, w_host):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_matches_jax_reference(case, dtype, device, full_precision):
     skip_unsupported_float64(device, dtype)
     torch.manual_seed(0)

@@ -40,6 +40,7 @@ def _cases():
                 yield bits, table, dtype, n
 
 
+@pytest.mark.slow
 def test_triton_kernels_equal_the_reference_bit_for_bit():
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (it comes with torch on Linux x86-64; pip install triton)")
@@ -82,6 +83,7 @@ def _bits_of(jnp, array):
     return array.view(np.int16 if array.dtype.itemsize == 2 else np.int32 if array.dtype.itemsize == 4 else np.uint8)
 
 
+@pytest.mark.slow
 def test_pallas_kernels_equal_the_reference_bit_for_bit():
     jax, jnp = _jax_or_skip()
     from revlib_xla.kernels import fewbit_pallas

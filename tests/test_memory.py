@@ -425,6 +425,7 @@ def test_xla_cpu_merges_the_recompute_back(texts):
 
 @needs_xla
 @needs_libtpu
+@pytest.mark.slow
 def test_tpu_v5e_checkpointing_lowers_hbm_peak_and_keeps_the_recompute(texts, v5e):
     plain, ckpt = v5e["plain"], v5e["checkpointed"]
     for mem in (plain, ckpt):
@@ -464,6 +465,7 @@ def test_tpu_v5e_host_offload_moves_saved_activations_out_of_hbm(v5e):
 @needs_xla
 @needs_libtpu
 @pytest.mark.parametrize("generation,kind", [("v6e", "TPU v6 lite"), ("v5p", "TPU v5")])
+@pytest.mark.slow
 def test_tpu_other_generations_compile(texts, generation, kind):
     plain, ckpt = tpu_memory_many([texts["plain"], texts["checkpointed"]], generation)
     assert plain.device_kind == ckpt.device_kind == kind
@@ -474,6 +476,7 @@ def test_tpu_other_generations_compile(texts, generation, kind):
 
 @needs_xla
 @needs_libtpu
+@pytest.mark.slow
 def test_tpu_results_are_cached_in_memory_and_on_disk(texts, tmp_path, monkeypatch):
     text = texts["plain"]
     memory.clear_compile_cache()
@@ -579,6 +582,7 @@ print(hashlib.sha256(memory.step_stablehlo(train_step, model, x).encode()).hexdi
 
 
 @needs_xla
+@pytest.mark.slow
 def test_step_stablehlo_works_after_a_cpu_backward(tmp_path):
     """The README's memory snippet: a CPU step, then step_stablehlo. The child process starts no XLA runtime before
     its CPU backward (this worker's conftest does); the StableHLO equals this process's."""
@@ -661,6 +665,7 @@ def test_disk_cache_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
 
 
 @needs_libtpu
+@pytest.mark.slow
 def test_tpu_compile_leaves_no_log_files_behind(monkeypatch):
     """libtpu writes two log files per process to $TPU_LOG_DIR (default /tmp/tpu_logs, never cleaned): the worker's
     go into its temporary directory, which is deleted."""

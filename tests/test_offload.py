@@ -64,6 +64,7 @@ def _two_forwards_one_backward(model, device, dtype):
 
 
 @pytest.mark.parametrize("mode", ["reversible", "no_savings"])
+@pytest.mark.slow
 def test_gradients_equal_no_offload(device, mode):
     dtype = torch.float64 if device.type == "cpu" else torch.float32
     memory_mode = revlib.MemoryModes.no_savings if mode == "no_savings" else revlib.MemoryModes.autograd_function
@@ -81,6 +82,7 @@ def test_gradients_equal_no_offload(device, mode):
         assert max(max_rel_err(a, b) for a, b in zip(grads, ref_grads)) <= 1e-6
 
 
+@pytest.mark.slow
 def test_at_most_two_layers_on_the_device(device):
     _, off = _models(device, torch.float32)
     x = torch.randn(4, 2 * WIDTH).to(device)
@@ -157,6 +159,7 @@ def test_batchnorm_statistics_updated_once_on_the_host():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(ref.parameters(), off.parameters()))
 
 
+@pytest.mark.slow
 def test_fused_optimizer_with_offload_steps_host_parameters():
     sgd = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
     torch.manual_seed(0)
@@ -196,6 +199,7 @@ def test_target_device_is_an_option_of_the_sequence():
         revlib.ReversibleModule(Block(), target_device="cpu")
 
 
+@pytest.mark.slow
 def test_xla_design_per_layer_graphs_hold_less_hbm_than_host_annotations():
     """Why target_device on XLA streams parameters into per-layer graphs instead of annotating them for host memory
     inside one step graph (TPU v5e, deviceless compile): the annotated parameters are still HBM arguments of the

@@ -125,6 +125,7 @@ def check_against_brute_force(chains, budgets, options=1, extended=False):
 
 
 @pytest.mark.parametrize("length", range(1, 9))
+@pytest.mark.slow
 def test_optimal_against_exhaustive_search(length):
     """rotor's recurrence: 26 random chains per length 1..8 (208 chains), each at a budget between its minimum and
     its no-checkpoint peak (and some below the minimum), against every persistent schedule."""
@@ -171,6 +172,7 @@ def test_extensions_lower_the_time():
     assert planned.makespan < solve(plain, budget, mem_slots=budget).makespan and planned.counts()["WM"] > 0
 
 
+@pytest.mark.slow
 def test_discretization_stays_within_the_limit():
     rng = random.Random(7)
     for _ in range(8):
@@ -189,6 +191,7 @@ def test_discretization_stays_within_the_limit():
             assert simulate(chain, schedule.ops)[1] == schedule.peak_memory
 
 
+@pytest.mark.slow
 def test_long_chain():
     chain = homogeneous(300)
     schedule = solve(chain, 9, mem_slots=9)

@@ -31,6 +31,7 @@ def _pair(device, ratio=0.3, bias=True, matmul="gaussian"):
 
 
 @pytest.mark.parametrize("matmul", ["gaussian", "rademacher"])
+@pytest.mark.slow
 def test_forward_and_input_gradient_exact_weight_gradient_unbiased(device, matmul):
     plain, rand = _pair(device, matmul=matmul)
     assert rand.weight is plain.weight and isinstance(rand, fewbit.RandomizedLinear)

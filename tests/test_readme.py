@@ -78,6 +78,7 @@ def test_the_readme_has_python_blocks():
 
 
 @pytest.mark.parametrize("section", list(SECTIONS))
+@pytest.mark.slow
 def test_readme_section_runs(section, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary directory
     namespace: dict[str, object] = {"__name__": "__readme__"}

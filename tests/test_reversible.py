@@ -144,6 +144,7 @@ def test_gradients_match_no_savings(device, kind, coupling, dtype):
     assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[dtype])
 
 
+@pytest.mark.slow
 def test_affine_coupling_on_channels(device):
     torch.manual_seed(0)
     blocks = [conv_block(3, 6) for _ in range(3)]
@@ -157,6 +158,7 @@ def test_affine_coupling_on_channels(device):
     assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[torch.float64])
 
 
+@pytest.mark.slow
 def test_non_additive_input_gradient_is_not_assumed_additive(device):
     """RevLib returned dy1 as the other stream's gradient: 13.9% off for the momentum coupling. Check ours
     against autograd on an explicitly unrolled computation."""
@@ -213,6 +215,7 @@ class TakesArgs(nn.Module):
         return h
 
 
+@pytest.mark.slow
 def test_tensor_args_and_kwargs_get_gradients(device):
     torch.manual_seed(0)
     width = 4
@@ -308,6 +311,7 @@ def test_block_output_broadcast_by_the_coupling(device):
     assert_same_grads(grads_of(rev, x, weighted_loss), grads_of(ref, x, weighted_loss), TOL[torch.float64])
 
 
+@pytest.mark.slow
 def test_two_backward_passes_with_retain_graph(device):
     blocks = make_blocks("linear", 4, 3, 1)
     rev, _ = build_pair(blocks, "additive", -1)
@@ -321,6 +325,7 @@ def test_two_backward_passes_with_retain_graph(device):
         assert max_rel_err(to_host(p.grad), 2 * first[n]) <= 1e-12
 
 
+@pytest.mark.slow
 def test_batchnorm_running_stats_updated_once(device):
     """The recomputation must not update normalization statistics a second time (MemCNN #12)."""
     torch.manual_seed(0)
@@ -389,6 +394,7 @@ def test_autocast_off_in_backward_when_off_in_forward():
 # 6. explicit inverse, two-stream input/output
 
 
+@pytest.mark.slow
 def test_inverse_reconstructs_input(device):
     blocks = make_blocks("conv", 3, 5, 1)
     for b in blocks:
@@ -494,6 +500,7 @@ def drift_errors(depth, mode, width=16, seed=0):
     return rec_err, grad_err
 
 
+@pytest.mark.slow
 def test_low_precision_drift_table(capsys):
     rows = []
     for depth in (8, 32, 128):
@@ -858,6 +865,7 @@ def test_block_with_a_cache_of_its_own_is_refused():
 
 
 @pytest.mark.parametrize("construction", ["momentum_coupling", "momentum_net"])
+@pytest.mark.slow
 def test_small_beta_never_trains_on_wrong_gradients(construction):
     """Issue 15 §2.14: beta=0.1 in float32 lost the gradients with depth (the inverse divides by beta at every
     layer), silently. Now the first training forward measures the input rebuilt through all layers and refuses where

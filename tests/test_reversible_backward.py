@@ -82,6 +82,7 @@ REQUESTS = {
 
 @pytest.mark.parametrize("request_", ["grad_x", "grad_params", "backward_inputs_x"])
 @pytest.mark.parametrize("kind", ["fused_optimizer", "fuse_optimizer"])
+@pytest.mark.slow
 def test_fused_weights_unchanged_by_requests_that_are_not_training(device, kind, request_):
     x = _input(device)
     ref_x_grad, ref_param_grads = _reference(device, x)

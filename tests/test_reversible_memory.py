@@ -69,6 +69,7 @@ def _peak(depth, mode, device, batch=512, fake=False):
     return memory.eager_peak(train_step, model(depth, mode).to(device), torch.randn(batch, 2 * WIDTH).to(device))
 
 
+@pytest.mark.slow
 def test_eager_peak_grows_only_by_parameters_and_gradients(eager_device):
     peaks = {d: _peak(d, MemoryModes.autograd_function, eager_device) for d in (4, 8, 16)}
     plain = {d: _peak(d, MemoryModes.no_savings, eager_device) for d in (4, 16)}
@@ -97,6 +98,7 @@ def test_eager_peak_under_fake_tensors_equals_real(eager_device):
 
 @pytest.mark.filterwarnings("ignore:MemoryModes")
 @pytest.mark.parametrize("mode", [MemoryModes.checkpoint, MemoryModes.autograd_graph])
+@pytest.mark.slow
 def test_cache_modes_never_peak_above_no_savings(eager_device, mode):
     for depth in (4, 16):
         cache_mode = _peak(depth, mode, eager_device).total
@@ -193,6 +195,7 @@ def _split_growth(results, mode, measure):
     return half_streams, param_copies
 
 
+@pytest.mark.slow
 def test_tpu_v5e_hbm_peak_grows_only_by_parameters_and_gradients(v5e):
     for key, result in v5e.items():
         assert result.platform == "tpu" and result.host_bytes == 0 and result.hbm_only == (key[0] != "default")

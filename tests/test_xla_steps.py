@@ -71,6 +71,7 @@ def _compiles_since_clear(met) -> int:
 
 @pytest.mark.parametrize("p", [0.0, 0.5], ids=["no_dropout", "dropout"])
 @pytest.mark.parametrize("runner", ["sync", "compile"])
+@pytest.mark.slow
 def test_xla_training_step_compiles_once(p, runner):
     torch_xla, met = _xla_or_skip()
     dev = backend.device_for("xla")
@@ -167,6 +168,7 @@ def _assert_same(got, expected, what: str):
         assert err < 1e-5, f"{what}, gradient {k} (0 = input): rel err {err:.3g}"
 
 
+@pytest.mark.slow
 def test_dropout_replay_matches_no_savings(device):
     """Two consecutive reversible steps (the random stream runs on between them), each compared with a no_savings
     step run from the random state that step started from."""
@@ -199,6 +201,7 @@ def test_dropout_stream_matches_no_savings_across_steps(device):
         _assert_same(runs[1][step], runs[0][step], f"step {step}")
 
 
+@pytest.mark.slow
 def test_dropout_without_replay_differs(device):
     """Control: the comparison above detects a missing replay (the recomputation then draws other masks)."""
     reference, reversible = (m.to(device) for m in _pair(preserve_rng_state=False))

@@ -210,7 +210,7 @@ def _slopes(moments: _Moments, b: np.ndarray) -> np.ndarray:
 def _local_gain(moments: _Moments, left: np.ndarray, border: np.ndarray, right: np.ndarray) -> np.ndarray:
     """sum of S1**2 / S0 over the two intervals a border separates (J along that border is a constant minus it)."""
     m = moments.at(np.concatenate([left, border, right]).ravel()).reshape(3, 3, *border.shape)
-    gain = 0.0
+    gain = np.zeros(border.shape)
     for a, b in ((0, 1), (1, 2)):
         s0, s1 = m[0, b] - m[0, a], m[1, b] - m[1, a]
         gain = gain + np.where(s0 > 1e-300, s1 * s1 / np.maximum(s0, 1e-300), 0.0)

@@ -74,7 +74,12 @@ class _RandomizedLinearFunction(torch.autograd.Function):
 
 
 def _proj_dim(rows: int, ratio: float | None, proj_dim: int | None, lo: int | None, hi: int | None) -> int:
-    k = proj_dim if proj_dim is not None else math.floor(ratio * rows)
+    if proj_dim is not None:
+        k = proj_dim
+    elif ratio is not None:
+        k = math.floor(ratio * rows)
+    else:
+        raise TypeError("randomized_linear: give proj_dim_ratio or proj_dim (the sketch's number of rows)")
     if lo is not None:
         k = max(k, lo)
     if hi is not None:

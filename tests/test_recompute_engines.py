@@ -1,0 +1,130 @@
+"""One recompute engine (revlib_xla.recompute) behind the three features that run a forward again in the backward:
+the reversible core, ``Checkpointable`` and ``OffloadModel(checkpoint_activation=True)``.
+
+One stateful random block (dropout, and BatchNorm in training mode, whose forward updates its running statistics)
+is trained through each of them, with and without CPU bfloat16 autocast. Each must give the plain model's outputs,
+gradients and running statistics under the same random numbers, and leave torch's global generator where the plain
+model leaves it. The plain model draws its random numbers as the engines do (conftest.SeededUnits: one seed per
+forward from the global generator, unit ``i`` under ``derive_seed(seed, i)``); for the reversible core that is
+``memory_mode=no_savings`` (plain autograd through the same layers).
+"""
+
+import copy
+
+import pytest
+import torch
+from conftest import SeededUnits, max_rel_err
+from torch import nn
+
+import revlib_xla as revlib
+
+WIDTH = 8
+UNITS = 3
+
+
+class Float32Island(nn.Module):
+    """A matmul kept in float32 under autocast, as models do for rotary embeddings or attention scores. Its backward
+    computes in float32 when the gradient is taken outside autocast (as plain autograd takes it), and in bfloat16
+    when a recomputation also takes the gradient under the forward's autocast state."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x):
+        with torch.autocast("cpu", enabled=False):
+            return torch.tanh(x.to(self.weight.dtype) @ self.weight)
+
+
+def _block(width):
+    # No bias before the BatchNorm: its gradient is zero (the normalization removes it), so only rounding is left.
+    return nn.Sequential(
+        nn.Linear(width, width, bias=False), nn.BatchNorm1d(width), nn.Dropout(0.3), nn.Tanh(), Float32Island(width)
+    )
+
+
+def _reversible(dtype):
+    model = revlib.ReversibleSequential(*[_block(WIDTH // 2) for _ in range(UNITS)], split_dim=-1).to(dtype)
+    reference = copy.deepcopy(model)
+    reference.memory_mode = revlib.MemoryModes.no_savings
+    return model, reference
+
+
+def _checkpointable(dtype):
+    model = revlib.Checkpointable(nn.Sequential(*[_block(WIDTH) for _ in range(UNITS)]).to(dtype))
+    model.measure(torch.randn(4, WIDTH, dtype=dtype))  # runs every stage: must leave the running statistics alone
+    model.compute_sequence(model.min_memory() * 1.02)  # the tightest plan: most stages are recomputed
+    return model, SeededUnits(copy.deepcopy(list(model.stages)))
+
+
+def _offload(dtype):
+    model = revlib.OffloadModel(
+        nn.Sequential(*[_block(WIDTH) for _ in range(UNITS)]).to(dtype),
+        "cpu",
+        num_slices=UNITS,
+        checkpoint_activation=True,
+    )
+    return model, SeededUnits(copy.deepcopy(list(model.model_slices)))
+
+
+ENGINES = {"reversible": _reversible, "checkpointable": _checkpointable, "offload_model": _offload}
+
+# (parameter dtype, autocast dtype or None, relative tolerance). float64: every path is exact up to the reversible
+# core's subtraction (it rebuilds each input as y - f(x)). Under bfloat16 autocast the blocks compute in bfloat16:
+# Checkpointable and OffloadModel recompute the same operations on the same inputs, while the reversible core's
+# rebuilt inputs differ from the forward's in their float32 rounding, which a bfloat16 cast can move by one step
+# (2**-8 relative) in a few elements. A recomputation that does not replay autocast is off by about 3e-2 there.
+SETTINGS = {
+    "float64": (torch.float64, None, {"reversible": 1e-10, "checkpointable": 1e-12, "offload_model": 1e-12}),
+    "bf16_autocast": (
+        torch.float32,
+        torch.bfloat16,
+        {"reversible": 1e-2, "checkpointable": 1e-6, "offload_model": 1e-6},
+    ),
+}
+
+
+def _running_stats(model):
+    return [t for m in model.modules() if isinstance(m, nn.BatchNorm1d) for t in m.buffers()]
+
+
+def _step(model, x, autocast_dtype, seed):
+    """One training step from ``torch.manual_seed(seed)``: output, loss backward (outside autocast, as usual), and
+    the global generator's state after it."""
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        out = model(x)
+    out.float().square().sum().backward()
+    return out.detach(), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, setting):
+    dtype, autocast_dtype, tolerances = SETTINGS[setting]
+    tol = tolerances[engine]
+    torch.manual_seed(0)
+    model, reference = ENGINES[engine](dtype)
+    model.train(), reference.train()
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    assert len(params) == len(ref_params) == 4 * UNITS
+    data = torch.Generator().manual_seed(1)
+    for step in range(2):  # the second step starts from the running statistics the first one left
+        x = torch.randn(4, WIDTH, dtype=dtype, generator=data)
+        out, rng = _step(model, x, autocast_dtype, seed=10 + step)
+        ref_out, ref_rng = _step(reference, x, autocast_dtype, seed=10 + step)
+        assert out.dtype == ref_out.dtype
+        assert max_rel_err(out, ref_out) <= tol, (step, max_rel_err(out, ref_out))
+        for k, (p, r) in enumerate(zip(params, ref_params)):
+            assert max_rel_err(p.grad, r.grad) <= tol, (step, k, max_rel_err(p.grad, r.grad))
+        stats, ref_stats = _running_stats(model), _running_stats(reference)
+        assert len(stats) == len(ref_stats) == 3 * UNITS  # mean, var, num_batches_tracked per BatchNorm
+        for k, (s, r) in enumerate(zip(stats, ref_stats)):
+            assert max_rel_err(s, r) <= tol, (step, k, max_rel_err(s, r))
+        assert all(int(s) == step + 1 for s in stats if s.dtype == torch.long)
+        assert torch.equal(rng, ref_rng), step
+        with torch.no_grad():  # an optimizer step, the same on both
+            for p, r in zip(params, ref_params):
+                p -= 0.1 * p.grad
+                r -= 0.1 * r.grad
