@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import backend
+from ._tree import map_tensors
 from .grad_destination import GradDestination, grad_destination
 from .memory import parse_bytes
 from .planner import Chain, InfeasibleBudget, Schedule, ScheduleError, min_memory, no_checkpoint_memory, simulate, solve
@@ -209,7 +210,8 @@ class _Run:
         forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
         x = self.x[i] if i in self.x else detached(self._input(i))
         tensors = [t for obj in (x, *extra) for t in tensor_leaves(obj)]
-        backend.optimization_barrier_(tensors)
+        fenced = iter(backend.optimization_barrier(tensors))
+        x = map_tensors(lambda _: next(fenced), x)
         if i == 0:
             # x_0 is the model's input, normally an argument of the step: see backend.after.
             x = backend.after(x, next(iter(tensor_leaves(extra)), None))
@@ -538,10 +540,12 @@ class Checkpointable(nn.Module):
         options: list[list[StageOption]] = []
         progress = _progress(len(self.stages), "measuring stages", self.verbosity)
         lazy = any(backend.is_tracing_lazily(t) for t in tensor_leaves(x))
+        # The TPU generation to size compiled stages for: the runtime's chip, or the user's where tracing for a TPU.
+        generation = backend.sizing_generation(tensor_leaves(x)[0].device, self.tpu_generation) if lazy else None
         programs: list[list[StagePrograms]] = []  # per stage: the plain stage, then its options
         out_bytes: list[int] = []
         for i, stage in enumerate(self.stages):
-            if lazy and self.tpu_generation:
+            if generation:
                 backend.sync(tensor_leaves(x)[0].device)  # the stage's input as device data
                 programs.append(
                     [stage_programs(s, x) for s in [stage] + [module for _, module in self.stage_options.get(i, [])]]
@@ -579,7 +583,7 @@ class Checkpointable(nn.Module):
             progress.update()
         progress.close()
         if programs:
-            measured, options = self._with_compiled_sizes(measured, options, programs, out_bytes)
+            measured, options = self._with_compiled_sizes(measured, options, programs, out_bytes, generation)
         self.measurements = measured
         n = len(measured)
         names = [f"{type(s).__name__}" for s in self.stages]
@@ -609,9 +613,10 @@ class Checkpointable(nn.Module):
         options: list[list[StageOption]],
         programs: list[list[StagePrograms]],
         out_bytes: list[int],
+        generation: str | None,
     ) -> tuple[list[StageMeasurement], list[list[StageOption]]]:
         """What each stage (and each option) keeps and its transient memory, from its programs compiled deviceless
-        for ``tpu_generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`),
+        for ``generation`` with every buffer in HBM (see :class:`~revlib_xla.planner.measure.StagePrograms`),
         in the terms of the chain (rotor's model; ``y`` is the stage's output, x_{i+1}):
 
         * ``cbw`` (x̄_{i+1}): what the backward program keeps live across the point where its backward starts (not
@@ -630,7 +635,7 @@ class Checkpointable(nn.Module):
         try:
             compiled = tpu_memory_many(
                 [text for p in flat for text in (p.forward, p.backward)],
-                self.tpu_generation,
+                generation,
                 hbm_only=True,
                 liveness=True,
             )
@@ -736,10 +741,8 @@ class Checkpointable(nn.Module):
     def _default_limit(self) -> float:
         plain = self.no_checkpoint_memory()
         device = next((t.device for t in self.parameters()), torch.device("cpu"))
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return min(plain, 0.9 * free)
-        return plain
+        free = backend.free_memory(device)
+        return plain if free is None else min(plain, 0.9 * free)
 
     def fit_to_tpu(
         self, hbm_bytes: float | str, loss_fn: Any | None = None, generation: str | None = None, probes: int = 6
