@@ -108,7 +108,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
         self._pending: list[weakref.ReferenceType[_Stored]] = []
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> MemoryEfficientIntermediates:
+    def __enter__(self) -> MemoryEfficientIntermediates:  # type: ignore[override]  # torch's stub says None
         super().__enter__()
         return self
 
@@ -144,9 +144,8 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             value = value.to(self.storage_dtype)
         offloaded = self.offload and not backend.is_host_memory(value.device)
         if offloaded:
-            value = backend.to_host(value)
             self._pending = [ref for ref in self._pending if ref() is not None]
-            stored = _Stored(value, tensor.dtype, True, scale)
+            stored = _Stored(backend.to_host(value), tensor.dtype, True, scale)
             self._pending.append(weakref.ref(stored))
         else:
             stored = _Stored(value, tensor.dtype, False, scale)

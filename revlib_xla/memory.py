@@ -43,7 +43,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -131,7 +131,7 @@ def parse_bytes(value: int | float | str, what: str = "size") -> float:
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         unit = BYTE_UNITS.get(match.group(2) or "b") if match else None
-        if unit is None:
+        if match is None or unit is None:
             raise ValueError(
                 f"{what}={value!r}: expected a number of bytes or a number with a unit, one of "
                 f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "
@@ -252,7 +252,8 @@ class SavedTensorCounter:
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
+        if hooks is not None:
+            hooks.__exit__(*exc)
 
     def __repr__(self) -> str:
         return f"SavedTensorCounter(bytes={self.bytes}, count={self.count}, packed={self.packed})"
@@ -407,7 +408,7 @@ def _breakdown(
     return MemoryBreakdown(total=total, **parts)
 
 
-def _is_factory(obj: Any) -> bool:
+def _is_factory(obj: Any) -> TypeGuard[Callable[..., Any]]:
     return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.Tensor, torch.optim.Optimizer))
 
 
@@ -477,15 +478,15 @@ def eager_peak(
     if to_fake is not None:
         inputs = tuple(item if _is_factory(item) else map_tensors(to_fake, item) for item in inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        module = (
-            _build_fake(model)
-            if _is_factory(model) and fake_mode is not None
-            else model()
-            if _is_factory(model)
-            else model
-        )
+        module: torch.nn.Module
+        if isinstance(model, torch.nn.Module):
+            module = model
+        elif fake_mode is not None:
+            module = _build_fake(model)
+        else:
+            module = model()
         args = [item() if _is_factory(item) else item for item in inputs]
-        opt = optimizer(module) if _is_factory(optimizer) else optimizer
+        opt: Any = optimizer(module) if _is_factory(optimizer) else optimizer  # an optimizer, or duck-typed one
         if zero_grad:
             for param in module.parameters():
                 param.grad = None
@@ -1075,10 +1076,13 @@ def tpu_memory_many(
         for key, stored in zip(order, compiled):
             if cache:
                 compile_cache.store(directory, key, stored)
-            for i in todo[key]:
-                results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only)
+            made = [
+                _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only) for i in todo[key]
+            ]
+            for i, memory in zip(todo[key], made):
+                results[i] = memory
             if cache:
-                _COMPILE_CACHE[key] = results[todo[key][0]]
+                _COMPILE_CACHE[key] = made[0]
     return [r for r in results if r is not None]
 
 

@@ -41,10 +41,8 @@ def _distributions_of_import_name(name: str) -> list[str]:
 def is_googles(dist: importlib.metadata.Distribution) -> bool:
     """Whether a distribution's metadata points at Google: its home page or project URLs at
     ``github.com/google-pytorch``, or Google as its author or maintainer."""
-    meta = dist.metadata
-    fields = [meta.get(key) or "" for key in ("Home-page", "Author", "Author-email", "Maintainer", "Maintainer-email")]
-    fields += meta.get_all("Project-URL") or []
-    text = " ".join(fields).lower()
+    keys = ("Home-page", "Project-URL", "Author", "Author-email", "Maintainer", "Maintainer-email")
+    text = " ".join(value for key in keys for value in dist.metadata.get_all(key) or []).lower()
     return any(mark in text for mark in _GOOGLE_MARKS)
 
 
@@ -61,7 +59,8 @@ def torch_tpu_distribution() -> importlib.metadata.Distribution | None:
         if dist.metadata["Name"].lower().replace("_", "-") == "torch-tpu" and is_googles(dist):
             return dist
     described = ", ".join(
-        f"{n} (home page {importlib.metadata.distribution(n).metadata.get('Home-page')!r})" for n in names
+        f"{n} (home page {(importlib.metadata.distribution(n).metadata.get_all('Home-page') or [None])[0]!r})"
+        for n in names
     )
     raise NotGooglesTorchTpu(
         f"the installed torch_tpu comes from {described}, not Google's TorchTPU (distribution 'torch-tpu', "
@@ -93,6 +92,15 @@ def _tpu_module() -> Any:
     return torch.tpu  # type: ignore[attr-defined]  # registered by torch_tpu at import
 
 
+def _autocast_available(device_type: str) -> bool:
+    """Whether this torch has autocast for ``device_type`` (a device type torch does not know has none)."""
+    is_available = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4
+    try:
+        return bool(is_available(device_type)) if is_available is not None else False
+    except RuntimeError:  # "tpu" is not registered: TorchTPU is not loaded
+        return False
+
+
 class TpuBackend(Backend):
     """Google's TorchTPU, eager (its default mode). Experimental: written from the package's documented behaviour
     and tested with fakes; no TPU has run it."""
@@ -100,11 +108,8 @@ class TpuBackend(Backend):
     host_offload = HostOffload.BLOCKING_COPY
     preference = 40  # asked before torch_xla (which it replaces): detection is one torch.accelerator call
 
-    @property  # type: ignore[override]  # a capability this torch decides, not a constant
-    def autocast_device_type(self) -> str | None:
-        """``'tpu'`` where this torch has autocast for it."""
-        is_available = getattr(torch.amp, "is_autocast_available", None)
-        return "tpu" if is_available is not None and is_available("tpu") else None
+    def __init__(self) -> None:
+        self.autocast_device_type = "tpu" if _autocast_available("tpu") else None
 
     def available(self, device: torch.device) -> bool:
         return torch_tpu_detected()
