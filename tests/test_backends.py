@@ -296,6 +296,36 @@ def test_a_new_family_serves_checkpointable_and_reversible_steps():
     )
 
 
+class _SmallDevice(RecordingFamily):
+    """A family whose device reports little free memory."""
+
+    def __init__(self, free: int) -> None:
+        super().__init__()
+        self.free = free
+
+    def free_memory(self, device: torch.device) -> int | None:
+        self.calls["free_memory"] += 1
+        return self.free
+
+
+def test_checkpointable_default_budget_is_what_the_backend_reports_free():
+    """Without a mem_limit, Checkpointable plans for 90 % of the free memory its device's backend reports (cuda:
+    ``mem_get_info``), and for the no-checkpoint peak where the backend cannot tell (the cpu)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)]).double()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    checkpointed = revlib.Checkpointable(model)
+    checkpointed.measure(x)
+    checkpointed.compute_sequence()
+    assert checkpointed.get_expected_memory() <= checkpointed.no_checkpoint_memory()
+    low, high = checkpointed.min_memory(), checkpointed.no_checkpoint_memory()
+    free = int((low + 0.3 * (high - low)) / 0.9)
+    with serving("cpu", _SmallDevice(free)) as family:
+        checkpointed.compute_sequence()
+        assert family.calls["free_memory"] == 1
+        assert checkpointed.get_expected_memory() <= 0.9 * free < high
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # TorchTPU (experimental): detection, package verification and dispatch, with fakes
 
