@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import backend
 from .memory import parse_bytes
 from .planner import Chain, Schedule, min_memory, no_checkpoint_memory, plan
 from .planner.execute import _Run, _Structure, check_schedule, run_schedule  # noqa: F401  (_Run, _Structure: tests drive the executor through these names)
@@ -217,10 +218,8 @@ class Checkpointable(nn.Module):
     def _default_limit(self) -> float:
         plain = self.no_checkpoint_memory()
         device = next((t.device for t in self.parameters()), torch.device("cpu"))
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return min(plain, 0.9 * free)
-        return plain
+        free = backend.free_memory(device)
+        return plain if free is None else min(plain, 0.9 * free)
 
     # -- sizing with the TPU compiler --------------------------------------------------------------------------
     def fit_to_tpu(

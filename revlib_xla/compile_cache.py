@@ -60,6 +60,7 @@ def directory_for(disk_cache: bool | str | os.PathLike[str] | None) -> Path | No
         if env:
             return Path(env)
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "revlib_xla"
+    assert disk_cache is not None and disk_cache is not False  # both handled above
     return Path(disk_cache)
 
 
@@ -110,7 +111,8 @@ def load(directory: Path | None, key: str, valid: Callable[[Mapping[str, Any]], 
     return entry
 
 
-def _discard(path: Path, why: str) -> None:
+def _discard(path: Path, why: str) -> dict[str, Any] | None:
+    """Delete an invalid entry (logged); returns ``None``, what :func:`load` answers for it."""
     logger.warning("revlib_xla: ignoring the invalid compile cache entry %s (%s); compiling again", path, why)
     try:
         path.unlink()

@@ -511,9 +511,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
         return backend.default_device()
-    if name in ("cpu", "cuda", "xla"):
-        return backend.device_for(name)
-    return torch.device(name)
+    return backend.device_for(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -531,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table_depths=tuple(int(d) for d in args.table_depths.split(",") if d.strip()),
     )
     device = _resolve_device(args.device)
-    if backend.device_kind(device) == "cpu" or args.threads is not None:
+    if backend.is_host_memory(device) or args.threads is not None:
         torch.set_num_threads(args.threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
 
     # The TPU column is traced first and compiled in a child process while the model trains. Tracing first also

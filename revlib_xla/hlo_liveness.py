@@ -107,7 +107,9 @@ def _values(
     for header, body in _allocations(buffer_assignment):
         if any(word in header for word in ("parameter", "thread-local", "constant")):
             continue
-        index = int(_ALLOCATION.match(header).group(1))
+        allocation = _ALLOCATION.match(header)
+        assert allocation is not None  # headers are the pattern's matches (_allocations)
+        index = int(allocation.group(1))
         for value in _VALUE.finditer(body):
             name, space, size, offset = value.group(1), int(value.group(2)), int(value.group(3)), int(value.group(4))
             if space != memory_space or size == 0:

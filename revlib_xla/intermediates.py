@@ -95,7 +95,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point
         ):
             raise TypeError(f"storage_dtype must be a floating-point torch.dtype, got {storage_dtype!r}")
-        if storage_device is not None and torch.device(storage_device).type != "cpu":
+        if storage_device is not None and not backend.is_host_memory(storage_device):
             raise ValueError(f"storage_device must be 'cpu' (host memory) or None, got {storage_device!r}")
         if not callable(tensor_filter):
             raise TypeError("tensor_filter must be a function of a tensor returning a bool")
@@ -108,7 +108,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
         self._pending: list[weakref.ReferenceType[_Stored]] = []
         super().__init__(self._pack, self._unpack)
 
-    def __enter__(self) -> MemoryEfficientIntermediates:
+    def __enter__(self) -> MemoryEfficientIntermediates:  # type: ignore[override]  # torch's stub says None
         super().__enter__()
         return self
 
@@ -142,11 +142,10 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
                 scale = _range_scale(value, self.storage_dtype)
                 value = value * scale
             value = value.to(self.storage_dtype)
-        offloaded = self.offload and value.device.type != "cpu"
+        offloaded = self.offload and not backend.is_host_memory(value.device)
         if offloaded:
-            value = backend.to_host(value)
             self._pending = [ref for ref in self._pending if ref() is not None]
-            stored = _Stored(value, tensor.dtype, True, scale)
+            stored = _Stored(backend.to_host(value), tensor.dtype, True, scale)
             self._pending.append(weakref.ref(stored))
         else:
             stored = _Stored(value, tensor.dtype, False, scale)

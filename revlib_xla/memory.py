@@ -43,11 +43,12 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from . import backend, compile_cache
+from ._tree import map_tensors, tensor_leaves
 from .hlo_liveness import live_peak
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
@@ -130,7 +131,7 @@ def parse_bytes(value: int | float | str, what: str = "size") -> float:
     if isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", value.lower())
         unit = BYTE_UNITS.get(match.group(2) or "b") if match else None
-        if unit is None:
+        if match is None or unit is None:
             raise ValueError(
                 f"{what}={value!r}: expected a number of bytes or a number with a unit, one of "
                 f"B, kB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. "
@@ -168,7 +169,7 @@ def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once (see :func:`storage_of`)."""
     owners: dict[int, Any] = {}  # holding the owners keeps their ids unique while counting
     total = 0
-    for tensor in backend.tensors_in(obj):
+    for tensor in tensor_leaves(obj):
         owner, nbytes = storage_of(tensor)
         if id(owner) not in owners:
             owners[id(owner)] = owner
@@ -251,7 +252,8 @@ class SavedTensorCounter:
 
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
-        hooks.__exit__(*exc)
+        if hooks is not None:
+            hooks.__exit__(*exc)
 
     def __repr__(self) -> str:
         return f"SavedTensorCounter(bytes={self.bytes}, count={self.count}, packed={self.packed})"
@@ -387,11 +389,12 @@ def _breakdown(
 ) -> MemoryBreakdown:
     per_device = snapshot.get(device)
     if per_device is None:  # torch.device("cuda") asked for, torch.device("cuda", 0) tracked
+        family = backend.backend_for(device)
         per_device = next(
             (
                 v
                 for k, v in snapshot.items()
-                if k.type == device.type and (device.index is None or k.index == device.index)
+                if backend.backend_for(k) is family and (device.index is None or k.index == device.index)
             ),
             {},
         )
@@ -405,7 +408,7 @@ def _breakdown(
     return MemoryBreakdown(total=total, **parts)
 
 
-def _is_factory(obj: Any) -> bool:
+def _is_factory(obj: Any) -> TypeGuard[Callable[..., Any]]:
     return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.Tensor, torch.optim.Optimizer))
 
 
@@ -420,16 +423,6 @@ def _fake_copy(model: torch.nn.Module, fake_mode: Any, keep_grads: bool) -> torc
     for buf in model.buffers():
         memo[id(buf)] = fake_mode.from_tensor(buf)
     return copy.deepcopy(model, memo)
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(item, fn) for item in obj)
-    if isinstance(obj, dict):
-        return {key: _map_tensors(value, fn) for key, value in obj.items()}
-    return obj
 
 
 def eager_peak(
@@ -483,34 +476,34 @@ def eager_peak(
         model = _fake_copy(model, fake_mode, not zero_grad)
     to_fake = (lambda t: t if _is_fake(t) else fake_mode.from_tensor(t)) if fake_mode is not None else None
     if to_fake is not None:
-        inputs = tuple(item if _is_factory(item) else _map_tensors(item, to_fake) for item in inputs)
+        inputs = tuple(item if _is_factory(item) else map_tensors(to_fake, item) for item in inputs)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        module = (
-            _build_fake(model)
-            if _is_factory(model) and fake_mode is not None
-            else model()
-            if _is_factory(model)
-            else model
-        )
+        module: torch.nn.Module
+        if isinstance(model, torch.nn.Module):
+            module = model
+        elif fake_mode is not None:
+            module = _build_fake(model)
+        else:
+            module = model()
         args = [item() if _is_factory(item) else item for item in inputs]
-        opt = optimizer(module) if _is_factory(optimizer) else optimizer
+        opt: Any = optimizer(module) if _is_factory(optimizer) else optimizer  # an optimizer, or duck-typed one
         if zero_grad:
             for param in module.parameters():
                 param.grad = None
         where = _report_device(device, module, args)
         lazy = [
             t
-            for t in list(module.parameters()) + [t for a in args for t in backend.tensors_in(a)]
+            for t in list(module.parameters()) + [t for a in args for t in tensor_leaves(a)]
             if backend.is_tracing_lazily(t)
         ]
-        if lazy or where.type == "xla":
+        if lazy or backend.backend_for(where).lazy:
             raise ValueError(
                 "eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
                 "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
             )
         tracker = MemTracker()
         tracker.track_external(
-            module, *[t for a in args for t in backend.tensors_in(a)], *([opt] if opt is not None else [])
+            module, *[t for a in args for t in tensor_leaves(a)], *([opt] if opt is not None else [])
         )
         start = time.perf_counter()
         with tracker:
@@ -544,17 +537,13 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _as_device(device: backend.DeviceLike) -> torch.device:
-    return device.device if isinstance(device, torch.Tensor) else torch.device(device)
-
-
 def _report_device(device: backend.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
     if device is not None:
-        return _as_device(device)
+        return backend.as_device(device)
     for param in module.parameters():
         return param.device
     for arg in args:
-        for tensor in backend.tensors_in(arg):
+        for tensor in tensor_leaves(arg):
             return tensor.device
     return torch.device("cpu")
 
@@ -590,18 +579,20 @@ def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = N
     """
     if not backend.cuda_available():
         raise RuntimeError("cuda_peak needs a CUDA GPU; use eager_peak for a device-independent count")
-    dev = _as_device(device) if device is not None else backend.device_for("cuda")
-    torch.cuda.synchronize(dev)
-    torch.cuda.reset_peak_memory_stats(dev)
-    before = torch.cuda.memory_allocated(dev)
+    dev = backend.as_device(device) if device is not None else backend.device_for("cuda")
+    return _statistics_peak(fn, dev, *args, **kwargs)
+
+
+def _statistics_peak(fn: Callable[..., Any], dev: torch.device, *args: Any, **kwargs: Any) -> CudaPeak:
+    """The peak of a call from the allocator statistics of ``dev``'s backend (queued work waited for)."""
+    family = backend.backend_for(dev)
+    family.reset_peak_memory_stats(dev)
+    before = family.memory_allocated(dev)
     result = fn(*args, **kwargs)
-    torch.cuda.synchronize(dev)
+    family.synchronize(dev)
     del result
     return CudaPeak(
-        peak=torch.cuda.max_memory_allocated(dev),
-        before=before,
-        after=torch.cuda.memory_allocated(dev),
-        device=str(dev),
+        peak=family.max_memory_allocated(dev), before=before, after=family.memory_allocated(dev), device=str(dev)
     )
 
 
@@ -638,17 +629,17 @@ def allocator_peak(
       size"), so the figure is exact for a call that frees nothing allocated before it (a training step that
       accumulates into existing ``.grad`` tensors, or starts from ``.grad = None``) and an upper bound otherwise.
     * ``cuda``: the caching allocator's ``max_memory_allocated`` (:func:`cuda_peak`); allocator block rounding
-      included, cached-but-free blocks excluded.
+      included, cached-but-free blocks excluded. Other devices whose backend has allocator statistics (TorchTPU,
+      experimental): ``torch.accelerator.max_memory_allocated``.
 
     The function's result is dropped inside the measurement.
     """
-    dev = _as_device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda":
-        peak = cuda_peak(fn, *args, device=dev, **kwargs)
-        return AllocatorPeak(
-            increase=peak.peak - peak.before, device=peak.device, source="torch.cuda.max_memory_allocated"
-        )
-    if dev.type != "cpu":
+    dev = backend.as_device(device)
+    family = backend.backend_for(dev)
+    if family.allocator_statistics(dev):
+        peak = _statistics_peak(fn, dev, *args, **kwargs)
+        return AllocatorPeak(increase=peak.peak - peak.before, device=peak.device, source=family.statistics_source)
+    if not family.memory_is_host:
         raise ValueError(
             f"allocator_peak measures cpu and cuda, not {dev.type}; on XLA the compiler decides what "
             f"lives when: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
@@ -676,7 +667,7 @@ def allocator_peak(
     for _, nbytes in events:
         level += nbytes
         increase = max(increase, level)
-    return AllocatorPeak(increase=increase, device="cpu", source="torch.profiler memory events")
+    return AllocatorPeak(increase=increase, device=str(dev), source="torch.profiler memory events")
 
 
 # =================================================================================================================
@@ -761,8 +752,11 @@ class CompiledMemory:
         return len(re.findall(pattern, texts[text]))
 
     def __str__(self) -> str:
+        # A TPU compile is for a topology; an XLA:CPU compile has none.
         where = (
-            f"TPU {self.topology} ({self.device_kind}), from the TPU compiler" if self.platform == "tpu" else "XLA:CPU"
+            f"TPU {self.topology} ({self.device_kind}), from the TPU compiler"
+            if self.topology is not None
+            else "XLA:CPU"
         )
         return (
             f"{where}: peak {format_bytes(self.peak_bytes)}, HBM peak {format_bytes(self.hbm_peak_bytes)}, "
@@ -777,7 +771,7 @@ def stablehlo_of(outputs: Sequence[torch.Tensor]) -> str:
     Call it before the step is synced (``torch_xla.sync()`` executes the graph and forgets it). Tensors that were
     already on the device when the graph began (parameters, inputs moved there and synced) become its arguments.
     """
-    tensors = list(backend.tensors_in(list(outputs)))
+    tensors = list(tensor_leaves(list(outputs)))
     if not tensors:
         raise ValueError("stablehlo_of needs at least one XLA tensor")
     return backend.lazy_stablehlo(tensors)
@@ -799,7 +793,7 @@ def step_stablehlo(
     """
     dev = backend.device_for("xla")
     model.to(dev)
-    moved = [_map_tensors(item, lambda t: t.to(dev)) for item in inputs]
+    moved = [map_tensors(lambda t: t.to(dev), item) for item in inputs]
     params = list(model.parameters())
     for param in params:
         param.grad = None
@@ -816,8 +810,8 @@ def step_stablehlo(
         )
     outputs: list[torch.Tensor] = []
     seen = set()
-    for tensor in list(backend.tensors_in(result)) + grads:
-        if backend.device_kind(tensor) == "xla" and id(tensor) not in seen:
+    for tensor in list(tensor_leaves(result)) + grads:
+        if backend.is_tracing_lazily(tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
             outputs.append(tensor)
     try:
@@ -1082,10 +1076,13 @@ def tpu_memory_many(
         for key, stored in zip(order, compiled):
             if cache:
                 compile_cache.store(directory, key, stored)
-            for i in todo[key]:
-                results[i] = _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only)
+            made = [
+                _from_result(stored, "tpu", topo, texts[i], stored.get("versions", {}), hbm_only) for i in todo[key]
+            ]
+            for i, memory in zip(todo[key], made):
+                results[i] = memory
             if cache:
-                _COMPILE_CACHE[key] = results[todo[key][0]]
+                _COMPILE_CACHE[key] = made[0]
     return [r for r in results if r is not None]
 
 

@@ -8,7 +8,8 @@ parameters, so the optimizer and its state stay on the host too.
 
 * cuda: host tensors are pinned once, copies run on a side stream into two persistent device buffers (one per
   unit in flight), ordered with events: a copy waits until the compute stream is done with the buffer it
-  overwrites, the compute stream waits until the copy it reads has landed (``backend.DeviceCopier``).
+  overwrites, the compute stream waits until the copy it reads has landed
+  (:meth:`revlib_xla.backends.Backend.device_copier`).
 * xla: each unit is uploaded as device data before its part of the graph (one transfer per unit and pass, no
   recompilation). torch_xla cannot make a graph input live in host memory, so in-graph host placement
   (``place_to_host``) is not an option for parameters; see the README.
@@ -84,8 +85,8 @@ class ParameterStreamer:
 
     def __init__(self, units: Sequence[Sequence[Tensor]], device: backend.DeviceLike, persistent: bool = True):
         self.units = [list(u) for u in units]
-        self.device = torch.device(device) if not isinstance(device, torch.device) else device
-        self.copier = backend.DeviceCopier(self.device)
+        self.device = backend.as_device(device)
+        self.copier = backend.device_copier(self.device)
         for unit in self.units:
             for t in unit:
                 backend.pin_host_tensor_(t, self.device)

@@ -362,13 +362,13 @@ class OffloadModel(nn.Module):
         # Parameters must not change before the backward; buffers may (running statistics are written back after
         # the forward, and normalization's backward does not read them in training mode).
         versions = [None if id(t) in self._buffer_ids else t._version for t in host]
-        storages = {c.untyped_storage().data_ptr(): k for k, c in enumerate(copies) if c.device.type != "xla"}
+        storages = {c.untyped_storage().data_ptr(): k for k, c in enumerate(copies) if not backend.is_tracing_lazily(c)}
         for k, t in enumerate(host):
             if t.requires_grad:
                 copies[k] = _Attach.apply(t, copies[k])
 
         def pack(t: Tensor) -> Any:
-            if t.device.type != "xla":
+            if not backend.is_tracing_lazily(t):
                 k = storages.get(t.untyped_storage().data_ptr())
                 if k is not None:
                     return ("slice tensor", index, k, t.size(), t.stride(), t.storage_offset(), versions[k])

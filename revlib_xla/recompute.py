@@ -24,7 +24,7 @@ computed. Three things can differ between the two runs, and each is handled here
   changed in place are not tracked.
 * **Merging with the forward** (lazily traced devices, XLA): a recomputation computes what the forward computed, and
   a compiler that sees both in one graph merges them and keeps the forward's activations. The reversible core and
-  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier_`) over what a recomputation
+  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier`) over what a recomputation
   reads before running it; ``OffloadModel`` cuts the graph after each slice's forward and recomputation, so the two
   never share a graph.
 

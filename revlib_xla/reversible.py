@@ -730,7 +730,7 @@ def _layer_backward(
         for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)
     }
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
-    backend.optimization_barrier_([y0, y1, dy0, dy1, *layer_params, *_finished(later)])
+    y0, y1, dy0, dy1 = backend.optimization_barrier([y0, y1, dy0, dy1, *layer_params, *_finished(later)])[:4]
     replaced: contextlib.AbstractContextManager[Any] = _NOTHING
     if off is None and used and any(layer_params[j]._backward_hooks for j in used):
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves

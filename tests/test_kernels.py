@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from revlib_xla import backend, fewbit, kernels
+from revlib_xla import backend, backends, fewbit, kernels
+from revlib_xla.backends import xla as xla_backend
 from revlib_xla.kernels import fewbit_reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,16 +121,18 @@ def test_dispatch_picks_by_device(monkeypatch):
     x = torch.randn(4)
     assert kernels.implementation_for(x) == "reference"
     assert kernels.implementation_for(x.double()) == "reference"
-    monkeypatch.setattr(backend, "device_kind", lambda t: "cuda")
+    # x stands for a tensor of each family: the facade is handed that family's backend
+    family = backends.registered()
+    monkeypatch.setattr(backend, "backend_for", lambda t: family["cuda"])
     expected = "triton" if importlib.util.find_spec("triton") is not None else "reference"
     assert backend.kernel_platform(x) == expected
-    monkeypatch.setattr(backend, "device_kind", lambda t: "xla")
-    monkeypatch.setattr(backend, "xla_runtime_type", lambda: "TPU")
+    monkeypatch.setattr(backend, "backend_for", lambda t: family["xla"])
+    monkeypatch.setattr(xla_backend, "runtime_type", lambda: "TPU")
     assert backend.kernel_platform(x) == "pallas"
-    monkeypatch.setattr(backend, "xla_runtime_type", lambda: "CPU")
+    monkeypatch.setattr(xla_backend, "runtime_type", lambda: "CPU")
     assert backend.kernel_platform(x) == "reference"
     monkeypatch.setenv("REVLIB_XLA_KERNELS", "reference")
-    monkeypatch.setattr(backend, "device_kind", lambda t: "cuda")
+    monkeypatch.setattr(backend, "backend_for", lambda t: family["cuda"])
     assert backend.kernel_platform(x) == "reference"
 
 

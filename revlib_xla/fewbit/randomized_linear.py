@@ -52,7 +52,7 @@ class _RandomizedLinearFunction(torch.autograd.Function):
         sketched = None
         if weight.requires_grad:
             sketched = _sketch(kind, proj_dim, rows.shape[0], seed, rows) @ rows
-            backend.optimization_barrier_([out, sketched])  # as in the few-bit activations: sketch now
+            out, sketched = backend.optimization_barrier([out, sketched])  # as in the few-bit activations: sketch now
         ctx.save_for_backward(sketched, weight if x.requires_grad else None)
         ctx.meta = (kind, seed, proj_dim, x.shape, bias is not None and bias.requires_grad, rows.dtype)
         return out

@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import backend
 from .._grad_destination import GradDestination, grad_destination
-from .._tree import detached, tensor_leaves, tree_flatten, tree_unflatten
+from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 from .chain import Chain
 from .measure import grad_leaves
@@ -167,7 +167,8 @@ class _Run:
         forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
         x = self.x[i] if i in self.x else detached(self._input(i))
         tensors = [t for obj in (x, *extra) for t in tensor_leaves(obj)]
-        backend.optimization_barrier_(tensors)
+        fenced = iter(backend.optimization_barrier(tensors))
+        x = map_tensors(lambda _: next(fenced), x)
         if i == 0:
             # x_0 is the model's input, normally an argument of the step: see backend.after.
             x = backend.after(x, next(iter(tensor_leaves(extra)), None))

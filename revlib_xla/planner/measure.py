@@ -149,7 +149,8 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
             return StagePrograms(forward, forward, ())
         # Made on the host and moved: device data, so arguments of the program (not constants it could fold).
         dys = [torch.zeros(o.shape, dtype=o.dtype).to(o.device) for o in outs]
-        backend.optimization_barrier_(outs + dys)
+        fenced = backend.optimization_barrier(outs + dys)
+        outs, dys = fenced[: len(outs)], fenced[len(outs) :]
         torch.autograd.backward(outs, dys)
         grads = [t.grad for t in tensor_leaves(inp) if t.requires_grad and t.grad is not None]
         input_gradients = len(grads)

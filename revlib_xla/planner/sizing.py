@@ -71,11 +71,13 @@ def measure_chain(
     stage_options: list[list[StageOption]] = []
     progress = _progress(len(stages), "measuring stages", sizing.verbosity)
     lazy = any(backend.is_tracing_lazily(t) for t in tensor_leaves(x))
+    # The TPU generation to size compiled stages for: the runtime's chip, or the user's where tracing for a TPU.
+    generation = backend.sizing_generation(tensor_leaves(x)[0].device, sizing.tpu_generation) if lazy else None
     programs: list[list[StagePrograms]] = []  # per stage: the plain stage, then its options
     out_bytes: list[int] = []
     for i, stage in enumerate(stages):
         alternatives = [module for _, module in options.get(i, [])]
-        if lazy and sizing.tpu_generation:
+        if generation:
             backend.sync(tensor_leaves(x)[0].device)  # the stage's input as device data
             programs.append([stage_programs(s, x) for s in [stage, *alternatives]])
         rev = sizing.reversible and callable(getattr(stage, "inverse", None))
@@ -106,8 +108,8 @@ def measure_chain(
         x = out
         progress.update()
     progress.close()
-    if programs and sizing.tpu_generation:
-        measured, stage_options = compiled_sizes(measured, stage_options, programs, out_bytes, sizing.tpu_generation)
+    if programs and generation:
+        measured, stage_options = compiled_sizes(measured, stage_options, programs, out_bytes, generation)
     n = len(measured)
     chain = Chain(
         fw=[m.fw for m in measured],

@@ -1,0 +1,198 @@
+"""torch_xla (lazy XLA tensors on a TPU, a GPU or the CPU through PJRT).
+
+Operations are traced into a graph that runs at a step cut (``torch_xla.sync()``); the compiler decides what lives
+when, merges identical work unless an optimization barrier stops it, and places tensors in host memory where the
+graph is annotated so. torch_xla is imported only when an XLA device is used or asked about. Being XLA says nothing
+about the chip: the PJRT runtime says whether it is a TPU and which one (:meth:`XlaBackend.tpu_generation`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .. import _tree
+from .base import Backend, HostCopy, HostOffload, generation_from_device_kind
+
+__all__ = ["XlaBackend", "host_annotations", "host_placement_executes", "runtime_type", "xla_available", "xla_model"]
+
+
+def xla_model() -> Any:
+    """``torch_xla.core.xla_model``, importing torch_xla (on the CPU through PJRT unless a TPU is named)."""
+    os.environ.setdefault("PJRT_DEVICE", "CPU" if not os.environ.get("TPU_NAME") else "TPU")
+    import torch_xla  # noqa: F401
+    import torch_xla.core.xla_model as xm
+
+    return xm
+
+
+@functools.cache
+def xla_available() -> bool:
+    """True when torch_xla is installed and imports (it needs torch 2.9.x)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return False
+    try:
+        xla_model()
+    except Exception:  # a torch_xla built for another torch raises on import
+        return False
+    return True
+
+
+def runtime_type() -> str | None:
+    """The PJRT device type torch_xla runs on (``'TPU'``, ``'CPU'``, ``'CUDA'`` ...), or None without torch_xla."""
+    if not xla_available():
+        return None
+    import torch_xla.runtime as xr
+
+    return xr.device_type()
+
+
+def _xla_sync() -> None:
+    import torch_xla
+
+    torch_xla.sync()
+
+
+def host_placement_executes() -> bool:
+    """Whether XLA graphs with host-memory placement annotations can run here: on TPU (and GPU) PJRT, not on PJRT
+    CPU, whose runtime has no handler for them (the graph compiles, and fails when executed)."""
+    return runtime_type() not in (None, "CPU")
+
+
+_FORCE_HOST_ANNOTATIONS: list[bool | None] = [None]
+
+
+@contextlib.contextmanager
+def host_annotations(enabled: bool = True) -> Iterator[None]:
+    """Within the block, XLA offloads emit ``place_to_host``/``place_to_device`` annotations even on a runtime that
+    cannot execute them (PJRT CPU), so that the HLO can be inspected or compiled for a TPU without running it."""
+    _FORCE_HOST_ANNOTATIONS.append(enabled)
+    try:
+        yield
+    finally:
+        _FORCE_HOST_ANNOTATIONS.pop()
+
+
+class XlaBackend(Backend):
+    """Lazy XLA through torch_xla: a per-device seed inside the graph instead of generators, in-place optimization
+    barriers (wrapped to look out of place), host offload by memory-space annotations, StableHLO text of pending
+    graphs, Pallas kernels on a TPU."""
+
+    lazy = True
+    host_offload = HostOffload.MEMORY_SPACE_ANNOTATION
+    program_text_available = True
+    takes_generators = False
+    autocast_device_type: str | None = "xla"
+    preference = 30
+
+    def available(self, device: torch.device) -> bool:
+        return xla_available()
+
+    def concrete(self, device: torch.device) -> torch.device:
+        xla_model()
+        import torch_xla
+
+        return torch_xla.device() if device.index is None else device
+
+    def hardware_device(self) -> torch.device | None:
+        return self.concrete(torch.device("xla")) if runtime_type() not in (None, "CPU") else None
+
+    def cut_step(self, device: torch.device) -> None:
+        _xla_sync()
+
+    def synchronize(self, device: torch.device | None) -> None:
+        # With no device named, only when torch_xla is already in use: a sync must not start its runtime.
+        if xla_available() and (device is not None or "torch_xla" in sys.modules):
+            _xla_sync()
+
+    def get_rng_state(self, device: torch.device) -> Any:
+        return xla_model().get_rng_state(str(device))
+
+    def set_rng_state(self, device: torch.device, state: Any) -> None:
+        xla_model().set_rng_state(state, str(device))
+
+    def manual_seed(self, device: torch.device, seed: int) -> None:
+        xla_model().set_rng_state(seed, str(device))
+
+    def optimization_barrier(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """torch_xla's barrier is in place (``optimization_barrier_``): the same tensor objects come back, now
+        behind the barrier. Tensors on other devices pass through."""
+        tensors = list(tensors)
+        xla_tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+        if xla_tensors:
+            xla_model().optimization_barrier_(xla_tensors)
+        return tensors
+
+    def after(self, value: Any, token: torch.Tensor) -> Any:
+        """Each XLA tensor ``t`` in ``value`` becomes ``t + 0 * sum(token)``: exactly ``t`` for a finite token (the
+        compiler does not fold ``0 * y`` in floating point), computed after ``token``."""
+        zero = token.detach().sum() * 0
+        return _tree.map_tensors(lambda t: t + zero.to(t.dtype) if t.device.type == "xla" else t, value)
+
+    def checkpoint(self, function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
+        """``torch_xla.utils.checkpoint``: ``torch.utils.checkpoint`` crashes on XLA tensors in torch 2.9, and
+        torch_xla's version puts optimization barriers before the recomputation. It is reentrant: parameters used
+        by ``function`` get gradients only when one of ``args`` requires grad."""
+        xla_model()
+        from torch_xla.utils.checkpoint import checkpoint as xla_checkpoint
+
+        return xla_checkpoint(function, *args, use_reentrant=True, preserve_rng_state=preserve_rng_state)
+
+    def program_text(self, tensors: Sequence[torch.Tensor]) -> str:
+        tensors = list(tensors)
+        if not tensors or any(not isinstance(t, torch.Tensor) or t.device.type != "xla" for t in tensors):
+            raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
+        return str(xla_model().get_stablehlo(tensors))
+
+    def _annotate(self, annotate: bool | None) -> bool:
+        if annotate is not None:
+            return annotate
+        forced = _FORCE_HOST_ANNOTATIONS[-1]
+        return forced if forced is not None else host_placement_executes()
+
+    def place_on_host(self, tensor: torch.Tensor, annotate: bool | None) -> torch.Tensor:
+        if not self._annotate(annotate):
+            return tensor
+        from torch_xla.experimental.stablehlo_custom_call import place_to_host
+
+        return place_to_host(tensor)
+
+    def place_on_device(self, tensor: torch.Tensor, annotate: bool | None) -> torch.Tensor:
+        if not self._annotate(annotate):
+            return tensor
+        from torch_xla.experimental.stablehlo_custom_call import place_to_device
+
+        return place_to_device(tensor)
+
+    def to_host(self, tensor: torch.Tensor) -> HostCopy:
+        return HostCopy(self.place_on_host(tensor, None), tensor.device)
+
+    def to_device(self, copy: HostCopy) -> torch.Tensor:
+        return self.place_on_device(copy.tensor, None)
+
+    def kernel_platform(self, tensor: torch.Tensor) -> str:
+        return "pallas" if runtime_type() == "TPU" else "reference"
+
+    def tpu_generation(self, device: torch.device) -> str | None:
+        """From PJRT's device kind (``'TPU v5 lite'`` -> ``'v5e'``) when the runtime is a TPU."""
+        if runtime_type() != "TPU":
+            return None
+        return generation_from_device_kind(xla_model().xla_device_kind(str(device)))
+
+    def sizing_generation(self, device: torch.device, requested: str | None) -> str | None:
+        """On a TPU, its own generation (the requested one where the runtime's is not one the compiler is set up
+        for); on PJRT CPU, which traces the programs a TPU would run, the requested one; on any other chip
+        (a GPU through PJRT) none: its programs are not a TPU's."""
+        kind = runtime_type()
+        if kind == "TPU":
+            return self.tpu_generation(device) or requested
+        if kind == "CPU":
+            return requested
+        return None
