@@ -37,11 +37,11 @@ venv: $(VENV)/.installed
 
 venv-newer: $(NEWER_VENV)/.installed
 
-lint: venv
+# ruff (lint and format) over the code, mypy over the library (configured in setup.cfg's [mypy]).
+lint: typecheck
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 
-# mypy over the library, configured in setup.cfg ([mypy]); not yet part of lint.
 typecheck: venv
 	$(VENV)/bin/mypy
 
