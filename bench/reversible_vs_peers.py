@@ -645,6 +645,12 @@ def ensure_revlib(revlib_dir: Path, install: bool) -> dict[str, Any]:
     }
 
 
+def _describe_checkout(path: str) -> str:
+    """``path`` and, where it is a git checkout, its commit."""
+    done = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{path} (commit {done.stdout.strip()})" if done.returncode == 0 else path
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
@@ -973,6 +979,20 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
                     "detail": f"{a:.1f} ms vs {b:.1f} ms ({a / b:.3f}x)",
                 }
             )
+        if base and device == "xla":
+            tpu = f"tpu_{results['config']['tpu']}"
+            for target in (tpu, "xla_cpu"):
+                a = (ours.get("compiled") or {}).get(target, {}).get("peak_bytes")
+                b = (base.get("compiled") or {}).get(target, {}).get("peak_bytes")
+                if a is not None and b is not None:
+                    verdicts.append(
+                        {
+                            "target": f"memory == baseline ({target} compiled peak, bytes)",
+                            "where": where,
+                            "status": "met" if a == b else "not met",
+                            "detail": f"{a} vs {b} bytes",
+                        }
+                    )
         if base and ours.get("peak_bytes") is not None and base.get("peak_bytes") is not None:
             a, b = ours["peak_bytes"], base["peak_bytes"]
             verdicts.append(
@@ -1016,6 +1036,8 @@ def write_markdown(results: dict[str, Any], path: Path) -> None:
         f"torch threads per worker: {cfgs['threads']}.",
         "",
     ]
+    if cfgs.get("baseline"):
+        lines += [f"Baseline (`--baseline`): {cfgs['baseline']}.", ""]
     if not results["revlib"].get("available"):
         lines += [f"**revlib not measured**: {results['revlib'].get('reason')}", ""]
     for dev, reason in results["devices"].items():
@@ -1202,6 +1224,7 @@ def main(argv: list[str] | None = None) -> int:
             "models": models,
             "tpu": args.tpu,
             "variants": variants,
+            "baseline": _describe_checkout(args.baseline) if args.baseline else None,
         },
     }
     compiled: dict[str, Any] = {}
