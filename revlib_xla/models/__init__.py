@@ -9,6 +9,7 @@ from .transformer import (
     Block,
     ByteTransformerLM,
     CausalSelfAttention,
+    Flavour,
     TransformerConfig,
     build_lm,
     lm_loss,
@@ -16,6 +17,7 @@ from .transformer import (
 
 __all__ = [
     "TransformerConfig",
+    "Flavour",
     "FLAVOURS",
     "FLAVOUR_LABELS",
     "Block",

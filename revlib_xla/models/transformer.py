@@ -29,6 +29,7 @@ differ only in what autograd keeps for the backward pass:
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "TransformerConfig",
     "FLAVOURS",
     "FLAVOUR_LABELS",
+    "Flavour",
     "Block",
     "CausalSelfAttention",
     "MLP",
@@ -50,13 +52,37 @@ __all__ = [
     "lm_loss",
 ]
 
-FLAVOURS: tuple[str, ...] = ("no_savings", "checkpoint", "reversible")
-"""The three ways of running the same network; see the module docstring."""
+
+class Flavour(str, enum.Enum):
+    """The three ways of running the same network (see the module docstring). A string enum: each member equals,
+    hashes and prints as its value, so ``"reversible"`` and ``Flavour.REVERSIBLE`` are interchangeable."""
+
+    NO_SAVINGS = "no_savings"
+    CHECKPOINT = "checkpoint"
+    REVERSIBLE = "reversible"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @classmethod
+    def of(cls, value: str) -> Flavour:
+        """``value`` as a member, or a ValueError that lists the flavours."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown flavour {value!r}; expected one of {', '.join(f.value for f in cls)}") from None
+
+
+FLAVOURS: tuple[Flavour, ...] = tuple(Flavour)
+"""The flavours, in the order tables list them."""
 
 FLAVOUR_LABELS: dict[str, str] = {
-    "no_savings": "no savings",
-    "checkpoint": "checkpointing",
-    "reversible": "reversible",
+    Flavour.NO_SAVINGS: "no savings",
+    Flavour.CHECKPOINT: "checkpointing",
+    Flavour.REVERSIBLE: "reversible",
 }
 """Human-readable names of the flavours, for tables and plots."""
 
@@ -153,12 +179,10 @@ class ByteTransformerLM(nn.Module):
     logits for the next byte at every position. Build it with :func:`build_lm`.
     """
 
-    def __init__(self, config: TransformerConfig, flavour: str = "reversible"):
+    def __init__(self, config: TransformerConfig, flavour: str = Flavour.REVERSIBLE):
         super().__init__()
-        if flavour not in FLAVOURS:
-            raise ValueError(f"unknown flavour {flavour!r}; expected one of {', '.join(FLAVOURS)}")
         self.config = config
-        self.flavour = flavour
+        self.flavour = flavour = Flavour.of(flavour)
         features = 2 * config.width
         self.embed = nn.Embedding(config.vocab_size, features)
         self.pos = nn.Parameter(torch.zeros(config.seq_len, features))
@@ -167,8 +191,8 @@ class ByteTransformerLM(nn.Module):
         for _ in range(config.depth):
             blocks += [CausalSelfAttention(config), MLP(config)]
         for block in blocks:
-            block.checkpointed = flavour == "checkpoint"
-        mode = MemoryModes.autograd_function if flavour == "reversible" else MemoryModes.no_savings
+            block.checkpointed = flavour is Flavour.CHECKPOINT
+        mode = MemoryModes.autograd_function if flavour is Flavour.REVERSIBLE else MemoryModes.no_savings
         self.core = ReversibleSequential(*blocks, split_dim=-1, memory_mode=mode)
         self.norm = nn.LayerNorm(features)
         self.head = nn.Linear(features, config.vocab_size, bias=False)
@@ -203,10 +227,10 @@ class ByteTransformerLM(nn.Module):
         return self.head(self.norm(self.core(x)))
 
     def extra_repr(self) -> str:
-        return f"flavour={self.flavour!r}"
+        return f"flavour={self.flavour.value!r}"
 
 
-def build_lm(config: TransformerConfig, flavour: str = "reversible") -> ByteTransformerLM:
+def build_lm(config: TransformerConfig, flavour: str = Flavour.REVERSIBLE) -> ByteTransformerLM:
     """The byte-level LM of ``config`` in one of :data:`FLAVOURS` (``"no_savings"``, ``"checkpoint"``,
     ``"reversible"``). All flavours have the same state-dict keys, so weights load across them."""
     return ByteTransformerLM(config, flavour)
