@@ -867,6 +867,11 @@ def run_compile(hlo: dict[str, str], args) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
+def _compiled_peak(row: dict[str, Any], target: str) -> int | None:
+    """A row's compiled peak bytes for ``target`` (``tpu_v5e``, ``xla_cpu``), or ``None`` where it was not compiled."""
+    return (row.get("compiled") or {}).get(target, {}).get("peak_bytes")
+
+
 def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
     verdicts = []
     groups: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -885,8 +890,8 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
                 if row.get(mem_key) is not None and ref.get(mem_key):
                     ratios[f"memory_vs_{ref_name}"] = row[mem_key] / ref[mem_key]
                 for target in ("xla_cpu", f"tpu_{results['config']['tpu']}"):
-                    a = (row.get("compiled") or {}).get(target, {}).get("peak_bytes")
-                    b = (ref.get("compiled") or {}).get(target, {}).get("peak_bytes")
+                    a = _compiled_peak(row, target)
+                    b = _compiled_peak(ref, target)
                     if a is not None and b:
                         ratios[f"{target}_memory_vs_{ref_name}"] = a / b
             row["ratios"] = ratios
@@ -917,8 +922,8 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
             if device == "xla":
                 tpu = f"tpu_{results['config']['tpu']}"
                 for target in (tpu, "xla_cpu"):
-                    a = (ours.get("compiled") or {}).get(target, {}).get("peak_bytes")
-                    b = (revlib.get("compiled") or {}).get(target, {}).get("peak_bytes")
+                    a = _compiled_peak(ours, target)
+                    b = _compiled_peak(revlib, target)
                     if a is None or b is None:
                         verdicts.append(
                             {
@@ -982,8 +987,8 @@ def add_ratios_and_verdicts(results: dict[str, Any]) -> None:
         if base and device == "xla":
             tpu = f"tpu_{results['config']['tpu']}"
             for target in (tpu, "xla_cpu"):
-                a = (ours.get("compiled") or {}).get(target, {}).get("peak_bytes")
-                b = (base.get("compiled") or {}).get(target, {}).get("peak_bytes")
+                a = _compiled_peak(ours, target)
+                b = _compiled_peak(base, target)
                 if a is not None and b is not None:
                     verdicts.append(
                         {
