@@ -1,0 +1,72 @@
+"""The ``revlib-xla`` command: ``train``, ``memory`` and ``plan`` subcommands.
+
+Each subcommand lives in a module of this package (``revlib_xla/cli/<name>.py``) that defines
+``add_arguments(parser)`` and ``run(args) -> int``; the dispatcher imports it only when it is asked for, so
+``revlib-xla --help`` stays fast and a subcommand's optional dependencies are needed only by that subcommand.
+
+Errors a user can cause (a bad config key, an unknown chip, an unsupported strategy combination) are printed as one
+line, ``revlib-xla <command>: error: <message>``, with exit status 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["COMMANDS", "UsageError", "main"]
+
+COMMANDS: dict[str, str] = {
+    "train": "train a model from a config (tpu_configs/*.yaml) with a memory strategy",
+    "memory": "will it fit? per-chip HBM of the training step, per strategy, from the deviceless TPU compiler",
+    "plan": "the planner's checkpointing schedule for a memory budget, with its predicted time and memory",
+}
+"""The subcommands, each with its one-line description."""
+
+
+class UsageError(ValueError):
+    """An error in what the user asked for; the CLI prints its message without a traceback."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [UsageError]
+    for module, name in (("revlib_xla.train.config", "ConfigError"), ("revlib_xla.train.strategy", "StrategyError")):
+        loaded = sys.modules.get(module)
+        if loaded is not None and hasattr(loaded, name):
+            errors.append(getattr(loaded, name))
+    return tuple(errors)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="revlib-xla",
+        description="Train PyTorch models that do not fit in accelerator memory, and find out what fits.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, help_text in COMMANDS.items():
+        sub.add_parser(name, help=help_text, description=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``revlib-xla`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if not args or args[0] not in COMMANDS:
+        parser.parse_args(args)  # prints usage (and exits 2), or help (exits 0)
+        return 2
+    command = args[0]
+    module = importlib.import_module(f"revlib_xla.cli.{command}")
+    sub = argparse.ArgumentParser(prog=f"revlib-xla {command}", description=COMMANDS[command])
+    module.add_arguments(sub)
+    parsed = sub.parse_args(args[1:])
+    try:
+        return int(module.run(parsed))
+    except _user_errors() as exc:
+        print(f"revlib-xla {command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
