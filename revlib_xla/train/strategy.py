@@ -136,20 +136,37 @@ def check_strategy(cfg: RunConfig) -> None:
 
 
 def next_token_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Mean cross entropy of ``logits[:, :-1]`` against ``tokens[:, 1:]``, in float32."""
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    """Mean cross entropy of ``logits[:, :-1]`` against ``tokens[:, 1:]``, in float32 (float64 logits stay
+    float64)."""
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).to(wide), tokens[:, 1:].flatten())
 
 
 class PlannedLM(nn.Module):
     """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``lm.as_sequential()``), measured and
     planned at the first training step; ``lm`` holds the weights (shared)."""
 
-    def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None) -> None:
+    def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None, sample: Tensor | None = None) -> None:
         super().__init__()
         from ..checkpointable import Checkpointable
 
         self.lm = lm
         self.planned = Checkpointable(lm.as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
+        if sample is not None:
+            self.plan(sample)
+
+    def plan(self, sample: Tensor) -> None:
+        """Measure the stages on ``sample`` (a token batch of the step's shape) and plan now, before an optimizer is
+        fused into the backward (the measurement's backward passes would step it)."""
+        from ..planner.solver import InfeasibleBudget
+
+        try:
+            self.planned.measure(sample)
+            self.planned.compute_sequence()
+        except InfeasibleBudget as exc:
+            raise StrategyError(f"strategy.budget: {exc}; raise strategy.budget or use strategy.budget=auto") from None
+        for p in self.parameters():
+            p.grad = None
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.planned(tokens)
@@ -240,7 +257,9 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.
         from ..tpu_compile import TPU_GENERATIONS
 
         generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
-        return PlannedLM(lm, _plan_budget(cfg, lm), generation)
+        micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
+        sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
+        return PlannedLM(lm, _plan_budget(cfg, lm), generation, sample=None if on_meta else sample)
     return lm
 
 
@@ -344,7 +363,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     if cfg.strategy.fused_optimizer:
         from ..fused_optimizer import fuse_optimizer
 
-        return fuse_optimizer(model, lambda ps: _adamw(cfg, list(ps)))
+        # Fused into the LM itself: a wrapper's second path to the same weights (the planner's stages) is not a tie.
+        return fuse_optimizer(language_model(model), lambda ps: _adamw(cfg, list(ps)))
     if cfg.strategy.offload.optimizer:
         device = compute_device(model)
         if backend.is_host_memory(params[0].device):
@@ -403,12 +423,13 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
 
     def step(tokens: Tensor) -> Tensor:
         tokens = tokens.to(device)
-        total = torch.zeros((), device=device)
+        total: Tensor | None = None
         for micro in tokens.chunk(accum):
             with scope():
                 loss = model.loss(micro) / accum
             loss.backward()
-            total = total + loss.detach().float()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
