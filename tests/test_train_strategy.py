@@ -220,6 +220,7 @@ def test_the_learning_rate_warms_up_then_decays():
     cfg = _cfg("optim.warmup_steps=4", "train.steps=14", "optim.lr=1.0", "optim.min_lr_ratio=0.1")
     lrs = [lr_at(cfg, s) for s in range(14)]
     assert lrs[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8]) and lrs[4] == 1.0
-    assert all(a > b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] > 0.1
+    decay = lrs[4:]
+    assert all(decay[i] > decay[i + 1] for i in range(len(decay) - 1)) and lrs[-1] > 0.1
     assert lr_at(cfg, 14) == pytest.approx(0.1)
-    assert lr_at(_cfg("optim.schedule=constant", "optim.warmup_steps=0"), 50) == cfg.optim.lr * 1e-2 * 0 + 1e-2
+    assert lr_at(_cfg("optim.schedule=constant", "optim.warmup_steps=0"), 50) == 1e-2
