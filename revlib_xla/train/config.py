@@ -121,23 +121,23 @@ class DataConfig(_Section):
     path: str | None = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     hf_dataset: str | None = None
-    seq_len: int = Field(256, ge=2)
-    batch_size: int = Field(8, ge=1)
-    val_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    seq_len: int = Field(default=256, ge=2)
+    batch_size: int = Field(default=8, ge=1)
+    val_fraction: float = Field(default=0.05, gt=0.0, lt=1.0)
 
 
 class OptimConfig(_Section):
     """AdamW with linear warmup and a cosine (or constant) schedule; weight decay on matrices only."""
 
-    lr: float = Field(3e-4, gt=0.0)
-    weight_decay: float = Field(0.1, ge=0.0)
+    lr: float = Field(default=3e-4, gt=0.0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0.0)
-    warmup_steps: int = Field(10, ge=0)
+    eps: float = Field(default=1e-8, gt=0.0)
+    warmup_steps: int = Field(default=10, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
-    grad_clip: float = Field(1.0, ge=0.0)
-    grad_accum_steps: int = Field(1, ge=1)
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    grad_accum_steps: int = Field(default=1, ge=1)
 
     @field_validator("betas")
     @classmethod
@@ -151,21 +151,21 @@ class ChipConfig(_Section):
     """The accelerator the run targets: ``plan`` auto's budget, the MFU estimate, ``revlib-xla memory``."""
 
     name: str = "v5e"
-    chips: int = Field(1, ge=1)
+    chips: int = Field(default=1, ge=1)
 
 
 class TrainConfig(_Section):
     """The loop: steps, evaluation, logging, checkpoints, device and where everything is written."""
 
-    steps: int = Field(100, ge=1)
-    eval_every: int = Field(50, ge=0)
-    eval_batches: int = Field(4, ge=1)
-    log_every: int = Field(1, ge=1)
+    steps: int = Field(default=100, ge=1)
+    eval_every: int = Field(default=50, ge=0)
+    eval_batches: int = Field(default=4, ge=1)
+    log_every: int = Field(default=1, ge=1)
     seed: int = 0
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     out_dir: str = "runs/default"
-    checkpoint_every: int = Field(50, ge=0)
-    keep_checkpoints: int = Field(3, ge=1)
+    checkpoint_every: int = Field(default=50, ge=0)
+    keep_checkpoints: int = Field(default=3, ge=1)
     resume: bool = True
     progress: bool = True
 

@@ -37,6 +37,7 @@ from .strategy import (
     chip_spec,
     compute_device,
     language_model,
+    lm_loss,
     lr_at,
     make_step,
     model_config,
@@ -114,7 +115,7 @@ def evaluate(cfg: RunConfig, model: torch.nn.Module, batches: list[torch.Tensor]
             ),
         ):
             for batch in batches:
-                total = total + model.loss(batch.to(device)).float()
+                total = total + lm_loss(model, batch.to(device)).float()
         backend.sync(device)
         return float(total) / max(1, len(batches))
     finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,8 @@ __all__ = [
     "lr_at",
     "set_lr",
     "next_token_loss",
+    "LanguageModel",
+    "lm_loss",
     "state_bytes_per_param",
 ]
 
@@ -61,6 +63,17 @@ _CHIPS: dict[str, tuple[int, float]] = {
     "l4": (24 * 10**9, 121e12),
     "t4": (16 * 10**9, 65e12),
 }
+
+
+class LanguageModel(Protocol):
+    """What the loop needs of a model: the next-token loss of a ``(B, T)`` token batch."""
+
+    def loss(self, tokens: Tensor) -> Tensor: ...
+
+
+def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    """``model.loss(tokens)``: the LMs and the wrappers here all have it."""
+    return cast(LanguageModel, model).loss(tokens)
 
 
 class StrategyError(ValueError):
@@ -143,7 +156,7 @@ def next_token_loss(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 class PlannedLM(nn.Module):
-    """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``lm.as_sequential()``), measured and
+    """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``cast(Any, lm).as_sequential()``), measured and
     planned at the first training step; ``lm`` holds the weights (shared)."""
 
     def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None, sample: Tensor | None = None) -> None:
@@ -151,7 +164,7 @@ class PlannedLM(nn.Module):
         from ..checkpointable import Checkpointable
 
         self.lm = lm
-        self.planned = Checkpointable(lm.as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
+        self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
         if sample is not None:
             self.plan(sample)
 
@@ -177,14 +190,14 @@ class PlannedLM(nn.Module):
 
 class OffloadedLM(nn.Module):
     """The LM with its parameters in host memory, streamed to ``device`` one layer at a time
-    (:class:`revlib_xla.OffloadModel` over ``lm.as_sequential()``); ``lm`` holds the weights (shared)."""
+    (:class:`revlib_xla.OffloadModel` over ``cast(Any, lm).as_sequential()``); ``lm`` holds the weights (shared)."""
 
     def __init__(self, lm: nn.Module, device: torch.device, checkpoint: bool) -> None:
         super().__init__()
         from ..offload_model import OffloadModel
 
         self.lm = lm
-        stages = lm.as_sequential()
+        stages = cast(Any, lm).as_sequential()
         self.offloaded = OffloadModel(stages, device, "cpu", num_slices=len(stages), checkpoint_activation=checkpoint)
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -426,7 +439,7 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         total: Tensor | None = None
         for micro in tokens.chunk(accum):
             with scope():
-                loss = model.loss(micro) / accum
+                loss = lm_loss(model, micro) / accum
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
