@@ -224,3 +224,32 @@ def test_the_learning_rate_warms_up_then_decays():
     assert all(decay[i] > decay[i + 1] for i in range(len(decay) - 1)) and lrs[-1] > 0.1
     assert lr_at(cfg, 14) == pytest.approx(0.1)
     assert lr_at(_cfg("optim.schedule=constant", "optim.warmup_steps=0"), 50) == 1e-2
+
+
+def test_offloaded_optimizer_state_on_xla_is_placed_in_host_memory_by_the_graph():
+    """On XLA the AdamW state stays a graph value annotated for pinned host memory: the step brings it to the device
+    and puts it back. PJRT CPU cannot run the annotations, so they are shown (host_annotations) and not run."""
+    import gc
+
+    from revlib_xla import backend
+
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed")
+    device = backend.device_for("xla")
+    cfg = _cfg("strategy.offload.optimizer=true", "train.device=xla")
+    model = build_model(cfg, device)
+    opt = build_optimizer(cfg, model)
+    assert isinstance(opt, HostOptimizerState) and opt.annotate
+    step = make_step(cfg, model, opt)
+    with backend.host_annotations():  # two steps traced, nothing compiled or run
+        step(_batches()[0])
+        step(_batches()[0])
+        moments = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+        text = backend.lazy_stablehlo(moments[:1])
+    placements = [line for line in text.splitlines() if "annotate_device_placement" in line]
+    assert any('_xla_buffer_placement = "device"' in line for line in placements)
+    assert any('_xla_buffer_placement = "pinned_host"' in line for line in placements)
+    del model, opt, step, moments  # drop the annotated graph: PJRT CPU cannot execute it
+    gc.collect()
+    backend.sync(device)
+
