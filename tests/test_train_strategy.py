@@ -38,7 +38,7 @@ def _batches(n=2):
 def _grads(overrides, device="cpu"):
     """The loss and the gradient of every weight of the LM (by name) for one batch, in float64."""
     cfg = _cfg(*overrides)
-    model = build_model(cfg, device).double()
+    model = build_model(cfg, device, torch.float64)
     loss = model.loss(_batches()[0].to(device))
     loss.backward()
     lm = language_model(model)
@@ -48,7 +48,7 @@ def _grads(overrides, device="cpu"):
 def _trained(overrides, device="cpu", steps=2):
     """The losses and the LM's weights after ``steps`` steps of make_step, in float64."""
     cfg = _cfg(*overrides)
-    model = build_model(cfg, device).double()
+    model = build_model(cfg, device, torch.float64)
     opt = build_optimizer(cfg, model)
     step = make_step(cfg, model, opt)
     losses = []
@@ -163,8 +163,8 @@ def test_bf16_computes_in_bf16_and_keeps_fp32_weights():
 def test_host_optimizer_state_by_host_copies_equals_adamw():
     """The host-copy path (cuda's) run with the CPU as the device: the same updates as AdamW, state on the host."""
     cfg = _cfg()
-    ref_model = build_model(cfg).double()
-    model = build_model(cfg).double()
+    ref_model = build_model(cfg, dtype=torch.float64)
+    model = build_model(cfg, dtype=torch.float64)
     params = list(model.parameters())
     opt = HostOptimizerState(cfg, params, annotate=False)
     ref_opt = build_optimizer(cfg, ref_model)
@@ -253,3 +253,46 @@ def test_offloaded_optimizer_state_on_xla_is_placed_in_host_memory_by_the_graph(
     gc.collect()
     backend.sync(device)
 
+
+@pytest.mark.parametrize("form", ["reversible", "momentum"])
+def test_reversible_forms_step_as_their_own_no_savings_form(form):
+    """reversible / momentum: the gradients and the weights after two steps equal those of the same form run with
+    plain autograd (MemoryModes.no_savings), in float64; the weights start from the same seed as the plain model."""
+    from revlib_xla import MemoryModes
+    from revlib_xla.models.llama import build_llama
+    from revlib_xla.train.strategy import model_config
+
+    cfg = _cfg(f"strategy={form}", "strategy.beta=0.5")
+    model = build_model(cfg, dtype=torch.float64)
+    assert model.form.value == form and model.beta == 0.5
+    ref = build_llama(model_config(cfg), form, beta=0.5, memory_mode=MemoryModes.no_savings).double()
+    ref.load_state_dict(model.state_dict())
+    plain = language_model(build_model(_cfg(), dtype=torch.float64))
+    torch.testing.assert_close(model.embed.weight, plain.embed.weight, rtol=0, atol=0)
+
+    batch = _batches()[0]
+    model.loss(batch).backward()
+    ref.loss(batch).backward()
+    _close({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+
+    losses, weights, _, _ = _trained([f"strategy={form}", "strategy.beta=0.5"])
+    ref_opt = build_optimizer(cfg, ref)
+    ref.zero_grad()
+    ref.load_state_dict(model.state_dict())  # unchanged by the backward above
+    ref_step = make_step(cfg, ref, ref_opt)
+    ref_losses = []
+    for i, b in enumerate(_batches(2)):
+        for group in ref_opt.param_groups:
+            group["lr"] = lr_at(cfg, i)
+        ref_losses.append(float(ref_step(b)))
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    _close(weights, {n: t.detach() for n, t in ref.state_dict().items()})
+
+
+@pytest.mark.parametrize("form", ["reversible", "checkpoint", "plan"])
+def test_fewbit_and_bf16_compose_with_the_activation_strategies(form):
+    cfg = _cfg(f"strategy={form}", "strategy.fewbit=1", "strategy.precision=bf16")
+    model = build_model(cfg)
+    step = make_step(cfg, model, build_optimizer(cfg, model))
+    losses = [float(step(b)) for b in _batches(2) * 2]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -45,7 +45,6 @@ __all__ = [
     "make_step",
     "lr_at",
     "set_lr",
-    "next_token_loss",
     "LanguageModel",
     "lm_loss",
     "state_bytes_per_param",
@@ -148,16 +147,9 @@ def check_strategy(cfg: RunConfig) -> None:
 # Models
 
 
-def next_token_loss(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Mean cross entropy of ``logits[:, :-1]`` against ``tokens[:, 1:]``, in float32 (float64 logits stay
-    float64)."""
-    wide = torch.promote_types(logits.dtype, torch.float32)
-    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).to(wide), tokens[:, 1:].flatten())
-
-
 class PlannedLM(nn.Module):
-    """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``cast(Any, lm).as_sequential()``), measured and
-    planned at the first training step; ``lm`` holds the weights (shared)."""
+    """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``lm.as_sequential()``), measured and
+    planned on a sample batch when built (else at the first training step); ``lm`` holds the weights (shared)."""
 
     def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None, sample: Tensor | None = None) -> None:
         super().__init__()
@@ -185,12 +177,14 @@ class PlannedLM(nn.Module):
         return self.planned(tokens)
 
     def loss(self, tokens: Tensor) -> Tensor:
+        from ..models.llama import next_token_loss
+
         return next_token_loss(self(tokens), tokens)
 
 
 class OffloadedLM(nn.Module):
     """The LM with its parameters in host memory, streamed to ``device`` one layer at a time
-    (:class:`revlib_xla.OffloadModel` over ``cast(Any, lm).as_sequential()``); ``lm`` holds the weights (shared)."""
+    (:class:`revlib_xla.OffloadModel` over ``lm.as_sequential()``); ``lm`` holds the weights (shared)."""
 
     def __init__(self, lm: nn.Module, device: torch.device, checkpoint: bool) -> None:
         super().__init__()
@@ -204,6 +198,8 @@ class OffloadedLM(nn.Module):
         return self.offloaded(tokens)
 
     def loss(self, tokens: Tensor) -> Tensor:
+        from ..models.llama import next_token_loss
+
         return next_token_loss(self(tokens), tokens)
 
 
@@ -243,11 +239,15 @@ def _plan_budget(cfg: RunConfig, lm: nn.Module) -> int:
     return hbm - held
 
 
-def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.Module:
-    """The LM of ``cfg.model`` with the activation strategy and few-bit activations applied, its weights drawn from
-    ``train.seed`` (on the host, so every device starts from the same weights), on ``device`` (default
-    :func:`resolve_device`; parameters stay in host memory with ``offload.params``). ``"meta"`` builds it without
-    allocating anything (any size). The result has ``forward(tokens) -> logits`` and ``loss(tokens)``."""
+def build_model(
+    cfg: RunConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The LM of ``cfg.model`` with the activation strategy and few-bit activations applied, on ``device`` (default
+    :func:`resolve_device`; parameters stay in host memory with ``offload.params``). It is built on the meta device
+    and materialised where it runs, with weights drawn from ``train.seed`` on the host, so every device starts from
+    the same weights; ``"meta"`` builds it without allocating anything (any size). The result has
+    ``forward(tokens) -> logits`` and ``loss(tokens)``. ``dtype``: the weights' dtype (default float32; float64 to
+    check a strategy's gradients exactly)."""
     from ..models.llama import build_llama
 
     check_strategy(cfg)
@@ -256,8 +256,13 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.
     form = s.activations if s.activations in ("reversible", "momentum") else "plain"
     checkpoint = s.activations == "checkpoint" and not s.offload.params
     on_meta = not backend.backend_for(target).holds_data
-    with torch.device("meta") if on_meta else _seeded(cfg.train.seed):
+    with torch.device("meta"):  # built without allocating, then materialised where it runs
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
+    if not on_meta:
+        lm.to_empty(device="cpu" if s.offload.params else target)
+        lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
+    if dtype is not None:
+        lm.to(dtype)
     if s.fewbit:
         from ..fewbit import convert_activation
         from ..fewbit.conversion import map_module
@@ -265,7 +270,6 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.
         map_module(lm, lambda m: convert_activation(m, bits=s.fewbit) if isinstance(m, nn.SiLU) else m)
     if s.offload.params:
         return OffloadedLM(lm, target, checkpoint=s.activations == "checkpoint")
-    lm.to(target)
     if s.activations == "plan":
         from ..tpu_compile import TPU_GENERATIONS
 
@@ -274,14 +278,6 @@ def build_model(cfg: RunConfig, device: torch.device | str | None = None) -> nn.
         sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
         return PlannedLM(lm, _plan_budget(cfg, lm), generation, sample=None if on_meta else sample)
     return lm
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Weights drawn from ``seed`` on the CPU generator, leaving the global random state as it was."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------
