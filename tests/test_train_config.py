@@ -37,7 +37,7 @@ def test_dotted_overrides_are_parsed_as_yaml():
 
 
 def test_a_dumped_config_loads_back_equal(tmp_path):
-    cfg = load_config(None, ["strategy=reversible", "optim.betas=[0.8,0.9]", "model.overrides.dim=64"])
+    cfg = load_config(None, ["strategy=reversible", "optim.betas=[0.8,0.9]", "model.overrides.dim=96"])
     path = tmp_path / "c.yaml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg

@@ -40,7 +40,7 @@ def _weights(result):
     return {n: t.detach().cpu() for n, t in language_model(result.model).state_dict().items()}
 
 
-@pytest.mark.parametrize("kind", ["cpu", "xla"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind):
     if not backend.device_available(kind):
         pytest.skip(f"no {kind} device")

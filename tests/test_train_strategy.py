@@ -69,7 +69,7 @@ def _close(a, b, rtol=1e-9, atol=1e-12):
 SAME_FUNCTION = [
     ["strategy=checkpoint"],
     ["strategy=plan"],
-    ["strategy=plan", "strategy.budget=560kB"],  # just above the smallest budget: most stages recomputed
+    pytest.param(["strategy=plan", "strategy.budget=560kB"], marks=pytest.mark.slow),  # most stages recomputed
     ["strategy.offload.params=true"],
     ["strategy.offload.params=true", "strategy=checkpoint"],
     ["strategy.offload.activations=true"],
@@ -254,6 +254,7 @@ def test_offloaded_optimizer_state_on_xla_is_placed_in_host_memory_by_the_graph(
     backend.sync(device)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["reversible", "momentum"])
 def test_reversible_forms_step_as_their_own_no_savings_form(form):
     """reversible / momentum: the gradients and the weights after two steps equal those of the same form run with
@@ -289,6 +290,7 @@ def test_reversible_forms_step_as_their_own_no_savings_form(form):
     _close(weights, {n: t.detach() for n, t in ref.state_dict().items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["reversible", "checkpoint", "plan"])
 def test_fewbit_and_bf16_compose_with_the_activation_strategies(form):
     cfg = _cfg(f"strategy={form}", "strategy.fewbit=1", "strategy.precision=bf16")

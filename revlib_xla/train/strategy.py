@@ -48,6 +48,7 @@ __all__ = [
     "LanguageModel",
     "lm_loss",
     "state_bytes_per_param",
+    "plan_budget",
 ]
 
 # Chips the run may target, until revlib_xla.fit.chips is merged: (HBM bytes per chip, peak dense bf16 FLOP/s).
@@ -222,13 +223,16 @@ def state_bytes_per_param(cfg: RunConfig) -> int:
     return 8 if cfg.strategy.offload.optimizer else 16
 
 
-def _plan_budget(cfg: RunConfig, lm: nn.Module) -> int:
+def plan_budget(cfg: RunConfig) -> int:
+    """The planner's budget in bytes: ``strategy.budget``, or for ``auto`` the HBM of ``chip.name`` less the
+    parameters, their gradients and the optimizer state (:func:`state_bytes_per_param`)."""
     given = cfg.strategy.budget_bytes()
     if given is not None:
         return given
+    from ..models.llama import num_params
+
     hbm, _ = chip_spec(cfg.chip.name)
-    params = sum(p.numel() for p in lm.parameters())
-    held = params * state_bytes_per_param(cfg)
+    held = num_params(model_config(cfg)) * state_bytes_per_param(cfg)
     if held >= hbm:
         raise StrategyError(
             f"strategy.budget=auto: the parameters, gradients and optimizer state of {cfg.model.name} "
@@ -256,6 +260,7 @@ def build_model(
     form = s.activations if s.activations in ("reversible", "momentum") else "plain"
     checkpoint = s.activations == "checkpoint" and not s.offload.params
     on_meta = not backend.backend_for(target).holds_data
+    budget = plan_budget(cfg) if s.activations == "plan" else 0  # refused before anything is allocated
     with torch.device("meta"):  # built without allocating, then materialised where it runs
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
     if not on_meta:
@@ -276,7 +281,7 @@ def build_model(
         generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
         micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
         sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
-        return PlannedLM(lm, _plan_budget(cfg, lm), generation, sample=None if on_meta else sample)
+        return PlannedLM(lm, budget, generation, sample=None if on_meta else sample)
     return lm
 
 
