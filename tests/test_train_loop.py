@@ -68,11 +68,12 @@ def test_metrics_are_logged_as_json_lines_with_evaluation(tmp_path):
     )
     result = train(cfg)
     records = _records(tmp_path)
-    assert [(r["kind"], r["step"]) for r in records] == [("train", 2), ("eval", 2), ("train", 4), ("eval", 4)]
-    first = records[0]
+    expected = [("train", 1), ("train", 2), ("eval", 2), ("train", 4), ("eval", 4)]  # the first step, every 2nd
+    assert [(r["kind"], r["step"]) for r in records] == expected
+    first = records[1]
     assert first["loss"] == result.losses[2] and first["tokens_per_s"] > 0 and 0 < first["mfu"] < 1
     assert first["lr"] == pytest.approx(2e-3)  # step 2 of a 2-step warmup: 2/3 of the rate
-    assert records[1]["val_loss"] == result.val_losses[2]
+    assert records[2]["val_loss"] == result.val_losses[2]
     assert (tmp_path / "checkpoints" / "step_00000004" / "model.safetensors").is_file()
     assert not (tmp_path / "tb").exists() or "tensorboard" in sys.modules
 
@@ -160,3 +161,27 @@ def test_print_config(capsys):
     assert main(["train", "--config", "tpu_configs/cpu-smoke.yaml", "strategy=plan", "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert "activations: plan" in printed and "vocab_size: 256" in printed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["strategy=none"],
+        ["strategy=reversible"],
+        ["strategy=plan"],
+        ["strategy.fewbit=2"],
+        ["strategy.offload.params=true", "strategy.offload.optimizer=true", "strategy.offload.activations=true"],
+    ],
+    ids=" ".join,
+)
+def test_cpu_smoke_trains_through_the_cli_with_each_strategy(tmp_path, capsys, strategy):
+    """`revlib-xla train --config tpu_configs/cpu-smoke.yaml` with each strategy: the loss falls (a few steps here;
+    the whole run is `make demo`)."""
+    few = ["train.steps=8", "optim.warmup_steps=2", "data.seq_len=64", "train.eval_every=0", "train.log_every=1"]
+    args = ["train", "--config", "tpu_configs/cpu-smoke.yaml", *strategy, *few, "train.progress=false"]
+    assert main([*args, "train.device=cpu", f"train.out_dir={tmp_path}"]) == 0
+    losses = [r["loss"] for r in _records(tmp_path)]
+    assert len(losses) == 8 and losses[0] == pytest.approx(np.log(256), abs=0.3)
+    assert max(losses[-3:]) < losses[0] - 0.5, losses
+    assert "loss " in capsys.readouterr().out

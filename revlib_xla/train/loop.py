@@ -197,7 +197,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
                 )
                 compiled_after_warmup = compiled
             last = done == cfg.train.steps
-            if done % cfg.train.log_every == 0 or last or stop.signal:
+            if done % cfg.train.log_every == 0 or done == start + 1 or last or stop.signal:
                 value = float(loss)
                 losses[done] = value
                 logger.step(done, value, lr, time.perf_counter() - window_start, device_memory(device), since)
