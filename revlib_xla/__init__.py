@@ -19,6 +19,8 @@ Measuring memory:
     the ``memory`` module (``memory.eager_peak``, ``memory.saved_bytes``, ``memory.tpu_memory``, ...).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+Training runs (what ``revlib-xla train`` does, usable from Python):
+    the ``train`` module (``train.load_config``, ``train.build_model``, ``train.make_step``, ``train.train``).
 
 Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
 on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
@@ -69,12 +71,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, memory, models, utils
+    from . import compat, core, fewbit, memory, models, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "utils", "core", "compat")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "utils", "core", "compat")
 
 __all__ = [
     # reversible networks
@@ -109,6 +111,7 @@ __all__ = [
     "fewbit",
     "memory",
     "models",
+    "train",
     # RevLib compatibility
     "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST",
