@@ -1,6 +1,8 @@
 """revlib_xla.train.strategy: each supported strategy's step equals the plain step (float64), and unsupported
 combinations are refused by name."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -298,3 +300,22 @@ def test_fewbit_and_bf16_compose_with_the_activation_strategies(form):
     step = make_step(cfg, model, build_optimizer(cfg, model))
     losses = [float(step(b)) for b in _batches(2) * 2]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0]
+
+
+def test_offload_model_with_token_inputs_uses_the_weights_after_each_optimizer_step():
+    """OffloadModel over an embedding (token ids in, no gradient for the input): the second step reads the weights
+    the first step wrote, not copies made before it (the pass closes when the backward has finished)."""
+    from revlib_xla import OffloadModel
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 50)).double()
+    offloaded = OffloadModel(copy.deepcopy(plain), "cpu", num_slices=4)
+    tokens = torch.randint(0, 50, (3, 5))
+    for model in (plain, offloaded):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            model(tokens).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(plain.parameters(), offloaded.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
