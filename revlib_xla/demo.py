@@ -416,7 +416,7 @@ def format_memory_table(rows: Sequence[MemoryRow], generation: str = "v5e") -> s
 
 
 def plot_memory_table(
-    rows: Sequence[MemoryRow], path: os.PathLike, config: DemoConfig, generation: str = "v5e"
+    rows: Sequence[MemoryRow], path: str | os.PathLike[str], config: DemoConfig, generation: str = "v5e"
 ) -> Path:
     """Save the table as a PNG: eager peak and TPU HBM peak against depth, one line per flavour."""
     import matplotlib
@@ -595,7 +595,7 @@ def _train_and_report(config: DemoConfig, device: torch.device, quiet: bool) -> 
     return 0
 
 
-def _memory_report(config: DemoConfig, column: TpuColumn | None, out: str) -> None:
+def _memory_report(config: DemoConfig, column: TpuColumn | None, out: str | os.PathLike[str]) -> None:
     """The memory table of one training step at several depths (eager, and the TPU column when started), and its
     plot saved to ``out``."""
     print(
