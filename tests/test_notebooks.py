@@ -40,6 +40,12 @@ CELL_TIMEOUT = 240
 """Seconds one cell may run in CI before the kernel is interrupted and the test fails."""
 
 
+REPO_ROOT = "<the repository root>"
+"""A CI parameter value replaced by this checkout's root directory."""
+TMP_DIR = "<a fresh temporary directory>"
+"""A CI parameter value replaced by a fresh directory (what a notebook writes goes there, not into the checkout)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Notebook:
     name: str
@@ -51,6 +57,33 @@ class Notebook:
 NOTEBOOKS = [
     Notebook("quickstart.ipynb", {"depths": [2, 4, 8], "width": 16, "tokens": 64}),
     Notebook("fewbit.ipynb", {"activations": ["gelu", "tanh"], "elements": 2**16, "width": 32, "rows": 128}),
+    Notebook(
+        "huggingface.ipynb",
+        {
+            "model_name": None,
+            "tiny_layers": 2,
+            "batch": 2,
+            "seq_len": 64,
+            "steps": 12,
+            "lr": 3e-3,
+            "corpus_chars": 200_000,
+        },
+        requires=("transformers", "revlib_xla.hf"),
+    ),
+    Notebook(
+        "tpu_v5e.ipynb",
+        {
+            "repo": REPO_ROOT,
+            "config": "tpu_configs/cpu-smoke.yaml",
+            "strategies": "none,reversible",
+            "max_batch": False,
+            "steps": 4,
+            "log_every": 1,
+            "out_dir": TMP_DIR,
+        },
+        requires=("revlib_xla.cli.train", "revlib_xla.cli.memory"),
+        slow=True,
+    ),
     Notebook(
         "planner.ipynb", {"width": 32, "depth": 2, "seq_len": 32, "batch": 2, "fractions": [0.0, 1.0], "sweep": 4}
     ),
@@ -124,12 +157,16 @@ def _outputs_text(nb: Any) -> str:
 @pytest.mark.parametrize(
     "notebook", [pytest.param(n, id=n.name, marks=[pytest.mark.slow] if n.slow else []) for n in NOTEBOOKS]
 )
-def test_notebook_runs_top_to_bottom(notebook: Notebook, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_runs_top_to_bottom(notebook: Notebook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = _missing(notebook.requires)
     if missing:
         pytest.skip(f"{notebook.name} needs {', '.join(missing)}, not in this checkout yet")
     start = time.perf_counter()
-    nb = execute(_read(notebook.name), notebook.parameters, monkeypatch)
+    where = {REPO_ROOT: str(ROOT), TMP_DIR: str(tmp_path)}
+    parameters = {
+        key: where.get(value, value) if isinstance(value, str) else value for key, value in notebook.parameters.items()
+    }
+    nb = execute(_read(notebook.name), parameters, monkeypatch)
     elapsed = time.perf_counter() - start
     executed = [cell for cell in nb.cells if cell.cell_type == "code" and cell.get("execution_count")]
     skipped = _tagged(nb, "skip-execution")
