@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import importlib.util
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,6 @@ class Notebook:
     name: str
     parameters: dict[str, Any]  # the CI sizes, each a name assigned in the notebook's `parameters` cell
     requires: tuple[str, ...] = ()  # library modules it needs; while one is missing, its run is skipped
-    slow: bool = False
 
 
 NOTEBOOKS = [
@@ -82,7 +82,6 @@ NOTEBOOKS = [
             "out_dir": TMP_DIR,
         },
         requires=("revlib_xla.cli.train", "revlib_xla.cli.memory"),
-        slow=True,
     ),
     Notebook(
         "planner.ipynb", {"width": 32, "depth": 2, "seq_len": 32, "batch": 2, "fractions": [0.0, 1.0], "sweep": 4}
@@ -154,9 +153,8 @@ def _outputs_text(nb: Any) -> str:
     return "\n".join(text)
 
 
-@pytest.mark.parametrize(
-    "notebook", [pytest.param(n, id=n.name, marks=[pytest.mark.slow] if n.slow else []) for n in NOTEBOOKS]
-)
+@pytest.mark.slow  # a kernel start, torch's import and the notebook: 10 s or more on a loaded 2-core machine
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[n.name for n in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(notebook: Notebook, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = _missing(notebook.requires)
     if missing:
@@ -229,12 +227,17 @@ def test_the_runner_injects_parameters_skips_install_cells_and_fails_on_an_error
         cells = [
             v4.new_code_cell("raise SystemExit('an install cell ran')", metadata={"tags": ["skip-execution"]}),
             v4.new_code_cell("size = 1000", metadata={"tags": ["parameters"]}),
-            v4.new_code_cell("import os\nprint(size, os.environ['PJRT_DEVICE'], os.getcwd())\nassert size < 10, size"),
+            v4.new_code_cell(
+                "import os, sys\n"
+                "print(size, os.environ['PJRT_DEVICE'], os.getcwd(), sys.executable)\n"
+                "assert size < 10, size"
+            ),
         ]
         return v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
 
     out = execute(notebook(), {"size": 3}, monkeypatch, cwd=tmp_path)
-    assert _outputs_text(out).split() == ["3", "CPU", str(tmp_path)]
+    # the kernel is this interpreter (so `make test-newer` runs the notebooks on the newer torch)
+    assert _outputs_text(out).split() == ["3", "CPU", str(tmp_path), sys.executable]
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="1000 CPU") as failed:
         execute(notebook(), {}, monkeypatch, cwd=tmp_path)
     assert failed.value.ename == "AssertionError"
