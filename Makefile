@@ -19,7 +19,7 @@ PYTEST_N := -m pytest -n 2 --dist loadfile -q
 .PHONY: venv venv-newer lint strip-notebooks typecheck test test-fast test-newer demo bench clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
-LINT_PATHS := revlib_xla tests bench kernels
+LINT_PATHS := revlib_xla tests bench kernels colab
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
