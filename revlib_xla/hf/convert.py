@@ -31,9 +31,11 @@ import torch
 from torch import nn
 
 from .. import fewbit as _fewbit
-from .._tree import tree_leaves
-from ..checkpointable import Checkpointable
+from .._tree import detached, tree_leaves
+from ..checkpointable import Checkpointable, _signature
 from ..memory import parse_bytes
+from ..planner import Chain
+from ..planner.sizing import measure_chain
 from ..reversible import ReversibleSequential
 from ..utils import momentum_net
 from .layers import Branches, HFConversionError, find_layer_stack
@@ -145,11 +147,54 @@ def _check_arguments(strategy: str, args: tuple[Any, ...], kwargs: dict[str, Any
             )
 
 
+def _repeated(one: Chain, n: int) -> Chain:
+    """The chain of ``n`` copies of a one-stage chain whose output is the size of its input (a layer)."""
+    return one.replace(
+        fw=one.fw * n,
+        bw=one.bw[:1] * n + one.bw[1:],
+        cw=one.cw[:1] * n + one.cw[1:],
+        cbw=one.cbw[:1] + one.cbw[1:] * n,
+        fwd_tmp=one.fwd_tmp * n,
+        bwd_tmp=one.bwd_tmp[:1] * n + one.bwd_tmp[1:],
+        reversible=one.reversible * n,
+        inverse_time=one.inverse_time * n,
+        offload_time=one.offload_time * n,
+        options=one.options * n,
+        names=one.names * n,
+    )
+
+
+def _same_shapes(layers: list[nn.Module]) -> bool:
+    shapes = [[(t.shape, t.dtype) for t in (*layer.parameters(), *layer.buffers())] for layer in layers]
+    return all(s == shapes[0] for s in shapes)
+
+
+class _LayerCheckpointable(Checkpointable):
+    """A Checkpointable over layers of one class with the same shapes: they cost the same, so the first is
+    measured and its costs repeated (a 32-layer model is measured in the time of one layer)."""
+
+    def measure(self, sample_input: Any) -> Chain:
+        layers = [stage.layer for stage in self.stages]
+        if not _same_shapes(layers) or len(self.stages) == 1:
+            return super().measure(sample_input)
+        n = len(self.stages)
+        measured = measure_chain(self.stages[:1], sample_input, {}, self.sizing())
+        if measured.chain.cw[0] != measured.chain.cw[1]:
+            return super().measure(sample_input)
+        self.measurements = measured.measurements * n
+        self.chain = _repeated(measured.chain, n)
+        self._signature = _signature(sample_input)
+        self._sample = detached(sample_input) if measured.lazy else None
+        self.sequence = None
+        return self.chain
+
+
 class _Planned(_Runner):
     strategy = "plan"
 
     def __init__(self, layers: list[nn.Module], budget: float | None) -> None:
-        self.checkpointable = Checkpointable(nn.Sequential(*[_Stage(layer) for layer in layers]), mem_limit=budget)
+        stages = nn.Sequential(*[_Stage(layer) for layer in layers])
+        self.checkpointable = _LayerCheckpointable(stages, mem_limit=budget)
 
     def takes_over(self, layers: ConvertedLayers) -> bool:
         return layers.training and torch.is_grad_enabled() and not _capturing_outputs()
