@@ -25,7 +25,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -174,7 +174,7 @@ class _LayerCheckpointable(Checkpointable):
     measured and its costs repeated (a 32-layer model is measured in the time of one layer)."""
 
     def measure(self, sample_input: Any) -> Chain:
-        layers = [stage.layer for stage in self.stages]
+        layers = [cast(_Stage, stage).layer for stage in self.stages]
         if not _same_shapes(layers) or len(self.stages) == 1:
             return super().measure(sample_input)
         n = len(self.stages)
