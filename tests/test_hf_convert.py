@@ -320,6 +320,7 @@ def test_model_from_config_builds_real_shapes_without_allocating(tmp_path):
 def test_on_each_device_gradients_match_the_cpu(strategy, device):
     ref = memory_efficient(tiny("llama-tiny", dtype=torch.float32), strategy)
     model = copy.deepcopy(ref).to(device)
+    model.tie_weights()  # moving to xla replaces the parameters, which unties lm_head from the embedding
     _, want = step(ref)
     _, got = step(model, ids=IDS.to(device))
     backend.sync(device)
@@ -350,3 +351,30 @@ def test_xla_training_steps_are_one_graph_each():
     report = met.short_metrics_report()
     assert met.metric_data("CompileTime") is None, report
     assert met.metric_data("ExecuteTime")[0] == 2, report
+
+
+# -- transformers' Trainer -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["plan", "reversible"])
+def test_hf_trainer_runs_a_short_fine_tune(strategy, tmp_path):
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
+    model = memory_efficient(tiny("llama-tiny", depth=2, dtype=torch.float32), strategy)
+    model.config.use_cache = False
+    data = byte_corpus(2048).view(-1, 32)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=12,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        optim="adamw_torch",  # accelerate may place the model on XLA (torch_xla installed), where fused AdamW is not
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
