@@ -19,6 +19,9 @@ Measuring memory:
     the ``memory`` module (``memory.eager_peak``, ``memory.saved_bytes``, ``memory.tpu_memory``, ...).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+HuggingFace transformers models (the ``[hf]`` extra):
+    the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
+    ``hf.model_from_config``).
 
 Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
 on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
@@ -69,12 +72,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, memory, models, utils
+    from . import compat, core, fewbit, hf, memory, models, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "utils", "core", "compat")
+_LAZY_MODULES = ("memory", "fewbit", "models", "hf", "utils", "core", "compat")
 
 __all__ = [
     # reversible networks
@@ -109,6 +112,8 @@ __all__ = [
     "fewbit",
     "memory",
     "models",
+    # HuggingFace transformers models
+    "hf",
     # RevLib compatibility
     "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST",
