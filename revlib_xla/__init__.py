@@ -21,6 +21,9 @@ Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
 Training runs (what ``revlib-xla train`` does, usable from Python):
     the ``train`` module (``train.load_config``, ``train.build_model``, ``train.make_step``, ``train.train``).
+HuggingFace transformers models (the ``[hf]`` extra):
+    the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
+    ``hf.model_from_config``).
 
 Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
 on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
@@ -71,12 +74,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, memory, models, train, utils
+    from . import compat, core, fewbit, hf, memory, models, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "train", "utils", "core", "compat")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat")
 
 __all__ = [
     # reversible networks
@@ -112,6 +115,8 @@ __all__ = [
     "memory",
     "models",
     "train",
+    # HuggingFace transformers models
+    "hf",
     # RevLib compatibility
     "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST",
