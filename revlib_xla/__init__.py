@@ -19,6 +19,8 @@ Measuring memory:
     the ``memory`` module (``memory.eager_peak``, ``memory.saved_bytes``, ``memory.tpu_memory``, ...).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+Training runs (what ``revlib-xla train`` does, usable from Python):
+    the ``train`` module (``train.load_config``, ``train.build_model``, ``train.make_step``, ``train.train``).
 HuggingFace transformers models (the ``[hf]`` extra):
     the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
     ``hf.model_from_config``).
@@ -72,12 +74,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, hf, memory, models, utils
+    from . import compat, core, fewbit, hf, memory, models, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "hf", "utils", "core", "compat")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat")
 
 __all__ = [
     # reversible networks
@@ -112,6 +114,7 @@ __all__ = [
     "fewbit",
     "memory",
     "models",
+    "train",
     # HuggingFace transformers models
     "hf",
     # RevLib compatibility

@@ -273,6 +273,11 @@ class Backend:
         with the TPU compiler. Only a lazy family traces programs; ``requested`` is the user's choice."""
         return None
 
+    def compilations(self) -> int | None:
+        """How many programs the family has compiled in this process so far (a training loop checks that the count
+        stops growing after the first steps: one compiled graph per step), or ``None`` for an eager family."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} for {self.device_type!r}>"
 
