@@ -21,6 +21,7 @@ def named_config(family: str, sizes: Mapping[str, Config], name: str, overrides:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(
-            f"{family} model {name!r}: unknown field(s) {', '.join(unknown)}; expected some of {', '.join(sorted(fields))}"
+            f"{family} model {name!r}: unknown field(s) {', '.join(unknown)}; "
+            f"expected some of {', '.join(sorted(fields))}"
         )
     return dataclasses.replace(config, **overrides)  # type: ignore[type-var]  # Config is a dataclass

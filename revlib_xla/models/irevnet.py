@@ -25,7 +25,7 @@ Sizes (``channels`` per stream and stage, ``blocks`` per stage):
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +177,11 @@ class IRevNet(nn.Module):
         self.head: nn.Module
         if config.head == "pool":
             self.head = nn.Sequential(
-                nn.BatchNorm2d(total), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(total, config.num_classes)
+                nn.BatchNorm2d(total),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(total, config.num_classes),
             )
         else:
             self.head = nn.Conv2d(total, config.num_classes, 3, padding=1)
@@ -221,7 +225,7 @@ class IRevNet(nn.Module):
                 "first (and model.train() again to continue training)"
             )
         x = features
-        for stage in reversed(self.stages):
+        for stage in reversed(cast(list[IRevNetStage], list(self.stages))):
             x = stage.inverse(x)
         return self.init.inverse(x)
 

@@ -42,7 +42,15 @@ from torch import nn
 from ..reversible import MemoryModes, ReversibleSequential
 from ._named import named_config
 
-__all__ = ["RevNetConfig", "REVNET_SIZES", "RevNet", "RevNetDownsample", "revnet_names", "revnet_config", "build_revnet"]
+__all__ = [
+    "RevNetConfig",
+    "REVNET_SIZES",
+    "RevNet",
+    "RevNetDownsample",
+    "revnet_names",
+    "revnet_config",
+    "build_revnet",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +159,9 @@ class RevNet(nn.Module):
         self.config = config
         stem_channels = config.channels[0]
         stem: list[nn.Module] = [
-            _conv(config.in_channels, stem_channels, 7 if config.imagenet_stem else 3, 2 if config.imagenet_stem else 1),
+            _conv(
+                config.in_channels, stem_channels, 7 if config.imagenet_stem else 3, 2 if config.imagenet_stem else 1
+            ),
             nn.BatchNorm2d(stem_channels),
             nn.ReLU(),
         ]
@@ -183,7 +193,11 @@ class RevNet(nn.Module):
         self.stages = nn.ModuleList(stages)
         width = 2 * stream
         self.head = nn.Sequential(
-            nn.BatchNorm2d(width), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, config.num_classes)
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(width, config.num_classes),
         )
         for module in self.modules():
             if isinstance(module, nn.Conv2d):
