@@ -56,20 +56,23 @@ def test_chunked_reversible_model_matches_plain_on_each_device(device):
         assert max_rel_err(grad, ref) < 1e-4
 
 
+@pytest.mark.slow
 def test_peak_memory_falls_with_the_chunks():
-    # The feed-forward's hidden activation (mlp_ratio * width = 512 features) dominates a layer: 8x the stream.
-    config = ReformerConfig(width=64, depth=2, heads=1, seq_len=64, mlp_ratio=8)
+    # The feed-forward's hidden activation (mlp_ratio * width = 512 features) dominates a layer: 16x the stream; a
+    # small vocabulary keeps the logits below it.
+    config = ReformerConfig(width=32, depth=2, heads=1, seq_len=128, mlp_ratio=16, vocab_size=32)
+    batch = 4
 
     def peak(chunks):
         torch.manual_seed(0)
         model = ReformerLM(dataclasses.replace(config, ff_chunks=chunks))
-        tokens = torch.randint(0, 256, (4, config.seq_len))
+        tokens = torch.randint(0, config.vocab_size, (batch, config.seq_len))
         return eager_peak(lambda m, t: m.loss(t).backward(), model, tokens).total
 
-    peaks = {chunks: peak(chunks) for chunks in (1, 2, 4, 8)}
-    assert peaks[1] > peaks[2] > peaks[4] > peaks[8]
-    hidden = 4 * config.seq_len * config.mlp_ratio * config.width * 4  # one full hidden activation, float32
-    assert peaks[1] - peaks[8] > hidden  # (the up projection's output and the GELU's, 7/8 of each)
+    peaks = {chunks: peak(chunks) for chunks in (1, 2, 8)}  # measured: 3.99, 2.65, 1.57 MiB
+    assert peaks[1] > peaks[2] > peaks[8]
+    hidden = batch * config.seq_len * config.mlp_ratio * config.width * 4  # one hidden activation, float32
+    assert peaks[1] - peaks[8] > 2 * hidden * 7 / 8  # the up projection's output and the GELU's, 7/8 of each
 
 
 def test_named_sizes_meta_builds_and_errors():

@@ -64,11 +64,10 @@ class ChunkedMLP(MLP):
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.chunks == 1:
             return super().compute(x)
-        pieces = x.chunk(self.chunks, dim=1)
         if torch.is_grad_enabled():
-            outputs = [backend.checkpoint(self.transform, piece) for piece in pieces]
-        else:
-            outputs = [self.transform(piece) for piece in pieces]
+            outputs = [backend.checkpoint(self.transform, piece) for piece in x.chunk(self.chunks, dim=1)]
+        else:  # detached: a view made without grad of a tensor requiring it confuses module hooks (MemTracker)
+            outputs = [self.transform(piece) for piece in x.detach().chunk(self.chunks, dim=1)]
         return self.drop(torch.cat(outputs, dim=1))
 
     def extra_repr(self) -> str:
