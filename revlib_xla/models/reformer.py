@@ -11,6 +11,9 @@ reversible layers (activation memory independent of depth) this bounds a layer's
 chunk of feed-forward. The chunking changes the order of no floating-point operation within a position, so the
 result is the unchunked model's.
 
+On XLA the chunks are not checkpointed (torch_xla's checkpoint is reentrant and cannot run inside the reversible
+core's backward); the results are the same and the compiler decides the memory.
+
 The attention is exact causal attention (``scaled_dot_product_attention``); the Reformer's locality-sensitive
 hashing attention is not implemented.
 
@@ -64,10 +67,15 @@ class ChunkedMLP(MLP):
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         if self.chunks == 1:
             return super().compute(x)
-        if torch.is_grad_enabled():
-            outputs = [backend.checkpoint(self.transform, piece) for piece in x.chunk(self.chunks, dim=1)]
-        else:  # detached: a view made without grad of a tensor requiring it confuses module hooks (MemTracker)
-            outputs = [self.transform(piece) for piece in x.detach().chunk(self.chunks, dim=1)]
+        if not torch.is_grad_enabled():
+            x = x.detach()  # a view made without grad of a tensor requiring it confuses module hooks (MemTracker)
+        pieces = x.chunk(self.chunks, dim=1)
+        if not torch.is_grad_enabled():
+            outputs = [self.transform(piece) for piece in pieces]
+        elif backend.backend_for(x).checkpoint_in_partial_backward:
+            outputs = [backend.checkpoint(self.transform, piece) for piece in pieces]
+        else:
+            outputs = [self.transform(piece) for piece in pieces]
         return self.drop(torch.cat(outputs, dim=1))
 
     def extra_repr(self) -> str:
