@@ -1,10 +1,12 @@
-"""Named model sizes: one way for every model family to turn ``name`` plus ``field=value`` overrides into a config."""
+"""Shared by the model families: named sizes with ``field=value`` overrides, and the check of an image batch."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
+
+import torch
 
 Config = TypeVar("Config")
 
@@ -25,3 +27,17 @@ def named_config(family: str, sizes: Mapping[str, Config], name: str, overrides:
             f"expected some of {', '.join(sorted(fields))}"
         )
     return dataclasses.replace(config, **overrides)  # type: ignore[type-var]  # Config is a dataclass
+
+
+def check_images(model: str, images: torch.Tensor, in_channels: int, multiple: int, example: int, why: str) -> None:
+    """Raise a ValueError naming the problem and the fix unless ``images`` is ``(batch, in_channels, H, W)`` with
+    ``H`` and ``W`` multiples of ``multiple`` (``why`` says what needs that)."""
+    if images.dim() != 4 or images.shape[1] != in_channels:
+        raise ValueError(
+            f"{model} expects images of shape (batch, {in_channels}, height, width), got {tuple(images.shape)}"
+        )
+    if images.shape[2] % multiple or images.shape[3] % multiple:
+        raise ValueError(
+            f"{model}: image size {tuple(images.shape[2:])} is not a multiple of {multiple} ({why}); resize or crop "
+            f"to a multiple, e.g. {example}x{example}"
+        )

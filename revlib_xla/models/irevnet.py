@@ -25,6 +25,7 @@ Sizes (``channels`` per stream and stage, ``blocks`` per stage):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, cast
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..reversible import MemoryModes, ReversibleSequential
-from ._named import named_config
+from ._named import check_images, named_config
 
 __all__ = [
     "IRevNetConfig",
@@ -189,25 +190,13 @@ class IRevNet(nn.Module):
     @property
     def downsampling(self) -> int:
         """The factor by which the network reduces the resolution; input sizes must be multiples of it."""
-        factor = self.config.init_ds
-        for stride in self.config.strides:
-            factor *= stride
-        return factor
+        return self.config.init_ds * math.prod(self.config.strides)
 
     def features(self, images: torch.Tensor) -> torch.Tensor:
         """The invertible representation of ``images`` (what the head classifies)."""
         config = self.config
-        if images.dim() != 4 or images.shape[1] != config.in_channels:
-            raise ValueError(
-                f"IRevNet expects images of shape (batch, {config.in_channels}, height, width), got "
-                f"{tuple(images.shape)}"
-            )
-        if images.shape[2] % self.downsampling or images.shape[3] % self.downsampling:
-            raise ValueError(
-                f"IRevNet: image size {tuple(images.shape[2:])} is not a multiple of {self.downsampling}: the "
-                f"network rearranges pixels into channels {self.downsampling}x (pixel_unshuffle, invertible only on "
-                f"whole blocks); resize or crop to a multiple, e.g. {config.image_size}x{config.image_size}"
-            )
+        why = f"the network rearranges pixels into channels {self.downsampling}x, invertibly only on whole blocks"
+        check_images("IRevNet", images, config.in_channels, self.downsampling, config.image_size, why)
         x = self.init(images)
         for stage in self.stages:
             x = stage(x)

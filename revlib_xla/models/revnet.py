@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..reversible import MemoryModes, ReversibleSequential
-from ._named import named_config
+from ._named import check_images, named_config
 
 __all__ = [
     "RevNetConfig",
@@ -210,17 +210,8 @@ class RevNet(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         config = self.config
-        if images.dim() != 4 or images.shape[1] != config.in_channels:
-            raise ValueError(
-                f"RevNet expects images of shape (batch, {config.in_channels}, height, width), got "
-                f"{tuple(images.shape)}"
-            )
-        if images.shape[2] % self.downsampling or images.shape[3] % self.downsampling:
-            raise ValueError(
-                f"RevNet: image size {tuple(images.shape[2:])} is not a multiple of {self.downsampling} (the stages "
-                f"reduce the resolution {self.downsampling}x and the shortcuts need even sizes at each step); resize "
-                f"or crop to a multiple, e.g. {config.image_size}x{config.image_size}"
-            )
+        why = f"the stages reduce the resolution {self.downsampling}x and the shortcuts need even sizes at each step"
+        check_images("RevNet", images, config.in_channels, self.downsampling, config.image_size, why)
         x = self.stem(images)
         for stage in self.stages:
             x = stage(x)
