@@ -134,6 +134,9 @@ class Backend:
     autocast_device_type: str | None = None
     #: Whether the device's memory is host memory (nothing to offload; the profiler's memory events see it).
     memory_is_host: bool = False
+    #: Whether :meth:`checkpoint` works inside a backward pass that names its inputs (``torch.autograd.grad``,
+    #: ``backward(inputs=...)``, as the reversible core's per-layer backward does); a reentrant checkpoint refuses.
+    checkpoint_in_partial_backward: bool = True
     #: What :meth:`max_memory_allocated` reads, as :class:`revlib_xla.memory.AllocatorPeak` names its source.
     statistics_source: str = "torch.accelerator.max_memory_allocated"
     #: Order in which :func:`revlib_xla.backend.default_device` prefers families that have hardware here.

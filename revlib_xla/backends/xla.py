@@ -89,6 +89,7 @@ class XlaBackend(Backend):
     host_offload = HostOffload.MEMORY_SPACE_ANNOTATION
     program_text_available = True
     takes_generators = False
+    checkpoint_in_partial_backward = False  # torch_xla's checkpoint is reentrant
     autocast_device_type: str | None = "xla"
     preference = 30
 
