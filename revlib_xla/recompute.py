@@ -48,7 +48,16 @@ import torch
 
 from . import backend
 
-__all__ = ["rng_scope", "CallReplay", "RecomputeState", "SavedBuffers", "owned_buffers", "preserved", "probe"]
+__all__ = [
+    "rng_scope",
+    "checkpoint",
+    "CallReplay",
+    "RecomputeState",
+    "SavedBuffers",
+    "owned_buffers",
+    "preserved",
+    "probe",
+]
 
 Tensor = torch.Tensor
 Reseed = Callable[[int | None], None]
@@ -316,6 +325,43 @@ def rewind(record: GeneratorRecord) -> None:
     for states in reversed(list(record.values())):
         for g, state in states.values():
             g.set_state(state)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Activation checkpointing inside an engine's scope
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
+    """:func:`revlib_xla.backend.checkpoint` that also recomputes the random numbers of an engine's scope.
+
+    Inside a unit of an engine (a reversible layer, a planned stage), random operators draw from the scope's own
+    generators, which ``torch.utils.checkpoint`` does not know: its recomputation, in the backward pass after the
+    scope has moved on, would draw other dropout masks than the forward (wrong gradients). Here the first run draws
+    from the scope's generator as any block does, and the recomputation draws from a generator started where that
+    one stood. Outside a scope this is ``backend.checkpoint``.
+    """
+    frames = _frames()
+    frame = frames[-1] if frames else None
+    device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+    generator = frame.generator(device) if frame is not None else None
+    if generator is None or not preserve_rng_state:
+        return backend.checkpoint(function, *args, preserve_rng_state=preserve_rng_state)
+    start = generator.get_state()
+    runs = 0
+
+    def run(*inputs: Any) -> Any:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            return function(*inputs)
+        with rng_scope(device, True, None, replay=True) as reseed:
+            reseed(0)  # any seed: the generator is started at the forward's state below
+            own = _frames()[-1].generator(device)
+            if own is not None:
+                own.set_state(start)
+            return function(*inputs)
+
+    return backend.checkpoint(run, *args, preserve_rng_state=preserve_rng_state)
 
 
 # ----------------------------------------------------------------------------------------------------------------

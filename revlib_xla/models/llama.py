@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backend
+from .. import backend, recompute
 from ..reversible import MemoryModes, ReversibleSequential
 from ..utils import momentum_net
 from . import registry
@@ -355,7 +355,7 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.checkpointed and torch.is_grad_enabled():
-            return backend.checkpoint(self._residual, x, cos, sin)
+            return recompute.checkpoint(self._residual, x, cos, sin)
         return self._residual(x, cos, sin)
 
 

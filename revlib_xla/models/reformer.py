@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from .. import backend
+from .. import backend, recompute
 from ._named import named_config
 from .transformer import MLP, Block, ByteTransformerLM, Flavour, TransformerConfig, lm_loss
 
@@ -73,7 +73,7 @@ class ChunkedMLP(MLP):
         if not torch.is_grad_enabled():
             outputs = [self.transform(piece) for piece in pieces]
         elif backend.backend_for(x).checkpoint_in_partial_backward:
-            outputs = [backend.checkpoint(self.transform, piece) for piece in pieces]
+            outputs = [recompute.checkpoint(self.transform, piece) for piece in pieces]
         else:
             outputs = [self.transform(piece) for piece in pieces]
         return self.drop(torch.cat(outputs, dim=1))

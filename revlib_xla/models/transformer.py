@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backend
+from .. import recompute
 from ..reversible import MemoryModes, ReversibleSequential
 
 __all__ = [
@@ -130,7 +130,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.checkpointed and torch.is_grad_enabled():
-            return backend.checkpoint(self.compute, x)
+            return recompute.checkpoint(self.compute, x)
         return self.compute(x)
 
 
