@@ -73,7 +73,7 @@ _ELEMENT_BYTES = {
     "complex<f64>": 16,
 }
 _MAIN = re.compile(r"func\.func (?:public )?@main\(")
-_ARGUMENT = re.compile(r"%arg(\d+): tensor<([^>]*)>( \{[^{}]*\})?")
+_ARGUMENT = re.compile(r'%arg(\d+): tensor<([^>]*)>( \{(?:[^{}"]|"[^"]*")*\})?')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,10 +224,10 @@ def _named_state(
 
         found.append((BUFFERS, qualified, buf, set_buffer))
     if optimizer is not None:
-        for i, (param, state) in enumerate(optimizer.state.items()):
+        for i, (key_param, state) in enumerate(optimizer.state.items()):
             if not isinstance(state, dict):
                 continue
-            owner_name = names.get(id(param), f"state {i}")
+            owner_name = names.get(id(key_param), f"state {i}")
             for key, value in list(state.items()):
                 if not isinstance(value, torch.Tensor):
                     continue
@@ -266,7 +266,6 @@ def trace_step(
         raise ValueError(f"trace_step traces a program for the TPU compiler on an XLA device, not on {dev}")
     storage = _Storage(dev, zero_copy)
     _materialize(model, storage)
-    roles: dict[int, tuple[str, str]] = {}
     batch = []
     for i, spec in enumerate(inputs):
         if not isinstance(spec, torch.Tensor):
@@ -274,6 +273,29 @@ def trace_step(
         batch.append(storage(spec))
     optimizer = make_optimizer(model) if make_optimizer is not None else None
     step = make_step(model, optimizer)
+    try:
+        return _trace(model, optimizer, step, batch, inputs, storage, dev)
+    except RuntimeError as exc:
+        if "Unexpected execution" not in str(exc):
+            raise
+        raise RuntimeError(
+            "the training step tried to run on the device while being traced for sizing (a .item(), a print of a "
+            "device value, a sync or a host copy inside the step); sizing traces the step without running it: "
+            "move value reads out of the step function"
+        ) from None
+
+
+def _trace(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: Callable[..., Any],
+    batch: list[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    storage: _Storage,
+    dev: torch.device,
+) -> TracedStep:
+    zero_copy = storage.zero_copy
+    roles: dict[int, tuple[str, str]] = {}
     # The autograd engine's worker threads are not needed to trace; see memory.step_stablehlo.
     with torch.autograd.set_multithreading_enabled(False):
         with backend.execution_forbidden(dev) if zero_copy else contextlib.nullcontext():
