@@ -6,7 +6,9 @@ buffer and input a device tensor over untouched host memory (``torch.empty``: th
 It then runs the user's own step function lazily, twice: the first call creates the optimizer's state, which is
 then given fresh zero-copy storage like the parameters, so that the second call is the steady-state step whose
 program a TPU runs on every step after the first. Nothing executes (:func:`revlib_xla.backend.execution_forbidden`):
-a step that reads a value raises instead of running.
+a step that reads a value raises instead of running; a planner that measures its stages in the first step
+(``Checkpointable``) sizes them from their compiled programs on stand-in inputs
+(:func:`revlib_xla.planner.sizing.without_execution`).
 
 The program is the StableHLO of what the step changes: its result (the loss), every parameter, buffer and
 optimizer-state tensor. torch_xla donates the buffers of tensors updated in place (a parameter's new value
@@ -42,6 +44,8 @@ __all__ = [
     "trace_step",
     "mark_aliases",
     "stablehlo_arguments",
+    "materialize",
+    "device_data",
 ]
 
 PARAMETERS = "parameters"
@@ -202,6 +206,17 @@ def _materialize(module: torch.nn.Module, storage: _Storage) -> None:
                 table[key] = memo[id(tensor)]  # type: ignore[assignment]  # a Parameter where one was
 
 
+def materialize(module: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of ``module`` device storage over untouched host memory, in place
+    (nothing allocated or copied; shared parameters stay shared)."""
+    _materialize(module, _Storage(device, zero_copy=True))
+
+
+def device_data(spec: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Device data of ``spec``'s shape and dtype over untouched host memory (a meta tensor gives the shape)."""
+    return _Storage(device, zero_copy=True)(spec)
+
+
 def _named_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> list[tuple[str, str, torch.Tensor, Callable[[torch.Tensor], None]]]:
@@ -273,8 +288,11 @@ def trace_step(
         batch.append(storage(spec))
     optimizer = make_optimizer(model) if make_optimizer is not None else None
     step = make_step(model, optimizer)
+    from ..planner.sizing import without_execution
+
     try:
-        return _trace(model, optimizer, step, batch, inputs, storage, dev)
+        with without_execution() if zero_copy else contextlib.nullcontext():
+            return _trace(model, optimizer, step, batch, inputs, storage, dev)
     except RuntimeError as exc:
         if "Unexpected execution" not in str(exc):
             raise
