@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--chip: {exc}") from None
     print(
         f"{cfg.model.name}, batch {cfg.data.batch_size} x seq_len {cfg.data.seq_len}, budget "
-        f"{format_bytes(int(budget))}; stages sized by the TPU compiler for {target.name} (deviceless libtpu), not a TPU run"
+        f"{format_bytes(int(budget))}; stages sized by the TPU compiler for {target.name} (deviceless libtpu), "
+        f"not a TPU run"
     )
     try:
         planned = plan_config(cfg, budget)
