@@ -5,8 +5,10 @@ buffer and input a device tensor over untouched host memory (``torch.empty``: th
 16 GB model costs no RAM), through :func:`revlib_xla.backend.zero_copy_device_tensor` (on XLA: DLPack, no copy).
 It then runs the user's own step function lazily, twice: the first call creates the optimizer's state, which is
 then given fresh zero-copy storage like the parameters, so that the second call is the steady-state step whose
-program a TPU runs on every step after the first. Nothing executes (:func:`revlib_xla.backend.execution_forbidden`):
-a step that reads a value raises instead of running; a planner that measures its stages in the first step
+program a TPU runs on every step after the first. The traced step never executes
+(:func:`revlib_xla.backend.execution_forbidden`): a step that reads a value raises instead of running. (The first
+call may read small values, e.g. the recompute engine compares buffers with copies once; a step that reads the
+loss runs it once at full size there, so keep value reads out of the step function.) A planner that measures its stages in the first step
 (``Checkpointable``) sizes them from their compiled programs on stand-in inputs
 (:func:`revlib_xla.planner.sizing.without_execution`).
 
@@ -316,11 +318,12 @@ def _trace(
     roles: dict[int, tuple[str, str]] = {}
     # The autograd engine's worker threads are not needed to trace; see memory.step_stablehlo.
     with torch.autograd.set_multithreading_enabled(False):
-        with backend.execution_forbidden(dev) if zero_copy else contextlib.nullcontext():
-            step(*batch)
+        # The first step may read small values (the recompute engine compares a unit's buffers with copies once,
+        # as kernels may update buffers without bumping their version); the traced step below never runs.
+        step(*batch)
         if zero_copy:  # fresh storage: drop the first step's graph; the second starts from device data
             for _, _, tensor, setter in _named_state(model, optimizer):
-                if backend.is_tracing_lazily(tensor):
+                if backend.is_tracing_lazily(tensor) and not _plain_data(tensor):
                     setter(storage(tensor))
             batch = [storage(spec) for spec in inputs]
         else:
@@ -335,6 +338,12 @@ def _trace(
         with backend.execution_forbidden(dev):
             result = step(*batch)
             return _program(result, _named_state(model, optimizer), roles, before)
+
+
+def _plain_data(tensor: torch.Tensor) -> bool:
+    """Whether a lazy tensor holds device data with nothing pending (a buffer the step does not change keeps its
+    object, so engines that watch buffers by identity see the same one)."""
+    return backend.program_arguments([tensor]) == [backend.data_identity(tensor)]
 
 
 def _program(
