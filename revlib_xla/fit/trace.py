@@ -8,8 +8,8 @@ then given fresh zero-copy storage like the parameters, so that the second call 
 program a TPU runs on every step after the first. The traced step never executes
 (:func:`revlib_xla.backend.execution_forbidden`): a step that reads a value raises instead of running. (The first
 call may read small values, e.g. the recompute engine compares buffers with copies once; a step that reads the
-loss runs it once at full size there, so keep value reads out of the step function.) A planner that measures its stages in the first step
-(``Checkpointable``) sizes them from their compiled programs on stand-in inputs
+loss runs it once at full size there, so keep value reads out of the step function.) A planner that measures its
+stages in the first step (``Checkpointable``) sizes them from their compiled programs on stand-in inputs
 (:func:`revlib_xla.planner.sizing.without_execution`).
 
 The program is the StableHLO of what the step changes: its result (the loss), every parameter, buffer and
