@@ -68,7 +68,38 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
 
 
 def compress_ops(ops: list[Any]) -> str:
-    """Operations as text, runs of one kind over consecutive stages written once: ``Fe_1..16``, ``B_16..1``."""
+    """Operations as text, runs of one kind over consecutive stages written once (``Fe_1..16``, ``B_16..1``), and
+    alternating pairs over consecutive stages too (``(Fe_i B_i) for i 5..0``)."""
+    parts = _runs(ops)
+    out: list[str] = []
+    k = 0
+    while k < len(parts):
+        j = k
+        while j + 3 < len(parts) and _pair_follows(parts[j : j + 2], parts[j + 2 : j + 4]):
+            j += 2
+        if j > k:
+            first, last = parts[k : k + 2], parts[j : j + 2]
+            pattern = " ".join(p.rsplit("_", 1)[0] + "_i" for p in first)
+            out.append(f"({pattern}) for i {first[0].rsplit('_', 1)[1]}..{last[0].rsplit('_', 1)[1]}")
+            k = j + 2
+        else:
+            out.append(parts[k])
+            k += 1
+    return " ".join(out)
+
+
+def _pair_follows(pair: list[str], after: list[str]) -> bool:
+    """Whether ``after`` is ``pair`` one stage on (``Fe_5 B_5`` then ``Fe_4 B_4``), all on single stages."""
+    try:
+        (a, i), (b, j) = (p.rsplit("_", 1) for p in pair)
+        (c, k), (d, m) = (p.rsplit("_", 1) for p in after)
+        i_, j_, k_, m_ = int(i), int(j), int(k), int(m)
+    except ValueError:  # "L", a run "Fe_1..3", an option suffix
+        return False
+    return a == c and b == d and i_ == j_ and k_ == m_ and abs(k_ - i_) == 1
+
+
+def _runs(ops: list[Any]) -> list[str]:
     parts: list[str] = []
     k = 0
     while k < len(ops):
@@ -89,7 +120,7 @@ def compress_ops(ops: list[Any]) -> str:
         text = str(first) if j == k else f"{first.kind.value}_{first.index}..{ops[j].index}{suffix}"
         parts.append(text)
         k = j + 1
-    return " ".join(parts)
+    return parts
 
 
 def format_schedule(planned: PlannedSchedule, chip: Chip) -> str:

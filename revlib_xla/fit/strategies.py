@@ -10,6 +10,7 @@ The step is exactly the one ``revlib-xla train`` runs: the model of :func:`revli
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,7 +162,9 @@ def gpu_estimate(cfg: Any) -> Any:
     from ..memory import eager_peak
     from ..train import strategy as train_strategy
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        # MemTracker's module tracker warns for hooks of modules it no longer sees (recomputing engines).
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
         model = train_strategy.build_model(cfg, "cpu")
         optimizer = train_strategy.build_optimizer(cfg, model)
         step = train_strategy.make_step(cfg, model, optimizer)
