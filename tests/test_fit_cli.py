@@ -46,7 +46,7 @@ def test_operations_are_written_compressed():
     ],
 )
 def test_memory_bad_input_is_one_line_with_exit_2(capsys, argv, message):
-    code, out, err = run(capsys, "memory", "--config", SMOKE, *argv)
+    code, _, err = run(capsys, "memory", "--config", SMOKE, *argv)
     assert code == 2 and message in err and "Traceback" not in err
     assert err.startswith("revlib-xla memory: error: ") and err.count("\n") == 1
 
