@@ -33,6 +33,9 @@ What the training loop around a fused step may and may not do, and how each is e
   since the previous ``step()``.
 * Global-norm clipping cannot be fused, and cannot be detected either: ``clip_grad_norm_`` only reads ``.grad``,
   which the fused step has already freed (it finds no gradient and returns 0).
+* Data parallelism across processes (DDP, FSDP) cannot be fused: the gradient a fused step reads is this process's
+  own, not yet averaged across processes, so the replicas would drift apart. While torch.distributed runs several
+  processes a fused step is refused before any weight moves (unless ``independent_processes`` is set).
 * Converting the model after steps: ``.double()`` leaves the state in the old dtype, and the next step casts it as
   torch's ``load_state_dict`` does; ``.to(device)`` across tensor types (cpu to xla) makes new parameter tensors,
   and the optimizer moves onto them at the next forward (:meth:`FusedOptimizer.rebind`).
@@ -78,6 +81,14 @@ class FusedOptimizerError(ValueError):
     """A fused optimizer was asked for something it cannot do; the message names the parameter and the problem."""
 
 
+def _processes_sharing_gradients() -> int:
+    """How many processes torch.distributed runs (1 when it is not initialized)."""
+    distributed = torch.distributed
+    if distributed.is_available() and distributed.is_initialized():
+        return int(distributed.get_world_size())
+    return 1
+
+
 def _state_follows_params(opt: torch.optim.Optimizer) -> bool:
     """Whether every floating-point state tensor of ``opt`` has its parameter's dtype and device (not so after
     ``model.double()`` or ``model.to(device)`` once the optimizer has state). ``step`` is torch's own business."""
@@ -103,7 +114,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     already happened in the backward; ``step()`` checks that the loop is one a fused step can run (no GradScaler,
     no gradient accumulation). Copies (``copy.deepcopy``, pickling) made together with the parameters are bound to
     the copied parameters, state included.
+
+    Under torch.distributed with several processes (DDP, FSDP) a fused step is refused before any weight moves: it
+    would step each parameter on the process's own gradient, before the gradients are averaged across processes.
+    Set ``independent_processes = True`` when each process trains a model of its own.
     """
+
+    independent_processes: bool = False
+    """Allow fused steps while torch.distributed runs several processes: only when they train separate models."""
 
     # GradScaler.step(optimizer) hands the step to an optimizer that says it handles loss scaling itself, instead
     # of failing on its own assertion; step() then refuses with the reason.
@@ -221,6 +239,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                     p.grad = None
 
     def _check_can_step(self, gi: int) -> None:
+        processes = _processes_sharing_gradients()
+        if processes > 1 and not self.independent_processes:
+            raise FusedOptimizerError(
+                f"fused optimizer, {self.names[gi]}: torch.distributed runs {processes} processes, and a fused step "
+                f"updates each parameter from this process's own gradient during the backward, before "
+                f"DistributedDataParallel or FSDP average the gradients across processes: the replicas would drift "
+                f"apart. Under DDP/FSDP use an unfused optimizer (optimizer.step() after backward). If each process "
+                f"trains a model of its own, set independent_processes = True on the fused optimizer. No weight was "
+                f"changed by this backward"
+            )
         if self._float16_forward is not None:
             raise FusedOptimizerError(
                 f"fused optimizer, {self.names[gi]}: this backward comes from a forward under float16 autocast on "

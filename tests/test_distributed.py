@@ -1,0 +1,160 @@
+"""Data parallelism across processes (DDP, gloo on the CPU): the reversible backward and the planner's schedules
+compose with ``DistributedDataParallel`` unchanged; a fused optimizer is refused there, before any weight moves.
+
+Two processes each take half of the batch; after two SGD steps every parameter must equal the single-process run on
+the whole batch (the mean loss over the halves is the mean over the whole batch, and DDP averages the gradients).
+The processes are started once for the module (``torch.multiprocessing`` with the spawn method, a file rendezvous,
+no network port), and run every case.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import revlib_xla as revlib
+
+WIDTH = 8
+STEPS = 2
+WORLD = 2
+CASES = ("plain", "reversible", "checkpointable")
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def _block() -> nn.Module:
+    return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
+
+
+def _model(kind: str, batch: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "plain":
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), _block(), nn.Tanh(), _block(), nn.Linear(WIDTH, 1))
+    if kind == "reversible":
+        stack = revlib.ReversibleSequential(*[_block() for _ in range(3)])
+        return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), stack, nn.Linear(2 * WIDTH, 1))
+    chain = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[nn.Sequential(_block(), nn.Tanh()) for _ in range(3)])
+    planned = revlib.Checkpointable(chain, torch.zeros(batch, WIDTH))  # measured at the batch it will run
+    planned.compute_sequence(planned.min_memory() * 1.05)  # the smallest schedule: it recomputes
+    return nn.Sequential(planned, nn.Linear(WIDTH, 1))
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, WIDTH, generator=generator), torch.randn(8, 1, generator=generator)
+
+
+def _train(model: nn.Module, step: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+    for _ in range(STEPS):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        step()
+
+
+def _reference(kind: str) -> list[torch.Tensor]:
+    model = _model(kind)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    _train(model, step, *_data())
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker(rank: int, initfile: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    x, y = _data()
+    xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
+    try:
+        for kind in CASES:
+            model = _model(kind, batch=len(xs))
+            ddp = nn.parallel.DistributedDataParallel(model)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+            def step() -> None:
+                optimizer.step()
+                optimizer.zero_grad()
+
+            _train(ddp, step, xs, ys)
+            results[kind] = [p.detach().clone() for p in model.parameters()]
+        for kind in ("plain", "reversible"):
+            model = _model(kind)
+            before = [p.detach().clone() for p in model.parameters()]
+            fused = revlib.fuse_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+            ddp = nn.parallel.DistributedDataParallel(model)
+            try:
+                ((ddp(xs) - ys) ** 2).mean().backward()
+                results[f"fused-{kind}"] = "no error"
+            except revlib.FusedOptimizerError as exc:
+                unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+                results[f"fused-{kind}"] = (str(exc), unchanged)
+            # Separate models per process: the fused step is allowed and steps on local gradients.
+            fused.independent_processes = True
+            model.zero_grad(set_to_none=True)
+            ((model(xs) - ys) ** 2).mean().backward()
+            results[f"independent-{kind}"] = fused.steps_taken
+    except Exception:  # reported to the parent, which fails the test with it
+        results["error"] = traceback.format_exc()
+    finally:
+        torch.save(results, f"{out}.{rank}")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        initfile, out = str(Path(tmp) / "rendezvous"), str(Path(tmp) / "result")
+        mp.start_processes(_worker, args=(initfile, out), nprocs=WORLD, start_method="spawn")
+        results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    for result in results:
+        assert "error" not in result, result["error"]
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CASES)
+def test_ddp_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
+    reference = _reference(kind)
+    for result in ranks:
+        assert len(result[kind]) == len(reference)
+        for got, want in zip(result[kind], reference):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "reversible"])
+def test_fused_optimizer_is_refused_under_ddp_before_any_weight_moves(ranks: list[dict[str, Any]], kind: str) -> None:
+    for result in ranks:
+        outcome = result[f"fused-{kind}"]
+        assert outcome != "no error", "a fused step under DDP steps on gradients not yet averaged across processes"
+        message, unchanged = outcome
+        assert "torch.distributed runs 2 processes" in message
+        assert "use an unfused optimizer" in message
+        assert unchanged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["plain", "reversible"])
+def test_independent_processes_may_fuse(ranks: list[dict[str, Any]], kind: str) -> None:
+    for result in ranks:
+        assert result[f"independent-{kind}"] > 0
+
+
+def test_one_process_needs_no_opt_in() -> None:
+    assert not dist.is_initialized()
+    model = _model("plain")
+    fused = revlib.fuse_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+    x, y = _data()
+    ((model(x) - y) ** 2).mean().backward()
+    assert fused.steps_taken > 0 and not fused.independent_processes
