@@ -224,3 +224,54 @@ def test_chips_by_name_and_unknown_names():
         chip("h100", "tpu")
     with pytest.raises(ValueError, match=r"unknown chip 'v7'.*v5e.*h100"):
         chip("v7")
+
+
+@pytest.mark.slow
+@needs_xla
+def test_llama_8b_is_traced_at_full_size_on_this_machine():
+    from revlib_xla.models.llama import build_llama, llama_config, num_params
+
+    config = llama_config("llama-8b")
+    with torch.device("meta"):
+        model = build_llama(config, "reversible")
+
+    def step_fn(model, optimizer):
+        def step(tokens):
+            loss = model.loss(tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+
+        return step
+
+    before = _resident_bytes()
+    traced = trace_step(model, adamw, step_fn, [torch.empty(1, 2048, dtype=torch.int64, device="meta")])
+    grown = _resident_bytes() - before
+    assert traced.argument_bytes(PARAMETERS) == 4 * num_params(config)  # 8.03e9 parameters, 32 GB: not allocated
+    assert traced.argument_bytes(OPTIMIZER) == 2 * 4 * num_params(config)
+    assert grown < 2 * 2**30, f"tracing llama-8b grew the resident memory by {grown / 2**30:.2f} GiB"
+
+
+def test_zero_copy_on_a_host_memory_device_is_the_tensor_itself():
+    host = torch.arange(4.0)
+    assert backend.zero_copy_device_tensor(host, "cpu") is host
+    with backend.execution_forbidden("cpu"):  # nothing to forbid on an eager device
+        assert float((host * 2).sum()) == 12.0
+    with pytest.raises(NotImplementedError, match="cannot give host memory to a device tensor without copying"):
+        backend.backend_for("cuda").zero_copy_device_tensor(host, torch.device("cuda"))
+
+
+@needs_xla
+def test_xla_zero_copy_device_data_shares_the_host_memory_and_names_its_argument():
+    host = torch.arange(4.0)
+    dev = backend.device_for("xla")
+    data = backend.zero_copy_device_tensor(host, dev)
+    host[0] = 42.0  # written after the device tensor was made: it reads the same memory, no copy was taken
+    assert data.cpu().tolist() == [42.0, 1.0, 2.0, 3.0]
+    pending = (data * data).neg()
+    assert backend.program_arguments([pending]) == [backend.data_identity(data)]
+    assert backend.program_arguments([data]) == [backend.data_identity(data)]
+    with backend.execution_forbidden(dev), pytest.raises(RuntimeError, match="Unexpected execution"):
+        pending.cpu()
+    assert pending.cpu().tolist() == [-1764.0, -1.0, -4.0, -9.0]  # allowed again after the block
