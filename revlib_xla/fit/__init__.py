@@ -7,6 +7,8 @@
 """
 
 from .chips import CHIPS, GPU_CHIPS, TPU_CHIPS, Chip, chip
+from .report import FitReport, compile_steps, fit_report, format_table
+from .search import BatchSearch, max_batch
 from .trace import ROLES, StepArgument, TracedStep, mark_aliases, stablehlo_arguments, trace_step
 
 __all__ = [
@@ -21,4 +23,10 @@ __all__ = [
     "mark_aliases",
     "stablehlo_arguments",
     "trace_step",
+    "FitReport",
+    "compile_steps",
+    "fit_report",
+    "format_table",
+    "BatchSearch",
+    "max_batch",
 ]

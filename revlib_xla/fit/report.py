@@ -29,7 +29,15 @@ from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_r
 from .chips import Chip
 from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 
-__all__ = ["FitReport", "fit_report", "compile_steps", "parse_out_of_memory", "FOOTNOTE", "COMPILER_SOURCE"]
+__all__ = [
+    "FitReport",
+    "fit_report",
+    "compile_steps",
+    "format_table",
+    "parse_out_of_memory",
+    "FOOTNOTE",
+    "COMPILER_SOURCE",
+]
 
 #: How a report's figures come about, printed under every table.
 COMPILER_SOURCE = "from the TPU compiler (deviceless libtpu), not a TPU run"
