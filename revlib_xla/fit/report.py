@@ -16,7 +16,8 @@
 * ``host``: bytes the compiler places in host memory (offloaded activations or optimizer state), not in HBM.
 
 When the v5e compiler finds the program larger than the chip it stops ("Ran out of memory in memory space hbm.
-Used X of Y hbm"): the report then says that it does not fit and gives the compiler's X as a lower bound.
+Used X of Y hbm"): the report then says that it does not fit and gives the compiler's X as a lower bound. A program
+whose arguments alone exceed the chip is not compiled: it does not fit, and needs at least their bytes.
 """
 
 from __future__ import annotations
@@ -119,15 +120,14 @@ def fit_report(
 ) -> FitReport:
     """The :class:`FitReport` of ``traced`` compiled for ``chip`` (``compiled``: the compiler's result or its
     error; an error other than out-of-memory is raised)."""
-    parameters = traced.argument_bytes(PARAMETERS)
-    optimizer = traced.argument_bytes(OPTIMIZER)
-    inputs = traced.argument_bytes(INPUTS)
     if isinstance(compiled, TpuCompileError):
         oom = parse_out_of_memory(str(compiled))
         if oom is None:
             raise compiled
-        other = traced.argument_bytes() - parameters - optimizer - inputs
-        return FitReport(chip, label, batch, None, oom[0], parameters, optimizer, inputs, other, None, 0)
+        return dataclasses.replace(arguments_exceed(traced, chip, label, batch), at_least=oom[0])
+    parameters = traced.argument_bytes(PARAMETERS)
+    optimizer = traced.argument_bytes(OPTIMIZER)
+    inputs = traced.argument_bytes(INPUTS)
     in_hbm = compiled.argument_bytes - compiled.host_argument_bytes
     # The compiler pads small arguments (scalars) to its alignment: that padding is counted with the others.
     other = in_hbm - parameters - optimizer - inputs
@@ -153,10 +153,31 @@ def compile_steps(
     the chip is reported as not fitting, not raised)."""
     if not chip.is_tpu or chip.topology_1chip is None:
         raise ValueError(f"{chip.name} is not a TPU chip: the TPU compiler cannot size programs for it")
-    results = tpu_memory_results([t.stablehlo for t in traced], topology=chip.topology_1chip)
     labels = list(labels) or [""] * len(traced)
     batches = list(batches) or [0] * len(traced)
-    return [fit_report(t, chip, r, lab, b) for t, r, lab, b in zip(traced, results, labels, batches)]
+    # A program whose arguments alone exceed the chip cannot fit whatever the compiler does with the rest: it is
+    # not compiled (the v5e compiler would refuse it; others, which enforce no limit, would spend minutes on it).
+    hopeless = [t.argument_bytes() > chip.usable_bytes for t in traced]
+    compiled = iter(
+        tpu_memory_results([t.stablehlo for t, h in zip(traced, hopeless) if not h], topology=chip.topology_1chip)
+    )
+    reports = []
+    for t, h, lab, b in zip(traced, hopeless, labels, batches):
+        if h:
+            reports.append(arguments_exceed(t, chip, lab, b))
+        else:
+            reports.append(fit_report(t, chip, next(compiled), lab, b))
+    return reports
+
+
+def arguments_exceed(traced: TracedStep, chip: Chip, label: str = "", batch: int = 0) -> FitReport:
+    """The report of a step whose arguments (parameters, optimizer state, inputs) alone exceed the chip's usable
+    memory: it does not fit, and needs at least their bytes (nothing compiled)."""
+    parameters = traced.argument_bytes(PARAMETERS)
+    optimizer = traced.argument_bytes(OPTIMIZER)
+    inputs = traced.argument_bytes(INPUTS)
+    other = traced.argument_bytes() - parameters - optimizer - inputs
+    return FitReport(chip, label, batch, None, traced.argument_bytes(), parameters, optimizer, inputs, other, None, 0)
 
 
 def format_table(reports: Sequence[FitReport], footnote: str = FOOTNOTE) -> str:

@@ -293,7 +293,10 @@ def trace_step(
     from ..planner.sizing import without_execution
 
     try:
-        with without_execution() if zero_copy else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            if zero_copy:  # traced for a TPU: host placements annotated as there, stages measured without running
+                stack.enter_context(backend.host_annotations(True))
+                stack.enter_context(without_execution())
             return _trace(model, optimizer, step, batch, inputs, storage, dev)
     except RuntimeError as exc:
         if "Unexpected execution" not in str(exc):
