@@ -26,8 +26,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from revlib_xla.fit import chips
-from revlib_xla.fit.report import COMPILER_SOURCE
-from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES, search_strategies
+from revlib_xla.fit.report import COMPILER_SOURCE, compile_steps
+from revlib_xla.fit.strategies import (
+    DEFAULT_COMPARISON,
+    STRATEGIES,
+    load,
+    search_strategies,
+    trace_config,
+)
 from revlib_xla.memory import format_bytes
 
 OUT = ROOT / "bench" / "results" / "llama_fit-tpu-deviceless"
