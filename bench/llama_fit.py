@@ -115,6 +115,45 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: The reduced depth at which CI recompiles each shipped config (full width, sequence and batch).
+CHECK_OVERRIDES = ["model.overrides.n_layers=1"]
+
+
+def record_configs(full: bool) -> None:
+    """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config: the HBM `revlib-xla memory` reports at
+    the reduced depth CI checks (``check``) and, with ``full``, at full depth."""
+    from revlib_xla.fit.strategies import size_strategies
+
+    for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
+        cfg = load(str(path), [], STRATEGIES["config"])
+        if cfg.chip.name not in chips.TPU_CHIPS or path.stem == "cpu-smoke":
+            continue
+        chip = chips.chip(cfg.chip.name, "tpu")
+        record_path = path.with_suffix(".hbm.json")
+        record = json.loads(record_path.read_text()) if record_path.exists() else {}
+        record.update(chip=chip.name, source=COMPILER_SOURCE, versions=dict(_versions()))
+        runs = [("check", CHECK_OVERRIDES)] + ([("full", [])] if full else [])
+        for key, overrides in runs:
+            start = time.perf_counter()
+            [report] = size_strategies(str(path), overrides, chip, [STRATEGIES["config"]])
+            record[key] = {
+                "overrides": overrides,
+                "hbm_bytes": report.total,
+                "at_least_bytes": report.at_least,
+                "fits": report.fits,
+                "row": report.row(),
+                "seconds": round(time.perf_counter() - start, 1),
+            }
+            record_path.write_text(json.dumps(record, indent=1) + "\n")
+            print(path.name, key, record[key]["row"], flush=True)
+
+
+def _versions() -> dict:
+    from revlib_xla import tpu_compile
+
+    return tpu_compile.versions()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama-1b,llama-3b")
@@ -129,7 +168,16 @@ def main() -> int:
         action="store_true",
         help="compile batches 1 and 2 only and predict the largest batch from the line through them (unverified)",
     )
+    parser.add_argument(
+        "--configs",
+        action="store_true",
+        help="record tpu_configs/*.hbm.json (the reduced-depth check CI repeats) instead of the table",
+    )
+    parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
     args = parser.parse_args()
+    if args.configs:
+        record_configs(args.full_configs)
+        return 0
     rows: list[dict] = []
     out = Path(args.out)
     for model in args.models.split(","):
