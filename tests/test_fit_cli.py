@@ -16,6 +16,13 @@ needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')"
 )
+
+
+def compiles(test):
+    """A test that compiles deviceless for a TPU: slow, and needs torch_xla and libtpu."""
+    return pytest.mark.slow(needs_xla(needs_libtpu(test)))
+
+
 SMOKE = "tpu_configs/cpu-smoke.yaml"
 TINY = ["data.seq_len=32", "data.batch_size=2"]
 
@@ -56,9 +63,7 @@ def test_plan_bad_budget_is_one_line(capsys):
     assert code == 2 and err.startswith("revlib-xla plan: error: --budget='lots': expected a number of bytes")
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_memory_prints_each_strategy_with_its_parts_and_the_verdict(capsys):
     code, out, err = run(capsys, "memory", "--config", SMOKE, "--strategies", "none,reversible", *TINY)
     assert code == 0, err
@@ -70,18 +75,14 @@ def test_memory_prints_each_strategy_with_its_parts_and_the_verdict(capsys):
     assert "gradients+activations+temporaries" in out and "total minus the arguments" in out
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_memory_max_batch_per_strategy(capsys):
     code, out, err = run(capsys, "memory", "--config", SMOKE, "--strategies", "none", "--max-batch", *TINY)
     assert code == 0, err
     assert "largest batch" in out or "does not fit" in out
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_plan_prints_the_schedule_with_its_predictions(capsys):
     code, out, err = run(capsys, "plan", "--config", SMOKE, "--budget", "2MiB", *TINY)
     assert code == 0, err

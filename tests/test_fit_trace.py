@@ -20,6 +20,12 @@ needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')"
 )
 
+
+def compiles(test):
+    """A test that compiles deviceless for a TPU: slow, and needs torch_xla and libtpu."""
+    return pytest.mark.slow(needs_xla(needs_libtpu(test)))
+
+
 WIDTH = 256
 
 
@@ -137,9 +143,7 @@ def test_mark_aliases_writes_the_donation_attribute_and_keeps_other_attributes()
         mark_aliases(text, {7: 0})
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_donated_buffers_count_once_and_without_the_aliases_twice():
     traced = trace_step(mlp(512), adamw, make_step, batch(128, 512))
     aliased, unaliased = memory.tpu_memory_many(
@@ -165,9 +169,7 @@ def test_donated_buffers_count_once_and_without_the_aliases_twice():
     assert report.total == default.hbm_peak_bytes  # the report's figure is tpu_memory's on the same step
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_report_parts_add_up_rise_with_batch_and_say_how_they_are_obtained():
     small, large = (trace_step(mlp(512), adamw, make_step, batch(rows, 512)) for rows in (512, 4096))
     reports = compile_steps([small, large], CHIPS["v6e"], labels=["plain", "plain"], batches=[512, 4096])
@@ -182,9 +184,7 @@ def test_report_parts_add_up_rise_with_batch_and_say_how_they_are_obtained():
     assert "TPU compiler (deviceless libtpu), not a TPU run" in table and table.endswith(FOOTNOTE)
 
 
-@pytest.mark.slow
-@needs_xla
-@needs_libtpu
+@compiles
 def test_a_step_larger_than_the_chip_does_not_fit_and_the_compiler_limit_is_the_chips():
     # 8 GiB of parameters and 16 GiB of AdamW state: more than a v5e's 16 GiB, traced without allocating it.
     traced = trace_step(mlp(32768), adamw, make_step, batch(8, 32768))
