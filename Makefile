@@ -16,10 +16,10 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 # pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
 PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
-.PHONY: venv venv-newer lint typecheck test test-fast test-newer demo bench clean
+.PHONY: venv venv-newer lint strip-notebooks typecheck test test-fast test-newer demo bench clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
-LINT_PATHS := revlib_xla tests bench kernels
+LINT_PATHS := revlib_xla tests bench kernels colab
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
@@ -37,10 +37,20 @@ venv: $(VENV)/.installed
 
 venv-newer: $(NEWER_VENV)/.installed
 
-# ruff (lint and format) over the code, mypy over the library (configured in setup.cfg's [mypy]).
+# The notebooks are committed without outputs, execution counts or per-run metadata (papermill's, Colab's).
+NOTEBOOKS := $(wildcard colab/*.ipynb)
+NBSTRIPOUT := $(VENV)/bin/nbstripout --extra-keys "metadata.papermill cell.metadata.papermill cell.metadata.colab \
+	cell.metadata.outputId cell.metadata.execution"
+
+# ruff (lint and format) over the code, mypy over the library (configured in setup.cfg's [mypy]), and no notebook
+# with outputs (`make strip-notebooks` removes them).
 lint: typecheck
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(NBSTRIPOUT) --verify $(NOTEBOOKS)
+
+strip-notebooks: venv
+	$(NBSTRIPOUT) $(NOTEBOOKS)
 
 typecheck: venv
 	$(VENV)/bin/mypy

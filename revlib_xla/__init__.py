@@ -22,6 +22,9 @@ Will it fit, without the chip:
     HBM per TPU chip, ``fit.compile_steps``; the largest batch that fits, ``fit.max_batch``; ``fit.CHIPS``).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+HuggingFace transformers models (the ``[hf]`` extra):
+    the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
+    ``hf.model_from_config``).
 
 Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
 on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
@@ -72,12 +75,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, fit, memory, models, utils
+    from . import compat, core, fewbit, fit, hf, memory, models, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "utils", "core", "compat", "fit")
+_LAZY_MODULES = ("memory", "fewbit", "models", "hf", "utils", "core", "compat", "fit")
 
 __all__ = [
     # reversible networks
@@ -113,6 +116,8 @@ __all__ = [
     "memory",
     "models",
     "fit",
+    # HuggingFace transformers models
+    "hf",
     # RevLib compatibility
     "DUAL_OR_QUAD_TENSOR",
     "TENSOR_OR_LIST",

@@ -313,6 +313,32 @@ def _refuse_kv_caches(args: Sequence[Any], kwargs: dict[str, Any], layerwise: LA
             )
 
 
+def _fsdp_module_type() -> type | None:
+    """FSDP2's module class, if torch's FSDP2 is loaded (its home moved in torch 2.6)."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        found = getattr(sys.modules.get(name), "FSDPModule", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def _refuse_inner_fsdp_units(sequence: nn.Module) -> None:
+    """Refuse FSDP2 units (``fully_shard``) inside a sequence whose backward rebuilds: the recomputation runs the
+    blocks outside FSDP's forward/backward bookkeeping, and their gradients came out wrong without an error."""
+    unit_type = _fsdp_module_type()
+    if unit_type is None:
+        return
+    for name, module in sequence.named_modules():
+        if name and isinstance(module, unit_type):
+            raise ReversibleError(
+                f"ReversibleSequential: the module {name!r} inside it is sharded by FSDP2's fully_shard. The "
+                f"reversible backward runs each block again outside FSDP's forward/backward bookkeeping, so "
+                f"sharding units inside the sequence gives wrong gradients. Call fully_shard on the "
+                f"ReversibleSequential itself (or on a module around it) instead: its blocks then train with exact "
+                f"gradients, the whole sequence unsharded during its forward and backward."
+            )
+
+
 def _available_device(target_device: str | torch.device) -> torch.device:
     """``target_device`` as a device this machine has, or a :class:`ReversibleError` saying which it has."""
     try:
@@ -1248,6 +1274,7 @@ class ReversibleSequential(nn.Sequential):
                         plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
+            _refuse_inner_fsdp_units(self)
             if self._verifies(plan, x0):
                 _check_plan(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):

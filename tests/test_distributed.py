@@ -1,5 +1,7 @@
-"""Data parallelism across processes (DDP, gloo on the CPU): the reversible backward and the planner's schedules
-compose with ``DistributedDataParallel`` unchanged; a fused optimizer is refused there, before any weight moves.
+"""Data parallelism across processes (gloo on the CPU): the reversible backward and the planner's schedules compose
+with ``DistributedDataParallel`` unchanged and with FSDP2 (``fully_shard``) on the modules around them or on the
+planner's stages; FSDP2 units inside a ``ReversibleSequential`` and a fused optimizer are refused, before any weight
+moves.
 
 Two processes each take half of the batch; after two SGD steps every parameter must equal the single-process run on
 the whole batch (the mean loss over the halves is the mean over the whole batch, and DDP averages the gradients).
@@ -26,6 +28,7 @@ WIDTH = 8
 STEPS = 2
 WORLD = 2
 CASES = ("plain", "reversible", "checkpointable")
+FSDP_CASES = ("reversible-root", "reversible-sequence", "checkpointable-stages")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -45,6 +48,56 @@ def _model(kind: str, batch: int = 8) -> nn.Module:
     planned = revlib.Checkpointable(chain, torch.zeros(batch, WIDTH))  # measured at the batch it will run
     planned.compute_sequence(planned.min_memory() * 1.05)  # the smallest schedule: it recomputes
     return nn.Sequential(planned, nn.Linear(WIDTH, 1))
+
+
+def _fully_shard() -> Any:
+    """FSDP2's ``fully_shard`` (its home moved in torch 2.6), or None."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def _sharded(kind: str, batch: int, mesh: Any) -> nn.Module:
+    """The model of ``kind``'s first word, with FSDP2 units where the rest of ``kind`` says."""
+    fully_shard = _fully_shard()
+    model = _model(kind.split("-")[0], batch)
+    if kind == "reversible-sequence":
+        fully_shard(model[1], mesh=mesh)
+    elif kind == "reversible-blocks":
+        for layer in model[1]:
+            fully_shard(layer.wrapped_module.wrapped_module, mesh=mesh)
+    elif kind == "checkpointable-stages":
+        for stage in model[0].stages[1:]:
+            fully_shard(stage, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _fsdp_cases(rank: int, xs: torch.Tensor, ys: torch.Tensor, results: dict[str, Any]) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for kind in FSDP_CASES:
+        model = _sharded(kind, len(xs), mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
+        _train(model, step, xs, ys)
+        results[kind] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    model = _sharded("reversible-blocks", len(xs), mesh)
+    try:
+        ((model(xs) - ys) ** 2).mean().backward()
+        results["reversible-blocks"] = "no error"
+    except revlib.ReversibleError as exc:
+        results["reversible-blocks"] = str(exc)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +157,8 @@ def _worker(rank: int, initfile: str, out: str) -> None:
             model.zero_grad(set_to_none=True)
             ((model(xs) - ys) ** 2).mean().backward()
             results[f"independent-{kind}"] = fused.steps_taken
+        if _fully_shard() is not None:
+            _fsdp_cases(rank, xs, ys, results)
     except Exception:  # reported to the parent, which fails the test with it
         results["error"] = traceback.format_exc()
     finally:
@@ -130,6 +185,27 @@ def test_ddp_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], 
         assert len(result[kind]) == len(reference)
         for got, want in zip(result[kind], reference):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_fully_shard() is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.parametrize("kind", FSDP_CASES)
+def test_fsdp2_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
+    reference = _reference(kind.split("-")[0])
+    for result in ranks:
+        assert len(result[kind]) == len(reference)
+        for got, want in zip(result[kind], reference):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_fully_shard() is None, reason="this torch has no FSDP2 (fully_shard)")
+def test_fsdp2_units_inside_a_reversible_sequence_are_refused(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        message = result["reversible-blocks"]
+        assert message != "no error", "FSDP2 units inside a ReversibleSequential trained with wrong gradients"
+        assert "is sharded by FSDP2's fully_shard" in message
+        assert "Call fully_shard on the ReversibleSequential itself" in message
 
 
 @pytest.mark.slow

@@ -199,10 +199,31 @@ def activation(name: str, bits: int | None = None, **params: Any) -> FewBitActiv
     return cls(bits=bits, **params)
 
 
+# transformers' own activation classes (``transformers.activations``, what ``ACT2FN`` builds), by class name: the
+# same functions as a few-bit module computes (the tanh GELUs up to rounding), matched without importing transformers.
+# Those without a few-bit form (QuickGELU, clipped GELU, ReLU squared, ...) are left unchanged.
+_FROM_TRANSFORMERS: dict[str, tuple[type[FewBitActivation], dict[str, Any]]] = {
+    "GELUActivation": (GELU, {"approximate": "none"}),
+    "NewGELUActivation": (GELU, {"approximate": "tanh"}),
+    "GELUTanh": (GELU, {"approximate": "tanh"}),
+    "PytorchGELUTanh": (GELU, {"approximate": "tanh"}),
+    "FastGELUActivation": (GELU, {"approximate": "tanh"}),
+    "AccurateGELUActivation": (GELU, {"approximate": "tanh"}),
+    "SiLUActivation": (SiLU, {}),
+    "MishActivation": (Mish, {}),
+}
+
+
 def convert_activation(module: nn.Module, bits: int = FB.DEFAULT_BITS) -> nn.Module:
-    """The few-bit equivalent of a ``torch.nn`` activation module (same parameters; smooth ones with ``bits``,
-    piecewise-linear ones with 1 bit); any other module is returned unchanged. For :func:`map_module`."""
-    entry = _FROM_TORCH.get(type(module))
+    """The few-bit equivalent of a ``torch.nn`` activation module, or of one of transformers' activation classes
+    (``GELUActivation``, ``NewGELUActivation``, ``GELUTanh``, ``FastGELUActivation``, ``SiLUActivation``,
+    ``MishActivation``, ...), with the same parameters; smooth ones with ``bits``, piecewise-linear ones with 1 bit.
+    Any other module is returned unchanged. For :func:`map_module`."""
+    cls_of = type(module)
+    if cls_of.__module__ == "transformers.activations" and cls_of.__name__ in _FROM_TRANSFORMERS:
+        few, fixed = _FROM_TRANSFORMERS[cls_of.__name__]
+        return few(bits=bits, **fixed)
+    entry = _FROM_TORCH.get(cls_of)
     if entry is None:
         return module
     cls, attrs = entry

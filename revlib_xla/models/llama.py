@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -132,9 +133,17 @@ class LlamaConfig:
 
 
 LLAMA_SIZES: dict[str, LlamaConfig] = {
-    # ~9.5M parameters; byte-level (vocab 256) so that it trains on raw text with no tokenizer (the CLI's default).
+    # ~9.6M parameters; byte-level (vocab 256) so that it trains on raw text with no tokenizer (the CLI's default);
+    # untied (the head costs 98K parameters), so its reversible forms start well conditioned (see init_weights).
     "llama-tiny": LlamaConfig(
-        vocab_size=256, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048
+        vocab_size=256,
+        dim=384,
+        n_layers=6,
+        n_heads=6,
+        n_kv_heads=2,
+        ffn_dim=1024,
+        max_seq_len=2048,
+        tie_embeddings=False,
     ),
     # ~128M parameters with a 32000-token vocabulary (Llama-2's tokenizer; token ids fit uint16 files).
     "llama-125m": LlamaConfig(
@@ -392,7 +401,7 @@ class TokenEmbedding(nn.Module):
 class BlockStage(nn.Module):
     """A block of :meth:`LlamaLM.as_sequential`, one tensor in and out: reads the rotary tables itself."""
 
-    def __init__(self, block: LlamaBlock, rotary: RotaryEmbedding) -> None:
+    def __init__(self, block: nn.Module, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
@@ -484,14 +493,27 @@ class LlamaLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """Initialise every weight as Llama (HF) does: N(0, 0.02) for linear and embedding weights, ones for the
-        norms; and rebuild the rotary tables. With ``seed``, the values are drawn on the host from a generator of
-        their own, so a seed gives the same weights on every device and in every form; without, from the device's
-        global generator. Call it after ``model.to_empty(device=...)`` to materialise a meta-built model."""
+        """Initialise every weight for training from scratch, and rebuild the rotary tables.
+
+        Linear weights are N(0, 0.02) (HF's Llama), except the branches' output projections (``o_proj``,
+        ``down_proj``): N(0, 0.02 / sqrt(2 * n_layers)), so the residual stream's scale does not grow with depth (GPT-2,
+        torchtitan). The embedding is N(0, 1) when untied (torchtitan), N(0, 0.02) when it is also the head; norms
+        are ones. Why it matters here: the reversible forms rebuild a stream by subtracting the branch outputs from a
+        sum, which loses the precision by which the branch outputs outweigh the stream. With HF's init (all 0.02), 16
+        layers of llama-tiny rebuild their input only to 2e-4 in float32 and 0.5 under bfloat16 autocast; with this
+        one to 1e-7 and 3e-5 (untied; tied, where the embedding must stay small: 4e-6 and 8e-3).
+
+        With ``seed``, the values are drawn on the host from a generator of their own, so a seed gives the same
+        weights on every device and in every form; without, from the device's global generator. Call it after
+        ``model.to_empty(device=...)`` to materialise a meta-built model."""
         generator = None if seed is None else torch.Generator().manual_seed(seed)
+        outputs = {id(m) for block in self.blocks for m in (block.attn.self_attn.o_proj, block.ffn.mlp.down_proj)}
         for module in self._in_order():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                _normal_(module.weight, 0.02, generator)
+            if isinstance(module, nn.Embedding):
+                _normal_(module.weight, 0.02 if self.head is None else 1.0, generator)
+            elif isinstance(module, nn.Linear):
+                std = 0.02 / math.sqrt(2 * self.config.n_layers) if id(module) in outputs else 0.02
+                _normal_(module.weight, std, generator)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.rotary.reset()
@@ -540,7 +562,7 @@ class LlamaLM(nn.Module):
         x = self.embed(tokens)
         cos, sin = self.rotary(x)
         if self.form is Form.PLAIN:
-            for block in self.blocks:  # the modules of ``layers``
+            for block in cast(nn.ModuleList, self.layers):
                 x = block(x, cos, sin)
         elif self.form is Form.REVERSIBLE:
             x = self.layers(x, cos, sin)
@@ -564,7 +586,7 @@ class LlamaLM(nn.Module):
                 f"not as separate stages; build the model with form='plain' for Checkpointable"
             )
         stages: list[nn.Module] = [TokenEmbedding(self.embed, self.config)]
-        stages += [BlockStage(block, self.rotary) for block in self.blocks]
+        stages += [BlockStage(block, self.rotary) for block in cast(nn.ModuleList, self.layers)]
         stages.append(self._output())
         return nn.Sequential(*stages)
 

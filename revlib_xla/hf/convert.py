@@ -1,0 +1,434 @@
+"""``memory_efficient(model, strategy=...)``: a transformers model's layer stack run with less activation memory.
+
+The layer list (``model.model.layers``, ``transformer.h``, ``gpt_neox.layers``, ``bert.encoder.layer``...) is
+replaced by a :class:`ConvertedLayers`: the same layer objects under the same names (state-dict keys, ``layer_idx``
+and so the KV cache's indexing do not change), which, while the stack's own forward iterates it, yields one runner
+that runs every layer under the strategy:
+
+* ``plan``: the layers as the stages of a :class:`revlib_xla.Checkpointable` (the planner's fastest schedule
+  within ``budget``), in training forwards with gradients; the plain layers otherwise (generation, eval).
+  Function-preserving: the same outputs and gradients.
+* ``reversible``: every layer's attention branch ``F`` and MLP branch ``G`` become two layers of a
+  :class:`revlib_xla.ReversibleSequential` on two streams that both start as the hidden state:
+  ``x1 += F(x2); x2 += G(x1)``; the stack returns ``(x1 + x2) / 2``. Activation memory independent of depth. This
+  is a different function from the model's (as Reversible ViT's and MEFT's): fine-tune after converting.
+* ``momentum``: the layers as a MomentumNet (:func:`revlib_xla.utils.momentum_net` over each layer's residual
+  branch ``f(x) = layer(x) - x``), which tends to the original model as ``beta -> 0``.
+
+The reversible and momentum stacks run their memory-saving backward only in training forwards with gradients; under
+``torch.no_grad()`` (``generate()``) the same function runs layer by layer, with the KV cache written once.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .. import fewbit as _fewbit
+from .._tree import detached, tree_leaves
+from ..checkpointable import Checkpointable, _signature
+from ..memory import parse_bytes
+from ..planner import Chain
+from ..planner.sizing import measure_chain
+from ..reversible import ReversibleSequential
+from ..utils import momentum_net
+from .layers import Branches, HFConversionError, find_layer_stack
+
+__all__ = ["STRATEGIES", "DEFAULT_BETA", "ConvertedLayers", "Conversion", "memory_efficient"]
+
+STRATEGIES = ("plan", "reversible", "momentum")
+
+#: momentum's default beta: invertible in float32 at a dozen layers (the first training forward checks); the logits
+#: are then about beta (relative) off the original's. beta=0.01 is within 1e-2 of them, for inference and float64.
+DEFAULT_BETA = 0.5
+
+
+def _cache_type() -> type | None:
+    return getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+
+
+def _capturing_outputs() -> bool:
+    """Whether transformers is collecting per-layer outputs (``output_hidden_states``/``output_attentions``) with
+    its forward hooks (5.x's ``capture_outputs``); False where this version has no such collector."""
+    for name in ("transformers.utils.output_capturing", "transformers.utils.generic"):
+        collector = getattr(sys.modules.get(name), "_active_collector", None)
+        if collector is not None:
+            try:
+                return bool(collector.get())
+            except Exception:  # a collector of another shape: not one this code knows
+                return False
+    return False
+
+
+def _without_cache(args: tuple[Any, ...], kwargs: dict[str, Any], strategy: str) -> tuple[tuple, dict]:
+    """The layer arguments of a training forward with any KV cache replaced by ``None`` and ``use_cache=False``:
+    the backward runs the layers again, which would write (and attend to) their keys and values a second time. An
+    empty cache is dropped with a warning; one that already holds tokens is refused."""
+    cache_type = _cache_type()
+    if cache_type is None:
+        return args, kwargs
+    found: list[Any] = [v for v in tree_leaves((args, kwargs)) if isinstance(v, cache_type)]
+    if not found:
+        return args, kwargs
+    for cache in found:
+        if cache.get_seq_length() > 0:
+            raise HFConversionError(
+                f"strategy={strategy!r}: a training forward got a {type(cache).__name__} that already holds "
+                f"{cache.get_seq_length()} tokens; its backward runs the layers again and would append their keys "
+                f"and values a second time. Train without past_key_values, or run it under torch.no_grad()"
+            )
+    warnings.warn(
+        f"revlib_xla.hf ({strategy}): a training forward with use_cache=True; the KV cache is not written (the "
+        f"backward recomputes the layers, which would write it twice). Pass use_cache=False when training",
+        stacklevel=4,
+    )
+
+    def clean(value: Any) -> Any:
+        return None if isinstance(value, cache_type) else value
+
+    kwargs = {k: clean(v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return tuple(clean(a) for a in args), kwargs
+
+
+class _Call:
+    """A layer call's arguments after the hidden state, carried through the planner's stages as one opaque value
+    (torch.utils._pytree does not open it: the masks and rotary tables in it are constants of the call)."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args = args
+        self.kwargs = kwargs
+        self.returns_tuple = False
+
+
+class _Stage(nn.Module):
+    """One layer as a planner stage: ``(hidden, call) -> (layer(hidden, *call.args, **call.kwargs), call)``."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: tuple[torch.Tensor, _Call]) -> tuple[torch.Tensor, _Call]:
+        hidden, call = x
+        out = self.layer(hidden, *call.args, **call.kwargs)
+        call.returns_tuple = isinstance(out, tuple)
+        return (out[0] if isinstance(out, tuple) else out), call
+
+
+class _Runner:
+    """What the stack calls in place of its layers: ``runner(hidden, *layer_args, **layer_kwargs)``."""
+
+    strategy = ""
+
+    def takes_over(self, layers: ConvertedLayers) -> bool:
+        """Whether this forward runs through the runner (else the stack iterates the plain layers)."""
+        return True
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+
+def _check_arguments(strategy: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse layer arguments that need gradients: the runner treats them as constants of the call."""
+    named = [(f"positional argument {j + 1} after the hidden state", a) for j, a in enumerate(args)]
+    named += [(f"keyword argument '{k}'", v) for k, v in kwargs.items()]
+    for where, value in named:
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(value)):
+            raise HFConversionError(
+                f"strategy={strategy!r}: the layers' {where} requires grad (e.g. trainable encoder states for "
+                f"cross-attention); revlib_xla.hf passes layer arguments as constants of the call. Detach it, or "
+                f"leave this model unconverted"
+            )
+
+
+def _repeated(one: Chain, n: int) -> Chain:
+    """The chain of ``n`` copies of a one-stage chain whose output is the size of its input (a layer)."""
+    return one.replace(
+        fw=one.fw * n,
+        bw=one.bw[:1] * n + one.bw[1:],
+        cw=one.cw[:1] * n + one.cw[1:],
+        cbw=one.cbw[:1] + one.cbw[1:] * n,
+        fwd_tmp=one.fwd_tmp * n,
+        bwd_tmp=one.bwd_tmp[:1] * n + one.bwd_tmp[1:],
+        reversible=one.reversible * n,
+        inverse_time=one.inverse_time * n,
+        offload_time=one.offload_time * n,
+        options=one.options * n,
+        names=one.names * n,
+    )
+
+
+def _same_shapes(layers: list[nn.Module]) -> bool:
+    shapes = [[(t.shape, t.dtype) for t in (*layer.parameters(), *layer.buffers())] for layer in layers]
+    return all(s == shapes[0] for s in shapes)
+
+
+class _LayerCheckpointable(Checkpointable):
+    """A Checkpointable over layers of one class with the same shapes: they cost the same, so the first is
+    measured and its costs repeated (a 32-layer model is measured in the time of one layer)."""
+
+    def measure(self, sample_input: Any) -> Chain:
+        layers = [cast(_Stage, stage).layer for stage in self.stages]
+        if not _same_shapes(layers) or len(self.stages) == 1:
+            return super().measure(sample_input)
+        n = len(self.stages)
+        measured = measure_chain(self.stages[:1], sample_input, {}, self.sizing())
+        if measured.chain.cw[0] != measured.chain.cw[1]:
+            return super().measure(sample_input)
+        self.measurements = measured.measurements * n
+        self.chain = _repeated(measured.chain, n)
+        self._signature = _signature(sample_input)
+        self._sample = detached(sample_input) if measured.lazy else None
+        self.sequence = None
+        return self.chain
+
+
+class _Planned(_Runner):
+    strategy = "plan"
+
+    def __init__(self, layers: list[nn.Module], budget: float | None) -> None:
+        stages = nn.Sequential(*[_Stage(layer) for layer in layers])
+        self.checkpointable = _LayerCheckpointable(stages, mem_limit=budget)
+
+    def takes_over(self, layers: ConvertedLayers) -> bool:
+        return layers.training and torch.is_grad_enabled() and not _capturing_outputs()
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = _without_cache(args, kwargs, self.strategy)
+        _check_arguments(self.strategy, args, kwargs)
+        self.checkpointable.train(True)
+        out, call = self.checkpointable((hidden, _Call(args, kwargs)))
+        return (out,) if call.returns_tuple else out
+
+
+class _Residual(nn.Module):
+    """A layer's residual branch ``f(x) = layer(x) - x``, through ``layer.forward`` (the layer's own forward hooks,
+    e.g. transformers' output recorders, see the merged stream instead: :meth:`_TwoStream._plain`)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer  # registered here, in a stack that the model does not register
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.layer.forward(x, *args, **kwargs)
+        return (out[0] if isinstance(out, tuple) else out) - x
+
+
+class _TwoStream(_Runner):
+    """A reversible or momentum stack: ``net`` (a ReversibleSequential, two blocks per layer) on the streams
+    ``(hidden, hidden)``; :meth:`merge` turns the streams after ``k`` layers into the hidden state."""
+
+    def __init__(self, strategy: str, layers: list[nn.Module], net: ReversibleSequential, beta: float) -> None:
+        self.strategy = strategy
+        self.layers = layers
+        self.net = net
+        self.beta = beta
+        self.branches = [Branches.of(layer) for layer in layers] if strategy == "reversible" else []
+        self.checked = False
+
+    def merge(self, x0: torch.Tensor, x1: torch.Tensor, k: int) -> torch.Tensor:
+        if self.strategy == "reversible":
+            return (x0 + x1) / 2
+        return x1 * self.beta**k  # the position stream of the MomentumNet (utils.ReversibleStack)
+
+    def __call__(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.net.train(self.layers[0].training)
+        if self.branches and not self.checked and not self._holds_tokens(args, kwargs):
+            self._check_split(hidden, args, kwargs)
+        if self.layers[0].training and torch.is_grad_enabled() and not _capturing_outputs():
+            args, kwargs = _without_cache(args, kwargs, self.strategy)
+            _check_arguments(self.strategy, args, kwargs)
+            x0, x1 = self.net((hidden, hidden), *args, **kwargs)
+            return self.merge(x0, x1, len(self.layers))
+        return self._plain(hidden, args, kwargs)
+
+    @staticmethod
+    def _holds_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        cache_type = _cache_type()
+        if cache_type is None:
+            return False
+        caches: list[Any] = [v for v in tree_leaves((args, kwargs)) if isinstance(v, cache_type)]
+        return any(cache.get_seq_length() > 0 for cache in caches)
+
+    def _check_split(self, hidden: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The first call checks that the first layer's branches rebuild its forward (no cache written)."""
+        cache_type = _cache_type()
+
+        def clean(value: Any) -> Any:
+            return None if cache_type is not None and isinstance(value, cache_type) else value
+
+        a = tuple(clean(v) for v in args)
+        k = {key: clean(v) for key, v in kwargs.items()}
+        if "use_cache" in k:
+            k["use_cache"] = False
+        self.branches[0].check(hidden.detach(), lambda layer, x: layer.forward(x, *a, **k), *a, **k)
+        self.checked = True
+
+    def _plain(self, hidden: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+        """The same function, block by block with plain autograd (or none): generation writes the KV cache once,
+        and each layer's forward hooks (transformers' ``output_hidden_states`` recorder) see the hidden state
+        before and after it."""
+        blocks = list(self.net.children())
+        x0 = x1 = hidden
+        for k, layer in enumerate(self.layers):
+            before = self.merge(x0, x1, k)
+            for block in blocks[2 * k : 2 * k + 2]:  # ReversibleModules, each run alone with plain autograd
+                x0, x1 = block((x0, x1), *args, **kwargs)
+            _run_forward_hooks(layer, before, self.merge(x0, x1, k + 1))
+        return self.merge(x0, x1, len(self.layers))
+
+
+def _run_forward_hooks(layer: nn.Module, before: torch.Tensor, after: torch.Tensor) -> None:
+    hooks = getattr(layer, "_forward_hooks", {})
+    with_kwargs = getattr(layer, "_forward_hooks_with_kwargs", {})
+    for key, hook in list(hooks.items()):
+        if with_kwargs.get(key, False):
+            hook(layer, (before,), {}, after)
+        else:
+            hook(layer, (before,), after)
+
+
+class ConvertedLayers(nn.ModuleList):
+    """The model's layer list after :func:`memory_efficient`: the same layers under the same names. While the
+    stack's forward runs (and the strategy takes over that forward), iterating it or slicing it whole yields one
+    runner for the whole stack; otherwise, and when indexed, it is the plain list."""
+
+    runner: _Runner
+
+    def __init__(self, layers: list[nn.Module], runner: _Runner) -> None:
+        super().__init__(layers)
+        object.__setattr__(self, "runner", runner)
+        self._depth = 0  # > 0 while the owning stack's forward runs
+
+    def enter(self, module: nn.Module, args: Any, kwargs: Any = None) -> None:
+        self._depth += 1
+
+    def leave(self, module: nn.Module, args: Any, *rest: Any) -> None:
+        self._depth = max(self._depth - 1, 0)
+
+    def _active(self) -> bool:
+        return self._depth > 0 and self.runner.takes_over(self)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._active():
+            return iter([self.runner])
+        return super().__iter__()
+
+    def __getitem__(self, idx: Any) -> Any:
+        if not isinstance(idx, slice):
+            return super().__getitem__(idx)
+        modules = list(self._modules.values())[idx]
+        if self._active():
+            if len(modules) != len(self):
+                raise HFConversionError(
+                    f"revlib_xla.hf: the stack ran {len(modules)} of its {len(self)} converted layers; the "
+                    f"{self.runner.strategy} strategy runs the whole stack"
+                )
+            return [self.runner]
+        return nn.ModuleList(modules)
+
+
+class Conversion:
+    """What :func:`memory_efficient` did to a model (``model.revlib_xla_conversion``)."""
+
+    def __init__(self, strategy: str, path: str, layer_class: str, runner: _Runner) -> None:
+        self.strategy = strategy
+        self.path = path
+        self.layer_class = layer_class
+        self.runner = runner
+
+    @property
+    def checkpointable(self) -> Checkpointable | None:
+        """The plan's :class:`~revlib_xla.Checkpointable` (its ``sequence`` is the schedule), else None."""
+        return self.runner.checkpointable if isinstance(self.runner, _Planned) else None
+
+    @property
+    def net(self) -> ReversibleSequential | None:
+        """The reversible or momentum stack, else None."""
+        return self.runner.net if isinstance(self.runner, _TwoStream) else None
+
+    def __repr__(self) -> str:
+        return f"Conversion(strategy={self.strategy!r}, path={self.path!r}, layer_class={self.layer_class!r})"
+
+
+def _disable_hf_checkpointing(model: nn.Module, layers: list[nn.Module]) -> None:
+    if not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        return
+    warnings.warn(
+        "revlib_xla.hf: transformers' own gradient checkpointing was on; it is turned off (the strategy replaces it)",
+        stacklevel=3,
+    )
+    name = "activation_checkpointing_disable"  # 5.23; 5.15-5.22: gradient_checkpointing_disable
+    disable: Callable[[], None] = getattr(model, name if hasattr(model, name) else "gradient_checkpointing_disable")
+    disable()
+
+
+def memory_efficient(
+    model: nn.Module,
+    strategy: str = "plan",
+    *,
+    budget: float | str = "auto",
+    beta: float = DEFAULT_BETA,
+    fewbit: int = 0,
+) -> nn.Module:
+    """Run a transformers model's layer stack with less activation memory; returns ``model``, changed in place.
+
+    Args:
+        model: a transformers model (GPT-2, Llama, Qwen2/3, Mistral, GPT-NeoX, BERT-style encoders for ``plan``
+            and ``momentum``, ...), found by its layer list (``config.num_hidden_layers`` layers of one class).
+        strategy: ``"plan"`` (exact: the planner's checkpointing schedule), ``"reversible"`` (two-stream
+            reversible layers from each layer's attention and MLP branches; a different function, O(1) activation
+            memory in depth) or ``"momentum"`` (a MomentumNet, the original function as ``beta -> 0``).
+        budget: ``plan`` only: the activation budget in bytes (or ``"8GiB"``); ``"auto"``: the fastest schedule on
+            cpu and xla, 90 % of the free memory on cuda (:class:`revlib_xla.Checkpointable`'s default).
+        beta: ``momentum`` only: the momentum in (0, 1); smaller is closer to the original model and less exactly
+            invertible (checked at the first training forward, which raises if the gradients would be wrong).
+        fewbit: bits (1-4) of the few-bit derivative of the MLP activations (transformers' activation classes
+            included); 0 keeps them.
+
+    Train with ``use_cache=False``: a training forward drops an empty KV cache with a warning (the backward
+    recomputes the layers) and refuses one that holds tokens. Under ``torch.no_grad()`` the KV cache works as usual.
+    """
+    if strategy not in STRATEGIES:
+        raise HFConversionError(f"memory_efficient: strategy={strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if getattr(model, "revlib_xla_conversion", None) is not None:
+        raise HFConversionError(
+            f"memory_efficient: {type(model).__name__} is already converted "
+            f"({model.revlib_xla_conversion}); convert a fresh model"
+        )
+    if strategy != "plan" and budget != "auto":
+        raise HFConversionError(f"memory_efficient: budget= applies to strategy='plan', not {strategy!r}")
+    stack = find_layer_stack(model)
+    layers = list(stack.layers)
+    runner: _Runner
+    if strategy == "reversible":
+        branches = [Branches.of(layer) for layer in layers]  # refuses unsplittable layers before changing anything
+    _disable_hf_checkpointing(model, layers)
+    if fewbit:
+        for layer in layers:
+            _fewbit.map_module(layer, lambda m: _fewbit.convert_activation(m, bits=fewbit))
+    if strategy == "plan":
+        limit = None if budget == "auto" else parse_bytes(budget, "memory_efficient: budget")
+        runner = _Planned(layers, limit)
+    elif strategy == "reversible":
+        blocks = [block for b in branches for block in (b.f, b.g)]
+        runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None), 1.0)
+    else:
+        if not (0.0 < beta < 1.0) or math.isnan(beta):
+            raise HFConversionError(f"memory_efficient: beta must be in (0, 1), got {beta!r}")
+        net = momentum_net(*[_Residual(layer) for layer in layers], split_dim=None, beta=beta)
+        runner = _TwoStream(strategy, layers, net, beta)
+    converted = ConvertedLayers(layers, runner)
+    converted.train(stack.layers.training)
+    setattr(stack.owner, stack.attr, converted)
+    stack.owner.register_forward_pre_hook(converted.enter)
+    stack.owner.register_forward_hook(converted.leave, always_call=True)
+    model.__dict__["revlib_xla_conversion"] = Conversion(strategy, stack.path, type(layers[0]).__name__, runner)
+    return model

@@ -1,0 +1,386 @@
+"""revlib_xla.hf.memory_efficient on tiny transformers models built from configs (random weights, no download):
+plan equals the original (float64), reversible and momentum give plain autograd's gradients of their own function,
+generate() keeps working with the KV cache, state-dict keys and save_pretrained survive, bad input is refused."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import max_rel_err, to_host
+
+from revlib_xla import ReversibleError, backend, fewbit
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
+)
+if not transformers.is_torch_available():
+    pytest.skip(
+        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
+    )
+
+from revlib_xla.hf import HFConversionError, config_names, memory_efficient, model_from_config  # noqa: E402
+
+DECODERS = ["gpt2-tiny", "llama-tiny", "qwen2-tiny", "qwen3-tiny", "mistral-tiny", "gpt-neox-tiny"]
+NO_DROPOUT = {
+    "gpt2-tiny": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "bert-tiny": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+}
+IDS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+
+def tiny(name, depth=3, dtype=torch.float64, dropout=False, **overrides):
+    torch.manual_seed(0)
+    fields = {} if dropout else dict(NO_DROPOUT.get(name, {}))
+    fields.update(overrides)
+    return model_from_config(name, num_hidden_layers=depth, dtype=dtype, **fields).train()
+
+
+def step(model, ids=IDS, **kw):
+    """logits and parameter gradients of one training forward/backward (use_cache=False)."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids, use_cache=False, **kw)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same(got, want, tol):
+    """Elementwise, relative to each gradient's largest entry; gradients that are zero in exact arithmetic (an
+    attention key's bias: softmax does not see it) are rounding noise, compared absolutely."""
+    assert got.keys() == want.keys() and len(want) > 10
+    for name in want:
+        if want[name].abs().max() < 1e-15:
+            assert got[name].abs().max() < 1e-15, name
+        else:
+            assert max_rel_err(got[name], want[name]) <= tol, name
+
+
+def tighten(model):
+    """Plan the converted model at its smallest budget, so that the schedule recomputes layers."""
+    cp = model.revlib_xla_conversion.checkpointable
+    schedule = cp.compute_sequence(cp.min_memory() * 1.01)
+    forwards = sum(1 for op in schedule.ops if op.kind.name.startswith("F"))
+    assert forwards > len(cp.stages), schedule.describe()  # something runs twice
+    return model
+
+
+# -- plan ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", DECODERS + ["bert-tiny"])
+def test_plan_equals_the_original_in_float64(name):
+    ref = tiny(name)
+    model = memory_efficient(copy.deepcopy(ref), "plan")
+    step(model)  # measures and plans
+    tighten(model)
+    out, got = step(model)
+    ref_out, want = step(ref)
+    assert max_rel_err(out.logits, ref_out.logits) <= 1e-10
+    assert_same(got, want, 1e-10)
+
+
+def test_plan_replays_dropout_in_the_recomputation():
+    model = memory_efficient(tiny("gpt2-tiny", dropout=True), "plan")
+    step(model)
+    torch.manual_seed(5)
+    _, fastest = step(model)  # nothing recomputed
+    tighten(model)
+    torch.manual_seed(5)
+    _, recomputed = step(model)
+    assert_same(recomputed, fastest, 1e-10)
+    torch.manual_seed(6)
+    _, other = step(model)
+    assert max(max_rel_err(other[n], fastest[n]) for n in fastest) > 1e-3  # dropout is on: other masks differ
+
+
+def test_plan_measures_one_layer_and_repeats_it():
+    model = memory_efficient(tiny("llama-tiny", depth=4), "plan")
+    step(model)
+    chain = model.revlib_xla_conversion.checkpointable.chain
+    assert chain.length == 4 and len(set(chain.fw)) == 1 and len(set(chain.cw)) == 1
+
+
+# -- reversible ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", DECODERS)
+def test_reversible_gives_plain_autograds_gradients_of_its_function(name):
+    """The memory-saving backward against plain autograd through the same two-stream function (the path that
+    output_hidden_states takes, which also records one hidden state per layer)."""
+    model = memory_efficient(tiny(name), "reversible")
+    out, got = step(model)
+    plain, want = step(model, output_hidden_states=True)
+    assert len(plain.hidden_states) == 4 and plain.hidden_states[1].requires_grad
+    assert max_rel_err(out.logits, plain.logits) <= 1e-12
+    assert_same(got, want, 1e-10)
+    with torch.no_grad():  # generation's path: the same function
+        assert max_rel_err(model(IDS, use_cache=False).logits, out.logits) <= 1e-12
+
+
+def byte_corpus(length=4000):
+    text = (
+        "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light. "
+    )
+    data = torch.tensor(list((text * (length // len(text) + 1)).encode()[:length]), dtype=torch.long)
+    return data
+
+
+def train_losses(model, steps=50, batch=8, seq=32, lr=3e-3):
+    data = byte_corpus()
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq, (batch,), generator=gen)
+        ids = torch.stack([data[s : s + seq] for s in starts])
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DECODERS)
+def test_reversible_trains_on_a_byte_corpus(name):
+    model = memory_efficient(tiny(name, depth=2, dtype=torch.float32), "reversible")
+    losses = train_losses(model)
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, losses
+
+
+def test_reversible_refuses_post_ln_encoders_and_says_why():
+    with pytest.raises(HFConversionError, match=r"BertLayer is post-LN.*no x \+ f\(x\) form.*'plan'.*'momentum'"):
+        memory_efficient(tiny("bert-tiny"), "reversible")
+
+
+def test_reversible_refuses_a_layer_whose_split_does_not_rebuild_it():
+    """A layer with the Llama layout that scales its residual: the first forward finds the split is not it."""
+    model = tiny("llama-tiny")
+    layer = model.model.layers[0]
+    original = type(layer).forward
+
+    def scaled(self, hidden_states, *args, **kwargs):
+        return 2 * original(self, hidden_states, *args, **kwargs)
+
+    layer.forward = scaled.__get__(layer)
+    memory_efficient(model, "reversible")
+    with pytest.raises(HFConversionError, match=r"LlamaDecoderLayer has the sub-modules of the llama layout.*differs"):
+        step(model)
+
+
+# -- momentum --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "gpt-neox-tiny", "bert-tiny"])
+def test_momentum_tends_to_the_original_and_trains_exactly(name):
+    ref = tiny(name).eval()
+    with torch.no_grad():
+        want = ref(IDS).logits
+        near = memory_efficient(copy.deepcopy(ref), "momentum", beta=0.01).eval()(IDS).logits
+    assert max_rel_err(near, want) <= 1e-2
+    model = memory_efficient(copy.deepcopy(ref), "momentum", beta=0.5).train()
+    out, got = step(model)  # checked invertible at this beta, then the memory-saving backward
+    plain, want_grads = step(model, output_hidden_states=True)
+    assert max_rel_err(out.logits, plain.logits) <= 1e-12
+    assert_same(got, want_grads, 1e-8)
+
+
+def test_momentum_refuses_to_train_where_the_inverse_is_lost():
+    model = memory_efficient(tiny("llama-tiny", depth=4, dtype=torch.float32), "momentum", beta=0.01)
+    with pytest.raises(ReversibleError, match="rebuilt from the output"):
+        step(model)
+
+
+# -- generate, state dicts, hidden states ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", DECODERS)
+def test_generate_equals_the_original_for_plan_and_momentum(name):
+    ref = tiny(name).eval()
+    prompt = IDS[:, :5]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = ref.generate(prompt, **kw)
+    for strategy, extra in (("plan", {}), ("momentum", {"beta": 0.001})):
+        model = memory_efficient(copy.deepcopy(ref), strategy, **extra)
+        assert torch.equal(model.generate(prompt, **kw), want), strategy
+    rev = memory_efficient(copy.deepcopy(ref), "reversible")  # its own function: cached equals uncached
+    cached = rev.generate(prompt, **kw)
+    assert torch.equal(cached, rev.generate(prompt, use_cache=False, **kw))
+
+
+@pytest.mark.parametrize("strategy", ["plan", "reversible", "momentum"])
+def test_state_dict_keys_and_save_pretrained_round_trip(strategy, tmp_path):
+    ref = tiny("llama-tiny")
+    model = memory_efficient(copy.deepcopy(ref), strategy)
+    assert list(model.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    model.save_pretrained(tmp_path)
+    loaded = type(ref).from_pretrained(tmp_path, dtype=torch.float64)
+    for key, value in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    again = memory_efficient(loaded, strategy)
+    again.load_state_dict(model.state_dict())  # strict: the same keys
+
+
+def test_plan_keeps_output_hidden_states_with_gradients():
+    ref = tiny("gpt2-tiny")
+    model = memory_efficient(copy.deepcopy(ref), "plan")
+    out, got = step(model, output_hidden_states=True)
+    ref_out, want = step(ref, output_hidden_states=True)
+    assert len(out.hidden_states) == len(ref_out.hidden_states) == 4
+    for a, b in zip(out.hidden_states, ref_out.hidden_states):
+        assert max_rel_err(a, b) <= 1e-12
+    assert_same(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("strategy", ["plan", "reversible"])
+def test_training_with_the_kv_cache_on_drops_it_with_a_warning(strategy):
+    model = memory_efficient(tiny("llama-tiny"), strategy)
+    _, want = step(model)
+    model.zero_grad(set_to_none=True)
+    with pytest.warns(UserWarning, match="use_cache=True; the KV cache is not written"):
+        model(IDS, labels=IDS).loss.backward()  # use_cache left at the config's True
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert_same(got, want, 1e-12)
+
+
+def test_a_cache_that_holds_tokens_is_refused_in_training():
+    model = memory_efficient(tiny("llama-tiny"), "plan")
+    with torch.no_grad():
+        past = model(IDS[:, :4], use_cache=True).past_key_values
+    with pytest.raises(HFConversionError, match="already holds 4 tokens"):
+        model(IDS[:, 4:], past_key_values=past, use_cache=True)
+
+
+# -- fewbit ----------------------------------------------------------------------------------------------------------
+def test_fewbit_recognises_transformers_activation_classes():
+    acts = transformers.activations
+    x = torch.randn(100, dtype=torch.float64)
+    for module, approximate in (
+        (acts.GELUActivation(), "none"),
+        (acts.NewGELUActivation(), "tanh"),
+        (acts.GELUTanh(), "tanh"),
+        (acts.FastGELUActivation(), "tanh"),
+    ):
+        few = fewbit.convert_activation(module, bits=2)
+        assert isinstance(few, fewbit.GELU) and few.bits == 2 and few.params["approximate"] == approximate
+        assert max_rel_err(few(x), module(x)) <= 1e-11
+    assert isinstance(fewbit.convert_activation(acts.SiLUActivation()), fewbit.SiLU)
+    quick = acts.QuickGELUActivation()  # no few-bit form: unchanged
+    assert fewbit.convert_activation(quick) is quick
+
+
+@pytest.mark.parametrize("strategy", ["plan", "reversible", "momentum"])
+def test_fewbit_composes_with_each_strategy(strategy):
+    ref = memory_efficient(tiny("gpt2-tiny"), strategy, **({"beta": 0.5} if strategy == "momentum" else {}))
+    model = copy.deepcopy(ref)
+    _, want = step(ref)
+    model = memory_efficient(tiny("gpt2-tiny"), strategy, fewbit=3, **({"beta": 0.5} if strategy == "momentum" else {}))
+    acts = [m for m in model.modules() if isinstance(m, fewbit.FewBitActivation)]
+    assert len(acts) == 3 and all(a.bits == 3 for a in acts)
+    _, got = step(model)
+    assert got.keys() == want.keys()
+    errs = [max_rel_err(got[n], want[n]) for n in want]
+    assert 0 < max(errs) <= 0.2  # few-bit derivatives: close, not equal
+
+
+# -- bad input, configs, versions ------------------------------------------------------------------------------------
+def test_bad_input_is_refused_with_the_choices():
+    with pytest.raises(HFConversionError, match="choose one of plan, reversible, momentum"):
+        memory_efficient(tiny("llama-tiny"), "fast")
+    with pytest.raises(HFConversionError, match="budget= applies to strategy='plan'"):
+        memory_efficient(tiny("llama-tiny"), "reversible", budget="1GB")
+    model = memory_efficient(tiny("llama-tiny"), "plan")
+    with pytest.raises(HFConversionError, match="already converted"):
+        memory_efficient(model, "plan")
+    with pytest.raises(HFConversionError, match=r"cannot find the layer stack of Sequential"):
+        memory_efficient(torch.nn.Sequential(torch.nn.Linear(2, 2)), "plan")
+
+
+def test_hf_gradient_checkpointing_is_turned_off_with_a_warning():
+    model = tiny("llama-tiny")
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable  # 5.23
+    enable()
+    with pytest.warns(UserWarning, match="own gradient checkpointing was on"):
+        memory_efficient(model, "plan")
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_model_from_config_builds_real_shapes_without_allocating(tmp_path):
+    assert {"gpt2-tiny", "llama-tiny", "qwen2-tiny", "mistral-tiny", "gpt-neox-tiny", "llama-3.2-1b"} <= set(
+        config_names()
+    )
+    big = model_from_config("llama-3.2-1b", device="meta")
+    assert sum(p.numel() for p in big.parameters()) == 1_235_814_400  # Llama-3.2-1B, tied embeddings
+    assert sum(p.numel() for p in model_from_config("gpt2-124m", device="meta").parameters()) == 124_439_808
+    tiny("qwen3-tiny").config.save_pretrained(tmp_path)
+    from_path = model_from_config(str(tmp_path))
+    assert type(from_path).__name__ == "Qwen3ForCausalLM"
+    with pytest.raises(HFConversionError, match="neither a built-in config"):
+        model_from_config("no-such-model")
+
+
+# -- xla -------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["plan", "reversible"])
+def test_on_each_device_gradients_match_the_cpu(strategy, device):
+    ref = memory_efficient(tiny("llama-tiny", dtype=torch.float32), strategy)
+    model = copy.deepcopy(ref).to(device)
+    model.tie_weights()  # moving to xla replaces the parameters, which unties lm_head from the embedding
+    _, want = step(ref)
+    _, got = step(model, ids=IDS.to(device))
+    backend.sync(device)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert max_rel_err(to_host(got[n]), want[n]) <= 1e-4, n
+
+
+def test_xla_training_steps_compile_once_and_run_as_the_unconverted_model_does():
+    """No recompilation across steps, and as many executions per step as the unconverted model (transformers' own
+    forward reads a value from the device once per step: aten::_local_scalar_dense, whichever the strategy)."""
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as met
+
+    dev = backend.device_for("xla")
+    ids = IDS.to(dev)
+    executions = {}
+    for strategy in (None, "reversible"):
+        model = tiny("llama-tiny", dtype=torch.float32)
+        model = (model if strategy is None else memory_efficient(model, strategy)).to(dev)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(4):
+                if i == 2:
+                    xm.wait_device_ops()
+                    met.clear_all()
+                model(ids, labels=ids, use_cache=False).loss.backward()
+                torch_xla.sync()
+        xm.wait_device_ops()
+        report = met.short_metrics_report()
+        assert met.metric_data("CompileTime") is None, report
+        executions[strategy] = met.metric_data("ExecuteTime")[0]
+    assert executions["reversible"] == executions[None], executions
+
+
+# -- transformers' Trainer -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["plan", "reversible"])
+def test_hf_trainer_runs_a_short_fine_tune(strategy, tmp_path):
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate (pip install accelerate)")
+    model = memory_efficient(tiny("llama-tiny", depth=2, dtype=torch.float32), strategy)
+    model.config.use_cache = False
+    data = byte_corpus(2048).view(-1, 32)
+    dataset = [{"input_ids": row, "labels": row} for row in data]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=12,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        optim="adamw_torch",  # accelerate may place the model on XLA (torch_xla installed), where fused AdamW is not
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
