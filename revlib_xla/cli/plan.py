@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from ..fit.plan import format_schedule, plan_config
     from ..memory import format_bytes, parse_bytes
     from ..planner import InfeasibleBudget
-    from ..train.config import load_config
+    from ..train.config import load_config  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
 
     try:
         budget = parse_bytes(args.budget, "--budget")

@@ -85,7 +85,7 @@ def strategy(name: str) -> Strategy:
 def load(config: str | None, overrides: Sequence[str], chosen: Strategy, batch: int | None = None) -> Any:
     """The run config (:func:`revlib_xla.train.config.load_config`) with the strategy's overrides (and
     ``data.batch_size=batch``) applied after the user's."""
-    from ..train.config import load_config
+    from ..train.config import load_config  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
 
     extra = list(chosen.overrides) + ([f"data.batch_size={batch}"] if batch is not None else [])
     return load_config(config, [*overrides, *extra])
@@ -93,7 +93,7 @@ def load(config: str | None, overrides: Sequence[str], chosen: Strategy, batch: 
 
 def trace_config(cfg: Any) -> TracedStep:
     """The steady-state training step of run config ``cfg``, traced at full size without allocating it."""
-    from ..train import strategy as train_strategy
+    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
 
     model = train_strategy.build_model(cfg, "meta")
     tokens = torch.empty(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64, device="meta")
