@@ -147,10 +147,15 @@ def fit_report(
 
 
 def compile_steps(
-    traced: Sequence[TracedStep], chip: Chip, labels: Sequence[str] = (), batches: Sequence[int] = ()
+    traced: Sequence[TracedStep],
+    chip: Chip,
+    labels: Sequence[str] = (),
+    batches: Sequence[int] = (),
+    timeout: float = 7200.0,
 ) -> list[FitReport]:
     """Compile ``traced`` steps for one TPU ``chip`` in one child process and report each (a program larger than
-    the chip is reported as not fitting, not raised)."""
+    the chip is reported as not fitting, not raised). ``timeout``: seconds for the compiler process (a full-size
+    step of a billion-parameter model takes minutes per program on a small machine)."""
     if not chip.is_tpu or chip.topology_1chip is None:
         raise ValueError(f"{chip.name} is not a TPU chip: the TPU compiler cannot size programs for it")
     labels = list(labels) or [""] * len(traced)
@@ -159,7 +164,9 @@ def compile_steps(
     # not compiled (the v5e compiler would refuse it; others, which enforce no limit, would spend minutes on it).
     hopeless = [t.argument_bytes() > chip.usable_bytes for t in traced]
     compiled = iter(
-        tpu_memory_results([t.stablehlo for t, h in zip(traced, hopeless) if not h], topology=chip.topology_1chip)
+        tpu_memory_results(
+            [t.stablehlo for t, h in zip(traced, hopeless) if not h], topology=chip.topology_1chip, timeout=timeout
+        )
     )
     reports = []
     for t, h, lab, b in zip(traced, hopeless, labels, batches):
