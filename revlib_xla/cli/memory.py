@@ -56,12 +56,18 @@ def run(args: argparse.Namespace) -> int:
             f"issue 14; today's configs train on one chip: use --chips 1 (the default)"
         )
     chosen = _chosen(args)
+    if args.chip:
+        try:
+            chips.chip(args.chip, "tpu")
+        except ValueError as exc:
+            raise UsageError(f"--chip: {exc}") from None
+        # The chip sized for is the run's target too (plan auto's budget is the chip's memory).
+        args.overrides = [*args.overrides, f"chip.name={args.chip.strip().lower()}"]
     base = load(args.config, args.overrides, strategy("config"))
-    name = args.chip or base.chip.name
     try:
-        target = chips.chip(name, "tpu")
+        target = chips.chip(base.chip.name, "tpu")
     except ValueError as exc:
-        raise UsageError(f"--chip: {exc}") from None
+        raise UsageError(f"chip.name: {exc}") from None
     gpu = None
     if args.gpu:
         try:
