@@ -96,7 +96,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         "batch on the line through the compiled batches 1 and 2, not verified by a compile (--quick).",
         "",
         "| model | chip | strategy | largest batch | HBM at that batch | parameters | optimizer state | "
-        "gradients+activations+temporaries | host | batches compiled |",
+        "gradients+activations+temporaries | host | batches tried |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
