@@ -45,12 +45,13 @@ class Chip:
     @property
     def usable_bytes(self) -> int:
         """What one program may occupy on the chip (see the module docstring)."""
-        return self.hbm_bytes - TPU_RESERVED_BYTES if self.kind == "tpu" else self.hbm_bytes
+        return self.hbm_bytes - TPU_RESERVED_BYTES if self.is_tpu else self.hbm_bytes
 
     @property
     def is_tpu(self) -> bool:
-        """Whether the TPU compiler sizes programs for this chip (else: eager estimates)."""
-        return self.kind == "tpu"
+        """Whether the TPU compiler sizes programs for this chip (it has a topology to compile for; else: eager
+        estimates)."""
+        return self.topology_1chip is not None
 
 
 TPU_CHIPS: dict[str, Chip] = {
