@@ -205,8 +205,10 @@ def test_out_of_memory_message_parsing_and_the_v5e_limit():
     assert used == 20 * 2**30 and capacity == int(15.75 * 2**30)
     assert capacity == CHIPS["v5e"].usable_bytes  # what the v5e compiler enforces
     assert parse_out_of_memory("INVALID_ARGUMENT: something else") is None
-    with pytest.raises(memory.TpuCompileError, match="something else"):
-        fit_report(trace_like(), CHIPS["v5e"], memory.TpuCompileError("INVALID_ARGUMENT: something else"))
+    rejected = fit_report(trace_like(), CHIPS["v5e"], memory.TpuCompileError("INVALID_ARGUMENT: something else"))
+    assert not rejected.fits and rejected.total is None and "something else" in rejected.error
+    assert rejected.row()["fits"].startswith("NO: the compiler rejects it")
+    assert "the TPU compiler rejects the step: INVALID_ARGUMENT: something else" in format_table([rejected])
 
 
 def trace_like():

@@ -85,6 +85,7 @@ class FitReport:
     temporaries: int | None
     host: int
     source: str = COMPILER_SOURCE
+    error: str | None = None
 
     @property
     def fits(self) -> bool:
@@ -111,7 +112,9 @@ class FitReport:
             "gradients+activations+temporaries": fmt(self.temporaries),
             "host": fmt(self.host),
             "total": fmt(self.total) if self.total is not None else ">= " + format_bytes(self.at_least),
-            "fits": ("yes" if self.fits else "NO") + f" ({format_bytes(self.chip.usable_bytes)})",
+            "fits": "NO: the compiler rejects it"
+            if self.error
+            else ("yes" if self.fits else "NO") + f" ({format_bytes(self.chip.usable_bytes)})",
         }
 
 
@@ -119,11 +122,12 @@ def fit_report(
     traced: TracedStep, chip: Chip, compiled: CompiledMemory | TpuCompileError, label: str = "", batch: int = 0
 ) -> FitReport:
     """The :class:`FitReport` of ``traced`` compiled for ``chip`` (``compiled``: the compiler's result or its
-    error; an error other than out-of-memory is raised)."""
+    error: out of memory gives the compiler's lower bound; any other error is kept in :attr:`FitReport.error`,
+    and the step does not fit)."""
     if isinstance(compiled, TpuCompileError):
         oom = parse_out_of_memory(str(compiled))
-        if oom is None:
-            raise compiled
+        if oom is None:  # not a matter of size: the program as traced does not compile for a TPU
+            return dataclasses.replace(arguments_exceed(traced, chip, label, batch), error=str(compiled))
         return dataclasses.replace(arguments_exceed(traced, chip, label, batch), at_least=oom[0])
     parameters = traced.argument_bytes(PARAMETERS)
     optimizer = traced.argument_bytes(OPTIMIZER)
@@ -196,4 +200,5 @@ def format_table(reports: Sequence[FitReport], footnote: str = FOOTNOTE) -> str:
     widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in columns}
     lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
     lines += ["  ".join(r[c].ljust(widths[c]) for c in columns) for r in rows]
+    lines += [f"{r.label}: the TPU compiler rejects the step: {r.error}" for r in reports if r.error]
     return "\n".join(lines) + "\n\n" + footnote
