@@ -22,6 +22,8 @@ Will it fit, without the chip:
     HBM per TPU chip, ``fit.compile_steps``; the largest batch that fits, ``fit.max_batch``; ``fit.CHIPS``).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
+Training runs (what ``revlib-xla train`` does, usable from Python):
+    the ``train`` module (``train.load_config``, ``train.build_model``, ``train.make_step``, ``train.train``).
 HuggingFace transformers models (the ``[hf]`` extra):
     the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
     ``hf.model_from_config``).
@@ -75,12 +77,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, fit, hf, memory, models, utils
+    from . import compat, core, fewbit, fit, hf, memory, models, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "hf", "utils", "core", "compat", "fit")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat", "fit")
 
 __all__ = [
     # reversible networks
@@ -115,6 +117,7 @@ __all__ = [
     "fewbit",
     "memory",
     "models",
+    "train",
     "fit",
     # HuggingFace transformers models
     "hf",

@@ -71,6 +71,7 @@ __all__ = [
     "tpu_generation",
     "sizing_generation",
     "free_memory",
+    "compilations",
     "HostCopy",
     "HostOffload",
     "to_host",
@@ -402,6 +403,12 @@ def free_memory(device: DeviceLike) -> int | None:
     """Bytes ``device`` has free now (cuda: ``mem_get_info``), or ``None`` where its backend cannot tell."""
     dev = as_device(device)
     return backend_for(dev).free_memory(dev)
+
+
+def compilations(device: DeviceLike) -> int | None:
+    """How many programs ``device``'s family has compiled in this process so far (XLA: torch_xla's
+    ``CompileTime`` count), or ``None`` on an eager device. A step that compiles once keeps it constant."""
+    return backend_for(as_device(device)).compilations()
 
 
 # ---------------------------------------------------------------------------------------------------------------

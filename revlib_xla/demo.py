@@ -416,7 +416,7 @@ def format_memory_table(rows: Sequence[MemoryRow], generation: str = "v5e") -> s
 
 
 def plot_memory_table(
-    rows: Sequence[MemoryRow], path: os.PathLike, config: DemoConfig, generation: str = "v5e"
+    rows: Sequence[MemoryRow], path: str | os.PathLike[str], config: DemoConfig, generation: str = "v5e"
 ) -> Path:
     """Save the table as a PNG: eager peak and TPU HBM peak against depth, one line per flavour."""
     import matplotlib
@@ -502,6 +502,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated depths of the memory table",
     )
     parser.add_argument("--no-memory-table", action="store_true", help="train only; skip the memory table and plot")
+    parser.add_argument(
+        "--no-train",
+        action="store_true",
+        help="the memory table and plot only (make demo trains with revlib-xla train first)",
+    )
     parser.add_argument("--no-tpu", action="store_true", help="skip the deviceless TPU compile column")
     parser.add_argument("--out", default="revlib_xla_demo.png", help="where to save the memory plot (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -539,6 +544,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_memory_table and not args.no_tpu:
         column = TpuColumn.start(config, config.table_depths)
 
+    if not args.no_train and _train_and_report(config, device, quiet=args.quiet) != 0:
+        return 1
+    if not args.no_memory_table:
+        _memory_report(config, column, args.out)
+    print(f"demo finished in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+def _train_and_report(config: DemoConfig, device: torch.device, quiet: bool) -> int:
+    """Train the demo model on the standard library's source and report; 1 if the validation loss did not fall."""
     corpus = load_corpus(config.corpus_bytes)
     train_data, val_data = split_corpus(corpus, config.val_fraction)
     model_config = config.model_config()
@@ -556,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"lr {config.lr:g}"
     )
 
-    model, result = train(config, train_data, val_data, device, progress=not args.quiet)
+    model, result = train(config, train_data, val_data, device, progress=not quiet)
     print(
         f"training loss: {result.start_loss():.3f} (first 10 steps) -> {result.end_loss():.3f} (last 10 steps) "
         f"nats/byte; uniform guess = ln 256 = {UNIFORM_LOSS:.3f}"
@@ -577,34 +592,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     print(f"ok: the loss fell by {result.val_before - result.val_after:.2f} nats/byte")
-
-    if not args.no_memory_table:
-        print(
-            f"\nmemory of one training step (forward + backward, batch {config.table_batch} x {config.seq_len} "
-            f"bytes, fp32) of the same model at depths {', '.join(map(str, config.table_depths))}:"
-        )
-        eager = eager_memory(config, config.table_depths)
-        if column is not None and not column.done():
-            print("waiting for the TPU compiler...", flush=True)
-        rows, reason = _rows(eager, column)
-        print(format_memory_table(rows))
-        print(
-            "eager: peak of an eager step counted by PyTorch's MemTracker (tensor storages, measured on the CPU; "
-            "the same on CUDA up to allocator rounding)."
-        )
-        if column is None:
-            print("TPU column skipped (--no-tpu).")
-        elif reason is None:
-            print(
-                "TPU v5e: HBM peak that the TPU compiler (libtpu, deviceless compile for one v5e chip) plans for the "
-                "step traced by torch_xla; these figures come from the TPU compiler, not from a TPU run."
-            )
-        else:
-            print(f"TPU column not available: {reason}")
-        path = plot_memory_table(rows, args.out, config)
-        print(f"plot saved to {path.resolve()}")
-    print(f"demo finished in {time.perf_counter() - start:.0f} s")
     return 0
+
+
+def _memory_report(config: DemoConfig, column: TpuColumn | None, out: str | os.PathLike[str]) -> None:
+    """The memory table of one training step at several depths (eager, and the TPU column when started), and its
+    plot saved to ``out``."""
+    print(
+        f"\nmemory of one training step (forward + backward, batch {config.table_batch} x {config.seq_len} "
+        f"bytes, fp32) of the same model at depths {', '.join(map(str, config.table_depths))}:"
+    )
+    eager = eager_memory(config, config.table_depths)
+    if column is not None and not column.done():
+        print("waiting for the TPU compiler...", flush=True)
+    rows, reason = _rows(eager, column)
+    print(format_memory_table(rows))
+    print(
+        "eager: peak of an eager step counted by PyTorch's MemTracker (tensor storages, measured on the CPU; "
+        "the same on CUDA up to allocator rounding)."
+    )
+    if column is None:
+        print("TPU column skipped (--no-tpu).")
+    elif reason is None:
+        print(
+            "TPU v5e: HBM peak that the TPU compiler (libtpu, deviceless compile for one v5e chip) plans for the "
+            "step traced by torch_xla; these figures come from the TPU compiler, not from a TPU run."
+        )
+    else:
+        print(f"TPU column not available: {reason}")
+    path = plot_memory_table(rows, out, config)
+    print(f"plot saved to {path.resolve()}")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,22 @@ class _Boundary(torch.autograd.Function):
                 streamer.release_all()
         else:
             streamer.fetch(ctx.index, prefetch=ctx.index - 1, persistent=False)
+            if ctx.index == 0:
+                # The first slice's entering boundary gets no gradient when the model's inputs are not
+                # differentiable (token ids): end the pass when the whole backward has finished instead, so that no
+                # copy made before the optimizer step is reused by the next forward.
+                _at_end_of_backward(streamer.release_all)
         return (None, None, None, None) + grads
+
+
+def _at_end_of_backward(callback: Any) -> None:
+    """Run ``callback`` once the running backward pass has finished (autograd's engine callback queue)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is None:  # pragma: no cover - torch without the engine's callback queue
+        callback()
+        return
+    queue(callback)
 
 
 class _CheckpointedSlice(torch.autograd.Function):

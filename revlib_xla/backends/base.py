@@ -135,6 +135,9 @@ class Backend:
     autocast_device_type: str | None = None
     #: Whether the device's memory is host memory (nothing to offload; the profiler's memory events see it).
     memory_is_host: bool = False
+    #: Whether :meth:`checkpoint` works inside a backward pass that names its inputs (``torch.autograd.grad``,
+    #: ``backward(inputs=...)``, as the reversible core's per-layer backward does); a reentrant checkpoint refuses.
+    checkpoint_in_partial_backward: bool = True
     #: What :meth:`max_memory_allocated` reads, as :class:`revlib_xla.memory.AllocatorPeak` names its source.
     statistics_source: str = "torch.accelerator.max_memory_allocated"
     #: Order in which :func:`revlib_xla.backend.default_device` prefers families that have hardware here.
@@ -300,6 +303,11 @@ class Backend:
     def sizing_generation(self, device: torch.device, requested: str | None) -> str | None:
         """The TPU generation whose deviceless compile sizes programs traced on ``device``, or ``None``: do not size
         with the TPU compiler. Only a lazy family traces programs; ``requested`` is the user's choice."""
+        return None
+
+    def compilations(self) -> int | None:
+        """How many programs the family has compiled in this process so far (a training loop checks that the count
+        stops growing after the first steps: one compiled graph per step), or ``None`` for an eager family."""
         return None
 
     def __repr__(self) -> str:

@@ -89,6 +89,7 @@ class XlaBackend(Backend):
     host_offload = HostOffload.MEMORY_SPACE_ANNOTATION
     program_text_available = True
     takes_generators = False
+    checkpoint_in_partial_backward = False  # torch_xla's checkpoint is reentrant
     autocast_device_type: str | None = "xla"
     preference = 30
 
@@ -215,6 +216,15 @@ class XlaBackend(Backend):
 
     def kernel_platform(self, tensor: torch.Tensor) -> str:
         return "pallas" if runtime_type() == "TPU" else "reference"
+
+    def compilations(self) -> int | None:
+        """torch_xla's ``CompileTime`` metric: the number of graphs compiled in this process (0 before any)."""
+        if "torch_xla" not in sys.modules:
+            return 0
+        import torch_xla.debug.metrics as met
+
+        data = met.metric_data("CompileTime")
+        return 0 if data is None else int(data[0])
 
     def tpu_generation(self, device: torch.device) -> str | None:
         """From PJRT's device kind (``'TPU v5 lite'`` -> ``'v5e'``) when the runtime is a TPU."""

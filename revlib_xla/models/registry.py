@@ -15,6 +15,8 @@ from typing import Any
 
 from torch import nn
 
+from ..reversible import MemoryModes
+
 __all__ = ["Factory", "register", "build_model", "model_names"]
 
 Factory = Callable[..., nn.Module]
@@ -35,9 +37,46 @@ def register(name: str, factory: Factory, *, replace: bool = False) -> None:
     _FACTORIES[name] = factory
 
 
+_PLAIN_AUTOGRAD: dict[str, Any] = {"memory_mode": MemoryModes.no_savings}
+
+# Families with named sizes that do not register themselves: (module, names function, builder, forms). A form
+# maps to the keyword arguments it gives the builder; the vision models' "plain" is plain autograd of the same
+# function (MemoryModes.no_savings), the Reformer's forms are its flavours.
+_FAMILIES: tuple[tuple[str, str, str, dict[str, dict[str, Any]]], ...] = (
+    ("revlib_xla.models.revnet", "revnet_names", "build_revnet", {"plain": _PLAIN_AUTOGRAD, "reversible": {}}),
+    ("revlib_xla.models.irevnet", "irevnet_names", "build_irevnet", {"plain": _PLAIN_AUTOGRAD, "reversible": {}}),
+    (
+        "revlib_xla.models.reformer",
+        "reformer_names",
+        "build_reformer",
+        {
+            "plain": {"flavour": "no_savings"},
+            "checkpoint": {"flavour": "checkpoint"},
+            "reversible": {"flavour": "reversible"},
+        },
+    ),
+    ("revlib_xla.models.zoo", "zoo_names", "build_zoo", {"plain": {}}),
+)
+
+
+def _family_factory(name: str, build: Callable[..., nn.Module], forms: dict[str, dict[str, Any]]) -> Factory:
+    def factory(form: str = "plain", **overrides: Any) -> nn.Module:
+        if form not in forms:
+            raise ValueError(f"model {name!r} has no form {form!r}; expected one of {', '.join(forms)}")
+        return build(name, **forms[form], **overrides)
+
+    return factory
+
+
 def _load_builtin() -> None:
     for module in _BUILTIN:
         importlib.import_module(module)
+    for module, names, builder, forms in _FAMILIES:
+        loaded = importlib.import_module(module)
+        build = getattr(loaded, builder)
+        for name in getattr(loaded, names)():
+            if name not in _FACTORIES:
+                _FACTORIES[name] = _family_factory(name, build, forms)
 
 
 def model_names() -> list[str]:

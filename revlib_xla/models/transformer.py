@@ -169,7 +169,11 @@ class MLP(Block):
         self.drop = nn.Dropout(config.dropout)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.down(self.act(self.up(self.norm(x)))))
+        return self.drop(self.transform(x))
+
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """Everything but the dropout: a function of each position alone (what a chunked MLP splits)."""
+        return self.down(self.act(self.up(self.norm(x))))
 
 
 class ByteTransformerLM(nn.Module):
@@ -189,7 +193,7 @@ class ByteTransformerLM(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         blocks = []
         for _ in range(config.depth):
-            blocks += [CausalSelfAttention(config), MLP(config)]
+            blocks += [CausalSelfAttention(config), self.feed_forward(config)]
         for block in blocks:
             block.checkpointed = flavour is Flavour.CHECKPOINT
         mode = MemoryModes.autograd_function if flavour is Flavour.REVERSIBLE else MemoryModes.no_savings
@@ -197,6 +201,10 @@ class ByteTransformerLM(nn.Module):
         self.norm = nn.LayerNorm(features)
         self.head = nn.Linear(features, config.vocab_size, bias=False)
         self.reset_parameters()
+
+    def feed_forward(self, config: TransformerConfig) -> Block:
+        """The MLP block of each layer (a subclass may return another with the same parameters)."""
+        return MLP(config)
 
     def reset_parameters(self) -> None:
         """GPT-2-style initialisation: N(0, 0.02) weights, zero biases, output projections of blocks scaled by

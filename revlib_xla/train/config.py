@@ -1,0 +1,353 @@
+"""The run configuration of ``revlib-xla train``: a typed schema (pydantic v2), YAML files and ``key=value`` overrides.
+
+A run is described by six sections, each a pydantic model that rejects unknown keys: ``model`` (which LM and how its
+shape differs from the named size), ``strategy`` (how the step saves memory: activations, few-bit, offload, fused
+optimizer, precision), ``data``, ``optim``, ``chip`` (the target for ``plan`` auto, the MFU estimate and
+``revlib-xla memory``) and ``train`` (steps, evaluation, checkpoints, device).
+
+:func:`load_config` reads a YAML file (``tpu_configs/*.yaml``), applies overrides written as dotted keys with YAML
+values (``train.steps=10``, ``strategy.offload.optimizer=true``, ``optim.betas=[0.9,0.99]``; ``strategy=reversible``
+is short for ``strategy.activations=reversible``) and validates the result. Every mistake a user can make is a
+:class:`ConfigError` whose message names the dotted key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..memory import parse_bytes
+
+__all__ = [
+    "ConfigError",
+    "ModelConfig",
+    "OffloadConfig",
+    "StrategyConfig",
+    "DataConfig",
+    "OptimConfig",
+    "ChipConfig",
+    "TrainConfig",
+    "RunConfig",
+    "ACTIVATIONS",
+    "load_config",
+    "apply_overrides",
+    "dump_config",
+    "llama_sizes",
+]
+
+ACTIVATIONS = ("none", "checkpoint", "reversible", "momentum", "plan")
+"""The values of ``strategy.activations``: what the training step keeps of its activations."""
+
+FEWBIT_BITS = range(0, 5)
+"""``strategy.fewbit``: 0 (off) or the 1-4 bits the few-bit activations store per element."""
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message names the dotted key, the value given and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which model to train: a named size (``llama-tiny`` ... ``llama-8b``) and fields of its ``LlamaConfig`` to
+    change (``overrides: {vocab_size: 256}`` for bytes)."""
+
+    name: str = "llama-tiny"
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    hf_config: str | None = None
+
+
+class OffloadConfig(_Section):
+    """What lives in host memory instead of the accelerator's: parameters (streamed layer by layer), the optimizer
+    state, the activations saved for the backward pass."""
+
+    params: bool = False
+    optimizer: bool = False
+    activations: bool = False
+
+
+class StrategyConfig(_Section):
+    """How the training step fits in memory (the keys compose; unsupported combinations are refused by name)."""
+
+    activations: Literal["none", "checkpoint", "reversible", "momentum", "plan"] = "none"
+    budget: str | int = "auto"
+    fewbit: int = 0
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    fused_optimizer: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    beta: float = 0.9
+
+    @field_validator("budget")
+    @classmethod
+    def _budget(cls, value: str | int) -> str | int:
+        if value == "auto":
+            return value
+        parse_bytes(value, "strategy.budget")  # a ValueError names the units
+        return value
+
+    @field_validator("fewbit")
+    @classmethod
+    def _fewbit(cls, value: int) -> int:
+        if value not in FEWBIT_BITS:
+            raise ValueError("must be 0 (off) or 1, 2, 3 or 4 bits")
+        return value
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, value: float) -> float:
+        if not 0.0 < value < 1.0:
+            raise ValueError("the momentum coefficient must be in (0, 1)")
+        return value
+
+    def budget_bytes(self) -> int | None:
+        """The planner's budget in bytes, or ``None`` for ``auto``."""
+        return None if self.budget == "auto" else int(parse_bytes(self.budget, "strategy.budget"))
+
+
+class DataConfig(_Section):
+    """What to train on: bytes of local text (default: the Python standard library's source), a pre-tokenized file
+    of ``uint16``/``uint32`` ids, or a Hugging Face dataset (needs ``datasets``)."""
+
+    kind: Literal["bytes", "tokens", "hf"] = "bytes"
+    path: str | None = None
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    hf_dataset: str | None = None
+    seq_len: int = Field(default=256, ge=2)
+    batch_size: int = Field(default=8, ge=1)
+    val_fraction: float = Field(default=0.05, gt=0.0, lt=1.0)
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warmup and a cosine (or constant) schedule; weight decay on matrices only."""
+
+    lr: float = Field(default=3e-4, gt=0.0)
+    weight_decay: float = Field(default=0.1, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0.0)
+    warmup_steps: int = Field(default=10, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    grad_accum_steps: int = Field(default=1, ge=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("both betas must be in [0, 1)")
+        return value
+
+
+class ChipConfig(_Section):
+    """The accelerator the run targets: ``plan`` auto's budget, the MFU estimate, ``revlib-xla memory``."""
+
+    name: str = "v5e"
+    chips: int = Field(default=1, ge=1)
+
+
+class TrainConfig(_Section):
+    """The loop: steps, evaluation, logging, checkpoints, device and where everything is written."""
+
+    steps: int = Field(default=100, ge=1)
+    eval_every: int = Field(default=50, ge=0)
+    eval_batches: int = Field(default=4, ge=1)
+    log_every: int = Field(default=1, ge=1)
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    out_dir: str = "runs/default"
+    checkpoint_every: int = Field(default=50, ge=0)
+    keep_checkpoints: int = Field(default=3, ge=1)
+    resume: bool = True
+    progress: bool = True
+
+
+class RunConfig(_Section):
+    """A whole run: the six sections."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    strategy: StrategyConfig = Field(default_factory=StrategyConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    chip: ChipConfig = Field(default_factory=ChipConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _cross_fields(self) -> RunConfig:
+        s, o = self.strategy, self.optim
+        if s.budget != "auto" and s.activations != "plan":
+            raise ValueError(
+                f"strategy.budget={s.budget!r} is the planner's budget and applies only to strategy.activations=plan "
+                f"(here {s.activations!r}); remove strategy.budget or set strategy.activations=plan"
+            )
+        if s.fused_optimizer and o.grad_accum_steps > 1:
+            raise ValueError(
+                f"strategy.fused_optimizer=true steps each parameter inside the backward pass, so gradients cannot "
+                f"be accumulated over optim.grad_accum_steps={o.grad_accum_steps}; set optim.grad_accum_steps=1 or "
+                f"strategy.fused_optimizer=false"
+            )
+        if s.fused_optimizer and o.grad_clip > 0:
+            raise ValueError(
+                f"strategy.fused_optimizer=true updates each parameter before the other gradients exist, so the "
+                f"global-norm clipping optim.grad_clip={o.grad_clip} cannot be applied; set optim.grad_clip=0 or "
+                f"strategy.fused_optimizer=false"
+            )
+        if self.data.batch_size % o.grad_accum_steps:
+            raise ValueError(
+                f"data.batch_size={self.data.batch_size} is split into optim.grad_accum_steps={o.grad_accum_steps} "
+                f"micro-batches and must be a multiple of it"
+            )
+        if self.data.kind == "tokens" and not self.data.path:
+            raise ValueError("data.kind=tokens needs data.path: a file of token ids (data.token_dtype)")
+        if self.data.kind == "hf" and not self.data.hf_dataset:
+            raise ValueError("data.kind=hf needs data.hf_dataset: the dataset's name or local path")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def llama_sizes() -> list[str]:
+    """The named model sizes ``model.name`` accepts."""
+    from ..models.llama import LLAMA_SIZES
+
+    return list(LLAMA_SIZES)
+
+
+def _check_model(cfg: RunConfig) -> None:
+    """``model.name`` is a known size and ``model.overrides`` are fields of its config."""
+    if cfg.model.hf_config is not None:
+        return
+    from ..models.llama import llama_config
+
+    sizes = llama_sizes()
+    if cfg.model.name not in sizes:
+        close = difflib.get_close_matches(cfg.model.name, sizes, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"model.name={cfg.model.name!r} is not a known size{hint}; choose one of {', '.join(sizes)}")
+    try:
+        llama_config(cfg.model.name, **cfg.model.overrides)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.overrides: {exc}") from None
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        inner = field.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            keys.extend(_known_keys(inner, dotted + "."))
+    return keys
+
+
+def _allowed(model: type[BaseModel], path: Sequence[str | int]) -> str:
+    """What the field at ``path`` accepts, for an error message."""
+    current: Any = model
+    for part in path:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return ""
+        current = fields[part].annotation
+    if typing.get_origin(current) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(current))
+    return getattr(current, "__name__", None) or str(current).replace("typing.", "")
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    """pydantic's errors as one line each: the dotted key, the value given, what is allowed."""
+    lines = []
+    for err in exc.errors():
+        path = [p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal[")))]
+        key = ".".join(str(p) for p in path)
+        if err["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in path[:-1])
+            siblings = [
+                k for k in _known_keys(RunConfig) if k.rsplit(".", 1)[0] == parent or (not parent and "." not in k)
+            ]
+            close = difflib.get_close_matches(key, siblings, n=3, cutoff=0.5)
+            lines.append(
+                f"unknown key {key!r}"
+                + (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close else "")
+                + f"; the keys{' of ' + parent if parent else ''} are {', '.join(siblings)}"
+            )
+            continue
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if not key:  # a rule across fields: its message names the keys
+            lines.append(msg)
+            continue
+        allowed = _allowed(RunConfig, path)
+        lines.append(f"{key}={err.get('input')!r}: {msg}" + (f" (expected {allowed})" if allowed else ""))
+    return ConfigError("; ".join(lines))
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` (a nested dict as read from YAML) with ``key=value`` overrides applied; values are parsed as YAML
+    (``true``, ``10``, ``[0.9, 0.99]``, ``8GiB`` stays a string). ``strategy=NAME`` sets ``strategy.activations``."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10 or strategy=reversible")
+        value = _parse_value(text)
+        if key == "strategy" and not isinstance(value, dict):
+            key = "strategy.activations"
+        parts = key.split(".")
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(
+                    f"override {item!r}: {'.'.join(parts[: depth + 1])} is a value ({child!r}), not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The validated run configuration from the YAML file ``path`` (``None``: the defaults) and ``overrides``
+    (``"train.steps=10"``, ``"strategy=reversible"``). Raises :class:`ConfigError` naming the key for every mistake:
+    an unknown key (with the closest valid ones), a wrong type or value (with what is allowed), an unknown model
+    size (with the list of sizes), a missing file."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config {str(path)!r}: no such file (the shipped configs are in tpu_configs/)")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if loaded is not None and not isinstance(loaded, Mapping):
+            raise ConfigError(f"--config {str(path)!r}: expected a mapping of sections, got {type(loaded).__name__}")
+        data = dict(loaded or {})
+    data = apply_overrides(data, overrides)
+    try:
+        cfg = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _config_error(exc) from None
+    _check_model(cfg)
+    return cfg
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved configuration as YAML (what a checkpoint records, and what :func:`load_config` reads back)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

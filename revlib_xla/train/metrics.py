@@ -1,0 +1,128 @@
+"""What a training run reports: a progress bar, a JSON-lines log, and TensorBoard when it is installed.
+
+Each logged step records the loss, the learning rate, tokens per second, the step time, an estimate of the model
+FLOPs utilisation (MFU) on the configured chip, and the device memory its allocator reports (where it reports one).
+MFU = (training FLOPs per token, :func:`revlib_xla.models.llama.train_flops_per_token`) x tokens per second /
+(the chip's peak dense bf16 FLOP/s x chips): an estimate against ``chip.name``, meaningful when the run is on that
+chip.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from .. import backend
+
+__all__ = ["MetricsLogger", "device_memory"]
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes the device's allocator holds now, where it reports them (cuda, TorchTPU); else ``None``."""
+    found = backend.backend_for(device)
+    return found.memory_allocated(device) if found.allocator_statistics(device) else None
+
+
+class MetricsLogger:
+    """Writes ``<out_dir>/metrics.jsonl`` (one JSON object per logged step and per evaluation, appended on resume),
+    TensorBoard scalars under ``<out_dir>/tb`` when ``tensorboard`` is installed, and a tqdm progress bar."""
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        total_steps: int,
+        start_step: int,
+        tokens_per_step: int,
+        flops_per_token: float,
+        peak_flops: float,
+        progress: bool = True,
+    ) -> None:
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = self.path.open("a")
+        self.tokens_per_step = tokens_per_step
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.tensorboard: Any = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(Path(out_dir) / "tb"))
+        except ImportError:  # tensorboard is optional
+            pass
+        self.bar: Any = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self._last = time.perf_counter()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key not in ("step", "kind") and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    def step(
+        self, step: int, loss: float, lr: float, seconds: float, memory: int | None, steps_since: int = 1
+    ) -> dict[str, Any]:
+        """Record training step ``step`` (1-based: steps done) whose last ``steps_since`` steps took ``seconds``."""
+        tokens_per_s = self.tokens_per_step * steps_since / max(seconds, 1e-9)
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": seconds / steps_since,
+            "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+            "memory_bytes": memory,
+        }
+        self._write(record)
+        if self.bar is not None:
+            postfix = {
+                "loss": f"{loss:.3f}",
+                "tok/s": f"{tokens_per_s:,.0f}",
+                "step": f"{1000 * seconds / steps_since:.0f}ms",
+                "mfu": f"{100 * record['mfu']:.1f}%",
+            }
+            if memory is not None:
+                postfix["mem"] = f"{memory / 2**30:.2f}GiB"
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(steps_since)
+        return record
+
+    def eval(self, step: int, loss: float) -> dict[str, Any]:
+        """Record the validation loss after step ``step``."""
+        record = {"kind": "eval", "step": step, "val_loss": loss}
+        self._write(record)
+        if self.bar is not None:
+            self.bar.write(f"step {step}: validation loss {loss:.4f}")
+        return record
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        self.file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,453 @@
+"""The memory strategy of a training run: the model, the optimizer and the step that ``strategy.*`` asks for.
+
+* ``activations``: ``none`` (plain autograd), ``checkpoint`` (each block under
+  :func:`revlib_xla.backend.checkpoint`: ``torch.utils.checkpoint`` on eager devices, torch_xla's on XLA),
+  ``reversible`` / ``momentum`` (the LM's two-stream reversible and MomentumNet forms, activations rebuilt in the
+  backward pass), ``plan`` (:class:`revlib_xla.Checkpointable` over the LM's stages with the fastest schedule that
+  fits ``budget`` bytes; ``auto`` = the chip's HBM less the parameters, gradients and optimizer state).
+* ``fewbit``: the MLP activation's derivative stored in that many bits (:mod:`revlib_xla.fewbit`).
+* ``offload.params``: parameters (and their gradients) live in host memory and are streamed to the device layer by
+  layer (:class:`revlib_xla.OffloadModel`); ``offload.optimizer``: the optimizer state in host memory (see
+  :class:`HostOptimizerState`); ``offload.activations``: what autograd saves for the backward pass is kept in host
+  memory (:func:`revlib_xla.memory_efficient_intermediates`).
+* ``fused_optimizer``: each parameter updated inside the backward pass as soon as its gradient is complete
+  (:func:`revlib_xla.fuse_optimizer`).
+* ``precision: bf16``: autocast to bfloat16 for the computation, float32 weights, gradients and optimizer state.
+
+Combinations the library cannot run correctly raise :class:`StrategyError` naming the keys and what to use instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import torch
+from torch import Tensor, nn
+
+from .. import backend
+from ..backends.base import HostOffload
+from .config import RunConfig
+
+__all__ = [
+    "StrategyError",
+    "PlannedLM",
+    "OffloadedLM",
+    "HostOptimizerState",
+    "resolve_device",
+    "model_config",
+    "build_model",
+    "language_model",
+    "compute_device",
+    "build_optimizer",
+    "make_step",
+    "lr_at",
+    "set_lr",
+    "LanguageModel",
+    "lm_loss",
+    "state_bytes_per_param",
+    "plan_budget",
+]
+
+# Chips the run may target, until revlib_xla.fit.chips is merged: (HBM bytes per chip, peak dense bf16 FLOP/s).
+_CHIPS: dict[str, tuple[int, float]] = {
+    "v4": (32 * 2**30, 275e12),
+    "v5e": (16 * 10**9, 197e12),
+    "v5p": (95 * 2**30, 459e12),
+    "v6e": (32 * 10**9, 918e12),
+    "h100": (80 * 10**9, 989e12),
+    "a100-40gb": (40 * 10**9, 312e12),
+    "a100-80gb": (80 * 10**9, 312e12),
+    "l4": (24 * 10**9, 121e12),
+    "t4": (16 * 10**9, 65e12),
+}
+
+
+class LanguageModel(Protocol):
+    """What the loop needs of a model: the next-token loss of a ``(B, T)`` token batch."""
+
+    def loss(self, tokens: Tensor) -> Tensor: ...
+
+
+def lm_loss(model: nn.Module, tokens: Tensor) -> Tensor:
+    """``model.loss(tokens)``: the LMs and the wrappers here all have it."""
+    return cast(LanguageModel, model).loss(tokens)
+
+
+class StrategyError(ValueError):
+    """A combination of ``strategy.*`` (or model) settings the library cannot run correctly; the message names the
+    keys and what to use instead."""
+
+
+def chip_spec(name: str) -> tuple[int, float]:
+    """``(HBM bytes per chip, peak bf16 FLOP/s per chip)`` of the chip ``chip.name`` names."""
+    try:
+        from ..fit.chips import CHIPS  # type: ignore[import-not-found,unused-ignore]
+
+        chip = CHIPS[name]
+        return int(chip.hbm_bytes), float(chip.peak_bf16_flops)
+    except (ImportError, KeyError):
+        pass
+    if name not in _CHIPS:
+        raise StrategyError(f"chip.name={name!r} is not a known chip; choose one of {', '.join(_CHIPS)}")
+    return _CHIPS[name]
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    """``train.device``: ``auto`` = a TPU through torch_xla if there is one, else a GPU, else the CPU."""
+    kind = cfg.train.device
+    if kind == "auto":
+        return backend.default_device()
+    if not backend.device_available(kind):
+        raise StrategyError(f"train.device={kind!r}: this machine has no {kind} device; use train.device=auto or cpu")
+    return backend.device_for(kind)
+
+
+def model_config(cfg: RunConfig) -> Any:
+    """The ``LlamaConfig`` of ``model.name`` with ``model.overrides`` applied."""
+    if cfg.model.hf_config is not None:
+        raise StrategyError(
+            f"model.hf_config={cfg.model.hf_config!r}: training Hugging Face models from the CLI is not supported by "
+            f"this version; use model.name with a llama size"
+        )
+    from ..models.llama import llama_config
+
+    return llama_config(cfg.model.name, **cfg.model.overrides)
+
+
+def check_strategy(cfg: RunConfig) -> None:
+    """Raise :class:`StrategyError` for a combination that cannot run correctly."""
+    s = cfg.strategy
+    lm = model_config(cfg)
+    if s.offload.params and s.activations not in ("none", "checkpoint"):
+        raise StrategyError(
+            f"strategy.offload.params=true streams the plain model's layers from host memory (OffloadModel) and "
+            f"cannot be combined with strategy.activations={s.activations}; use activations none or checkpoint with "
+            f"it, or keep the parameters on the device (strategy.offload.params=false)"
+        )
+    if s.fused_optimizer:
+        if lm.tie_embeddings:
+            raise StrategyError(
+                f"strategy.fused_optimizer=true cannot step the tied embedding of {cfg.model.name} (its gradient "
+                f"arrives in two parts); set model.overrides.tie_embeddings=false, or strategy.fused_optimizer=false"
+            )
+        for key, on in (
+            ("strategy.offload.optimizer", s.offload.optimizer),
+            ("strategy.offload.params", s.offload.params),
+        ):
+            if on:
+                raise StrategyError(
+                    f"strategy.fused_optimizer=true steps each parameter on the device inside the backward pass; it "
+                    f"cannot be combined with {key}=true. Use one or the other"
+                )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Models
+
+
+class PlannedLM(nn.Module):
+    """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``lm.as_sequential()``), measured and
+    planned on a sample batch when built (else at the first training step); ``lm`` holds the weights (shared)."""
+
+    def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None, sample: Tensor | None = None) -> None:
+        super().__init__()
+        from ..checkpointable import Checkpointable
+
+        self.lm = lm
+        self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
+        if sample is not None:
+            self.plan(sample)
+
+    def plan(self, sample: Tensor) -> None:
+        """Measure the stages on ``sample`` (a token batch of the step's shape) and plan now, before an optimizer is
+        fused into the backward (the measurement's backward passes would step it)."""
+        from ..planner.solver import InfeasibleBudget
+
+        try:
+            self.planned.measure(sample)
+            self.planned.compute_sequence()
+        except InfeasibleBudget as exc:
+            raise StrategyError(f"strategy.budget: {exc}; raise strategy.budget or use strategy.budget=auto") from None
+        for p in self.parameters():
+            p.grad = None
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.planned(tokens)
+
+    def loss(self, tokens: Tensor) -> Tensor:
+        from ..models.llama import next_token_loss
+
+        return next_token_loss(self(tokens), tokens)
+
+
+class OffloadedLM(nn.Module):
+    """The LM with its parameters in host memory, streamed to ``device`` one layer at a time
+    (:class:`revlib_xla.OffloadModel` over ``lm.as_sequential()``); ``lm`` holds the weights (shared)."""
+
+    def __init__(self, lm: nn.Module, device: torch.device, checkpoint: bool) -> None:
+        super().__init__()
+        from ..offload_model import OffloadModel
+
+        self.lm = lm
+        stages = cast(Any, lm).as_sequential()
+        self.offloaded = OffloadModel(stages, device, "cpu", num_slices=len(stages), checkpoint_activation=checkpoint)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.offloaded(tokens)
+
+    def loss(self, tokens: Tensor) -> Tensor:
+        from ..models.llama import next_token_loss
+
+        return next_token_loss(self(tokens), tokens)
+
+
+def language_model(model: nn.Module) -> nn.Module:
+    """The LM inside ``model`` (the module whose weights a checkpoint saves): a wrapper's ``lm``, else ``model``."""
+    inner = getattr(model, "lm", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s step computes (for an offloaded model, not where its parameters are)."""
+    if isinstance(model, OffloadedLM):
+        return model.offloaded.device
+    return next(model.parameters()).device
+
+
+def state_bytes_per_param(cfg: RunConfig) -> int:
+    """Device bytes per parameter outside the activations: float32 weight and gradient, and AdamW's two float32
+    moments unless the optimizer state is offloaded."""
+    return 8 if cfg.strategy.offload.optimizer else 16
+
+
+def plan_budget(cfg: RunConfig) -> int:
+    """The planner's budget in bytes: ``strategy.budget``, or for ``auto`` the HBM of ``chip.name`` less the
+    parameters, their gradients and the optimizer state (:func:`state_bytes_per_param`)."""
+    given = cfg.strategy.budget_bytes()
+    if given is not None:
+        return given
+    from ..models.llama import num_params
+
+    hbm, _ = chip_spec(cfg.chip.name)
+    held = num_params(model_config(cfg)) * state_bytes_per_param(cfg)
+    if held >= hbm:
+        raise StrategyError(
+            f"strategy.budget=auto: the parameters, gradients and optimizer state of {cfg.model.name} "
+            f"({held / 2**30:.1f} GiB) leave nothing of chip.name={cfg.chip.name}'s {hbm / 2**30:.1f} GiB for "
+            f"activations; offload the optimizer state (strategy.offload.optimizer=true), a smaller model, or give "
+            f"strategy.budget in bytes"
+        )
+    return hbm - held
+
+
+def build_model(
+    cfg: RunConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> nn.Module:
+    """The LM of ``cfg.model`` with the activation strategy and few-bit activations applied, on ``device`` (default
+    :func:`resolve_device`; parameters stay in host memory with ``offload.params``). It is built on the meta device
+    and materialised where it runs, with weights drawn from ``train.seed`` on the host, so every device starts from
+    the same weights; ``"meta"`` builds it without allocating anything (any size). The result has
+    ``forward(tokens) -> logits`` and ``loss(tokens)``. ``dtype``: the weights' dtype (default float32; float64 to
+    check a strategy's gradients exactly)."""
+    from ..models.llama import build_llama
+
+    check_strategy(cfg)
+    s = cfg.strategy
+    target = backend.as_device(device) if device is not None else resolve_device(cfg)
+    form = s.activations if s.activations in ("reversible", "momentum") else "plain"
+    checkpoint = s.activations == "checkpoint" and not s.offload.params
+    on_meta = not backend.backend_for(target).holds_data
+    budget = plan_budget(cfg) if s.activations == "plan" else 0  # refused before anything is allocated
+    with torch.device("meta"):  # built without allocating, then materialised where it runs
+        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
+    if not on_meta:
+        lm.to_empty(device="cpu" if s.offload.params else target)
+        lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
+    if dtype is not None:
+        lm.to(dtype)
+    if s.fewbit:
+        from ..fewbit import convert_activation
+        from ..fewbit.conversion import map_module
+
+        map_module(lm, lambda m: convert_activation(m, bits=s.fewbit) if isinstance(m, nn.SiLU) else m)
+    if s.offload.params:
+        return OffloadedLM(lm, target, checkpoint=s.activations == "checkpoint")
+    if s.activations == "plan":
+        from ..tpu_compile import TPU_GENERATIONS
+
+        generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
+        micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
+        sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
+        return PlannedLM(lm, budget, generation, sample=None if on_meta else sample)
+    return lm
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Optimizer
+
+
+def _groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (and embeddings), none on norms' scales and biases."""
+    decay = [p for p in params if p.ndim >= 2]
+    rest = [p for p in params if p.ndim < 2]
+    return [
+        g
+        for g in ({"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0})
+        if g["params"]
+    ]
+
+
+def _adamw(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    o = cfg.optim
+    return torch.optim.AdamW(_groups(params, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+
+
+class HostOptimizerState(torch.optim.Optimizer):
+    """AdamW whose state (and float32 master weights) live in host memory (``strategy.offload.optimizer``).
+
+    Two ways, as the device's backend can keep tensors in host memory:
+
+    * ``annotate`` (XLA): the state stays a graph value annotated to live in host memory between steps
+      (:func:`revlib_xla.backend.place_on_host`); the step brings it to the device, updates it and puts it back,
+      and the compiler schedules both transfers. On PJRT CPU the annotations are left out (it cannot run them).
+    * host copies (cuda and other eager devices): the optimizer runs on the CPU over host copies of the parameters
+      (page-locked where the backend can copy from them asynchronously); each step brings the gradients to the host
+      and the updated weights back, as ZeRO-Offload does. The state never occupies device memory.
+    """
+
+    def __init__(self, cfg: RunConfig, params: list[nn.Parameter], annotate: bool) -> None:
+        self.device_params = params
+        self.annotate = annotate
+        if annotate:
+            self.inner = _adamw(cfg, params)
+        else:
+            self.host = [nn.Parameter(p.detach().to("cpu", copy=True)) for p in params]
+            for h, p in zip(self.host, params):
+                backend.pin_host_tensor_(h, p.device)
+            self.inner = _adamw(cfg, self.host)
+        self.defaults = self.inner.defaults
+        self.param_groups = self.inner.param_groups  # schedulers and set_lr reach the inner groups
+        self.state = self.inner.state
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    def _move_state(self, move: Callable[[Tensor], Tensor]) -> None:
+        for state in self.inner.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = move(value)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self.annotate:
+            self._move_state(lambda t: backend.place_on_device(t))
+            out = self.inner.step(closure)
+            self._move_state(lambda t: backend.place_on_host(t))
+            return out
+        for h, p in zip(self.host, self.device_params):
+            h.grad = None if p.grad is None else p.grad.detach().to("cpu")
+        out = self.inner.step(closure)
+        for h, p in zip(self.host, self.device_params):
+            p.copy_(h, non_blocking=False)
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.device_params:
+            p.grad = None
+        self.inner.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+        if not self.annotate:  # the master copies follow the restored weights
+            with torch.no_grad():
+                for h, p in zip(self.host, self.device_params):
+                    h.copy_(p)
+
+
+def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s trainable parameters (weight decay on matrices only), fused into the backward pass
+    with ``strategy.fused_optimizer``, with its state in host memory with ``strategy.offload.optimizer``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.strategy.fused_optimizer:
+        from ..fused_optimizer import fuse_optimizer
+
+        # Fused into the LM itself: a wrapper's second path to the same weights (the planner's stages) is not a tie.
+        return fuse_optimizer(language_model(model), lambda ps: _adamw(cfg, list(ps)))
+    if cfg.strategy.offload.optimizer:
+        device = compute_device(model)
+        if backend.is_host_memory(params[0].device):
+            return _adamw(cfg, params)  # the state is in host memory already
+        annotate = backend.backend_for(device).host_offload is HostOffload.MEMORY_SPACE_ANNOTATION
+        return HostOptimizerState(cfg, params, annotate)
+    return _adamw(cfg, params)
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """The learning rate of step ``step`` (0-based): linear warmup over ``warmup_steps`` (never exactly 0), then
+    cosine decay to ``min_lr_ratio * lr`` at ``train.steps`` (or constant)."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / (o.warmup_steps + 1)
+    if o.schedule == "constant":
+        return o.lr
+    span = max(1, cfg.train.steps - o.warmup_steps)
+    progress = min(1.0, (step - o.warmup_steps) / span)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate (fused optimizers included)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The step
+
+
+def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Tensor], Tensor]:
+    """One training step on a ``(B, T)`` token batch: forward and backward (over ``optim.grad_accum_steps``
+    micro-batches), gradient clipping by the global norm (``optim.grad_clip``), the optimizer step, gradients
+    freed; returns the mean loss (a 0-d tensor on the device). bf16 precision runs under autocast. On XLA it does not
+    sync: the caller cuts the step (:func:`revlib_xla.backend.sync`)."""
+    s = cfg.strategy
+    device = compute_device(model)
+    autocast_type = backend.backend_for(device).autocast_device_type
+    if s.precision == "bf16" and autocast_type is None:
+        raise StrategyError(f"strategy.precision=bf16: the {device.type} device has no autocast; use fp32")
+    params = [p for p in model.parameters() if p.requires_grad]
+    accum = cfg.optim.grad_accum_steps
+    clip = cfg.optim.grad_clip
+
+    def scope() -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if s.precision == "bf16":
+            stack.enter_context(torch.autocast(device_type=str(autocast_type), dtype=torch.bfloat16))
+        if s.offload.activations:
+            from ..intermediates import memory_efficient_intermediates
+
+            stack.enter_context(memory_efficient_intermediates(storage_device="cpu"))
+        return stack
+
+    def step(tokens: Tensor) -> Tensor:
+        tokens = tokens.to(device)
+        total: Tensor | None = None
+        for micro in tokens.chunk(accum):
+            with scope():
+                loss = lm_loss(model, micro) / accum
+            loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return total
+
+    return step

@@ -1,0 +1,324 @@
+"""revlib_xla.train.strategy: each supported strategy's step equals the plain step (float64), and unsupported
+combinations are refused by name."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from revlib_xla.train.config import load_config
+from revlib_xla.train.strategy import (
+    HostOptimizerState,
+    OffloadedLM,
+    PlannedLM,
+    StrategyError,
+    build_model,
+    build_optimizer,
+    language_model,
+    lr_at,
+    make_step,
+)
+
+TINY = [
+    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
+    "data.seq_len=12",
+    "data.batch_size=4",
+    "optim.lr=1e-2",
+]
+
+
+def _cfg(*overrides):
+    return load_config(None, [*TINY, *overrides])
+
+
+def _batches(n=2):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (4, 12), generator=g) for _ in range(n)]
+
+
+def _grads(overrides, device="cpu"):
+    """The loss and the gradient of every weight of the LM (by name) for one batch, in float64."""
+    cfg = _cfg(*overrides)
+    model = build_model(cfg, device, torch.float64)
+    loss = model.loss(_batches()[0].to(device))
+    loss.backward()
+    lm = language_model(model)
+    return loss.detach().cpu(), {n: p.grad.detach().cpu() for n, p in lm.named_parameters()}
+
+
+def _trained(overrides, device="cpu", steps=2):
+    """The losses and the LM's weights after ``steps`` steps of make_step, in float64."""
+    cfg = _cfg(*overrides)
+    model = build_model(cfg, device, torch.float64)
+    opt = build_optimizer(cfg, model)
+    step = make_step(cfg, model, opt)
+    losses = []
+    for i, batch in enumerate(_batches(steps)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, i)
+        losses.append(float(step(batch)))
+    lm = language_model(model)
+    return losses, {n: t.detach().cpu() for n, t in lm.state_dict().items()}, model, opt
+
+
+def _close(a, b, rtol=1e-9, atol=1e-12):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=rtol, atol=atol, msg=name)
+
+
+SAME_FUNCTION = [
+    ["strategy=checkpoint"],
+    ["strategy=plan"],
+    pytest.param(["strategy=plan", "strategy.budget=560kB"], marks=pytest.mark.slow),  # most stages recomputed
+    ["strategy.offload.params=true"],
+    ["strategy.offload.params=true", "strategy=checkpoint"],
+    ["strategy.offload.activations=true"],
+    ["strategy.offload.activations=true", "strategy=checkpoint"],
+]
+
+
+@pytest.mark.parametrize("overrides", SAME_FUNCTION, ids=" ".join)
+def test_gradients_equal_the_plain_model(overrides):
+    loss, grads = _grads(overrides)
+    ref_loss, ref_grads = _grads([])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    _close(grads, ref_grads)
+
+
+@pytest.mark.parametrize(
+    "overrides, reference",
+    [
+        (["strategy=checkpoint"], []),
+        (["strategy=plan"], []),
+        (["strategy.offload.params=true"], []),
+        (["strategy.offload.optimizer=true"], []),
+        (["strategy.offload.activations=true"], []),
+        (["optim.grad_accum_steps=2"], []),
+        (
+            ["strategy.fused_optimizer=true", "optim.grad_clip=0", "model.overrides.tie_embeddings=false"],
+            ["optim.grad_clip=0", "model.overrides.tie_embeddings=false"],
+        ),
+        (
+            [
+                "strategy=plan",
+                "strategy.fused_optimizer=true",
+                "optim.grad_clip=0",
+                "model.overrides.tie_embeddings=false",
+            ],
+            ["optim.grad_clip=0", "model.overrides.tie_embeddings=false"],
+        ),
+    ],
+    ids=lambda v: " ".join(v) or "none",
+)
+def test_weights_after_two_steps_equal_the_plain_step(overrides, reference):
+    losses, weights, _, _ = _trained(overrides)
+    ref_losses, ref_weights, _, _ = _trained(reference)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    _close(weights, ref_weights)
+
+
+def test_the_wrappers_and_optimizers_are_the_strategy_asked_for():
+    assert isinstance(build_model(_cfg("strategy=plan")), PlannedLM)
+    offloaded = build_model(_cfg("strategy.offload.params=true"))
+    assert isinstance(offloaded, OffloadedLM)
+    assert all(p.device.type == "cpu" for p in offloaded.parameters())
+    fused = _cfg("strategy.fused_optimizer=true", "optim.grad_clip=0", "model.overrides.tie_embeddings=false")
+    model = build_model(fused)
+    from revlib_xla import FusedOptimizer
+
+    assert isinstance(build_optimizer(fused, model), FusedOptimizer)
+
+
+def test_fewbit_converts_the_mlp_activation_and_keeps_the_forward():
+    from revlib_xla.fewbit.modules import SiLU as FewBitSiLU
+
+    model = build_model(_cfg("strategy.fewbit=2"))
+    converted = [m for m in model.modules() if isinstance(m, FewBitSiLU)]
+    assert converted and not [m for m in model.modules() if type(m) is nn.SiLU]
+    loss, grads = _grads(["strategy.fewbit=2"])
+    ref_loss, ref_grads = _grads([])
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)  # the forward is exact
+    for name in grads:  # the gradients use the 2-bit derivative: close, not equal
+        cos = nn.functional.cosine_similarity(grads[name].flatten(), ref_grads[name].flatten(), dim=0)
+        assert cos > 0.95, name
+
+
+def test_bf16_computes_in_bf16_and_keeps_fp32_weights():
+    cfg = _cfg("strategy.precision=bf16")
+    model = build_model(cfg)
+    opt = build_optimizer(cfg, model)
+    step = make_step(cfg, model, opt)
+    batch = _batches()[0]
+    ref_cfg = _cfg()
+    ref = build_model(ref_cfg)
+    ref_loss = ref.loss(batch)
+    loss = step(batch)
+    ref_loss = ref_loss.detach()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert loss.dtype == torch.float32
+    assert float(loss) != float(ref_loss)  # computed in bf16...
+    assert float(loss) == pytest.approx(float(ref_loss), rel=2e-2)  # ...to bf16's precision
+
+
+def test_host_optimizer_state_by_host_copies_equals_adamw():
+    """The host-copy path (cuda's) run with the CPU as the device: the same updates as AdamW, state on the host."""
+    cfg = _cfg()
+    ref_model = build_model(cfg, dtype=torch.float64)
+    model = build_model(cfg, dtype=torch.float64)
+    params = list(model.parameters())
+    opt = HostOptimizerState(cfg, params, annotate=False)
+    ref_opt = build_optimizer(cfg, ref_model)
+    for batch in _batches(3):
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            m.loss(batch).backward()
+            o.step()
+            o.zero_grad()
+    _close(dict(model.named_parameters()), dict(ref_model.named_parameters()))
+    assert all(t.device.type == "cpu" for s in opt.state.values() for t in s.values())
+    state = opt.state_dict()
+    again = HostOptimizerState(cfg, params, annotate=False)
+    again.load_state_dict(state)
+    assert all(torch.equal(h, p) for h, p in zip(again.host, params))
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["strategy=reversible", "strategy.offload.params=true"], r"offload.params=true .*activations=reversible"),
+        (["strategy=plan", "strategy.offload.params=true"], r"offload.params=true .*activations=plan"),
+        (
+            ["strategy.fused_optimizer=true", "optim.grad_clip=0", "model.overrides.tie_embeddings=true"],
+            r"tied embedding .*tie_embeddings=false",
+        ),
+        (
+            [
+                "strategy.fused_optimizer=true",
+                "optim.grad_clip=0",
+                "model.overrides.tie_embeddings=false",
+                "strategy.offload.optimizer=true",
+            ],
+            r"fused_optimizer=true .* strategy.offload.optimizer=true",
+        ),
+        (["strategy=plan", "chip.name=v9x"], r"chip.name='v9x' is not a known chip"),
+        (["model.name=llama-1b", "strategy=plan", "chip.name=t4"], r"budget=auto: .* leave nothing"),
+        (
+            ["strategy=plan", "strategy.budget=1kB"],
+            r"strategy.budget: Checkpointable: mem_limit 1000 .*raise strategy.budget",
+        ),
+    ],
+)
+def test_unsupported_combinations_name_the_keys(overrides, expected):
+    with pytest.raises(StrategyError, match=expected):
+        cfg = load_config(None, overrides if "model.name=llama-1b" in overrides else [*TINY, *overrides])
+        build_model(cfg, "cpu").loss(_batches()[0])
+
+
+def test_any_size_builds_on_meta():
+    model = build_model(load_config(None, ["model.name=llama-1b"]), "meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) > 10**9
+
+
+def test_the_learning_rate_warms_up_then_decays():
+    cfg = _cfg("optim.warmup_steps=4", "train.steps=14", "optim.lr=1.0", "optim.min_lr_ratio=0.1")
+    lrs = [lr_at(cfg, s) for s in range(14)]
+    assert lrs[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8]) and lrs[4] == 1.0
+    decay = lrs[4:]
+    assert all(decay[i] > decay[i + 1] for i in range(len(decay) - 1)) and lrs[-1] > 0.1
+    assert lr_at(cfg, 14) == pytest.approx(0.1)
+    assert lr_at(_cfg("optim.schedule=constant", "optim.warmup_steps=0"), 50) == 1e-2
+
+
+def test_offloaded_optimizer_state_on_xla_is_placed_in_host_memory_by_the_graph():
+    """On XLA the AdamW state stays a graph value annotated for pinned host memory: the step brings it to the device
+    and puts it back. PJRT CPU cannot run the annotations, so they are shown (host_annotations) and not run."""
+    import gc
+
+    from revlib_xla import backend
+
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed")
+    device = backend.device_for("xla")
+    cfg = _cfg("strategy.offload.optimizer=true", "train.device=xla")
+    model = build_model(cfg, device)
+    opt = build_optimizer(cfg, model)
+    assert isinstance(opt, HostOptimizerState) and opt.annotate
+    step = make_step(cfg, model, opt)
+    with backend.host_annotations():  # two steps traced, nothing compiled or run
+        step(_batches()[0])
+        step(_batches()[0])
+        moments = [t for s in opt.state.values() for k, t in s.items() if k != "step"]
+        text = backend.lazy_stablehlo(moments[:1])
+    placements = [line for line in text.splitlines() if "annotate_device_placement" in line]
+    assert any('_xla_buffer_placement = "device"' in line for line in placements)
+    assert any('_xla_buffer_placement = "pinned_host"' in line for line in placements)
+    del model, opt, step, moments  # drop the annotated graph: PJRT CPU cannot execute it
+    gc.collect()
+    backend.sync(device)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["reversible", "momentum"])
+def test_reversible_forms_step_as_their_own_no_savings_form(form):
+    """reversible / momentum: the gradients and the weights after two steps equal those of the same form run with
+    plain autograd (MemoryModes.no_savings), in float64; the weights start from the same seed as the plain model."""
+    from revlib_xla import MemoryModes
+    from revlib_xla.models.llama import build_llama
+    from revlib_xla.train.strategy import model_config
+
+    cfg = _cfg(f"strategy={form}", "strategy.beta=0.5")
+    model = build_model(cfg, dtype=torch.float64)
+    assert model.form.value == form and model.beta == 0.5
+    ref = build_llama(model_config(cfg), form, beta=0.5, memory_mode=MemoryModes.no_savings).double()
+    ref.load_state_dict(model.state_dict())
+    plain = language_model(build_model(_cfg(), dtype=torch.float64))
+    torch.testing.assert_close(model.embed.weight, plain.embed.weight, rtol=0, atol=0)
+
+    batch = _batches()[0]
+    model.loss(batch).backward()
+    ref.loss(batch).backward()
+    _close({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+
+    losses, weights, _, _ = _trained([f"strategy={form}", "strategy.beta=0.5"])
+    ref_opt = build_optimizer(cfg, ref)
+    ref.zero_grad()
+    ref.load_state_dict(model.state_dict())  # unchanged by the backward above
+    ref_step = make_step(cfg, ref, ref_opt)
+    ref_losses = []
+    for i, b in enumerate(_batches(2)):
+        for group in ref_opt.param_groups:
+            group["lr"] = lr_at(cfg, i)
+        ref_losses.append(float(ref_step(b)))
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    _close(weights, {n: t.detach() for n, t in ref.state_dict().items()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["reversible", "checkpoint", "plan"])
+def test_fewbit_and_bf16_compose_with_the_activation_strategies(form):
+    cfg = _cfg(f"strategy={form}", "strategy.fewbit=1", "strategy.precision=bf16")
+    model = build_model(cfg)
+    step = make_step(cfg, model, build_optimizer(cfg, model))
+    losses = [float(step(b)) for b in _batches(2) * 2]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[2] < losses[0]
+
+
+def test_offload_model_with_token_inputs_uses_the_weights_after_each_optimizer_step():
+    """OffloadModel over an embedding (token ids in, no gradient for the input): the second step reads the weights
+    the first step wrote, not copies made before it (the pass closes when the backward has finished)."""
+    from revlib_xla import OffloadModel
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 50)).double()
+    offloaded = OffloadModel(copy.deepcopy(plain), "cpu", num_slices=4)
+    tokens = torch.randint(0, 50, (3, 5))
+    for model in (plain, offloaded):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for _ in range(3):
+            model(tokens).logsumexp(-1).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(plain.parameters(), offloaded.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
