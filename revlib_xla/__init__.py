@@ -17,6 +17,9 @@ Smaller saved activations:
     ``memory_efficient_intermediates``; the ``fewbit`` module (few-bit activations, ``RandomizedLinear``).
 Measuring memory:
     the ``memory`` module (``memory.eager_peak``, ``memory.saved_bytes``, ``memory.tpu_memory``, ...).
+Will it fit, without the chip:
+    the ``fit`` module (a training step traced at full size without allocating it, ``fit.trace_step``; its compiled
+    HBM per TPU chip, ``fit.compile_steps``; the largest batch that fits, ``fit.max_batch``; ``fit.CHIPS``).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
 Training runs (what ``revlib-xla train`` does, usable from Python):
@@ -74,12 +77,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, hf, memory, models, train, utils
+    from . import compat, core, fewbit, fit, hf, memory, models, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat", "fit")
 
 __all__ = [
     # reversible networks
@@ -115,6 +118,7 @@ __all__ = [
     "memory",
     "models",
     "train",
+    "fit",
     # HuggingFace transformers models
     "hf",
     # RevLib compatibility

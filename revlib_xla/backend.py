@@ -52,6 +52,10 @@ __all__ = [
     "is_host_memory",
     "checkpoint",
     "lazy_stablehlo",
+    "zero_copy_device_tensor",
+    "program_arguments",
+    "data_identity",
+    "execution_forbidden",
     "tensors_in",
     "pin_host_tensor_",
     "Transfer",
@@ -280,6 +284,33 @@ def default_generator(device: DeviceLike) -> torch.Generator | None:
 def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Every tensor inside nested containers (see :mod:`revlib_xla._tree`)."""
     return _tree.tensor_leaves(obj)
+
+
+def zero_copy_device_tensor(host_tensor: torch.Tensor, device: DeviceLike) -> torch.Tensor:
+    """A tensor on ``device`` over ``host_tensor``'s memory, nothing copied (see
+    :meth:`~revlib_xla.backends.base.Backend.zero_copy_device_tensor`): give a model traced for sizing real
+    storage without allocating it."""
+    dev = as_device(device)
+    return backend_for(dev).zero_copy_device_tensor(host_tensor, dev)
+
+
+def program_arguments(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The :func:`data_identity` of each argument of the pending program computing ``tensors``, in order."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("program_arguments needs at least one tensor")
+    return backend_for(tensors[0]).program_arguments(tensors)
+
+
+def data_identity(tensor: torch.Tensor) -> int:
+    """For a lazy tensor holding plain device data: the number its data carries as a program argument
+    (:func:`program_arguments`)."""
+    return backend_for(tensor).data_identity(tensor)
+
+
+def execution_forbidden(device: DeviceLike) -> contextlib.AbstractContextManager[None]:
+    """A block in which running ``device``'s pending program raises instead (nothing to forbid on eager devices)."""
+    return backend_for(as_device(device)).execution_forbidden()
 
 
 def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:

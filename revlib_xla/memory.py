@@ -70,6 +70,7 @@ __all__ = [
     "xla_cpu_memory",
     "tpu_memory",
     "tpu_memory_many",
+    "tpu_memory_results",
     "clear_compile_cache",
     "TPU_GENERATIONS",
     "MATMUL_PATTERN",
@@ -1046,7 +1047,39 @@ def tpu_memory_many(
     (in memory; and on disk when ``disk_cache`` is true, a directory, or ``None`` with ``$REVLIB_XLA_CACHE`` set -
     ``True`` means ``$REVLIB_XLA_CACHE`` or ``~/.cache/revlib_xla``). ``timeout`` bounds the child process, in
     seconds. ``hbm_only``, ``liveness``: see :func:`tpu_memory`.
+
     """
+    results = tpu_memory_results(
+        stablehlo_texts,
+        generation,
+        topology=topology,
+        device_index=device_index,
+        cache=cache,
+        disk_cache=disk_cache,
+        timeout=timeout,
+        hbm_only=hbm_only,
+        liveness=liveness,
+        raise_errors=True,
+    )
+    return [r for r in results if isinstance(r, CompiledMemory)]
+
+
+def tpu_memory_results(
+    stablehlo_texts: Sequence[str],
+    generation: str = "v5e",
+    *,
+    topology: str | None = None,
+    device_index: int = 0,
+    cache: bool = True,
+    disk_cache: bool | str | os.PathLike[str] | None = None,
+    timeout: float = 600.0,
+    hbm_only: bool = False,
+    liveness: bool = False,
+    raise_errors: bool = False,
+) -> list[CompiledMemory | TpuCompileError]:
+    """:func:`tpu_memory_many` where a module the compiler rejects (e.g. "Ran out of memory in memory space hbm")
+    gets its :class:`TpuCompileError` in its place (``raise_errors=False``, the default) instead of raising, so the
+    other modules' results are kept; a failure of the worker itself still raises. Errors are not cached."""
     if isinstance(stablehlo_texts, str):
         raise TypeError("tpu_memory_many takes a list of StableHLO texts; for one text use tpu_memory(text)")
     texts = list(stablehlo_texts)
@@ -1057,7 +1090,7 @@ def tpu_memory_many(
     topo = _resolve_topology(generation, topology)
     directory = compile_cache.directory_for(disk_cache)
     keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness) for text in texts]
-    results: list[CompiledMemory | None] = [None] * len(texts)
+    results: list[CompiledMemory | TpuCompileError | None] = [None] * len(texts)
     todo: dict[str, list[int]] = {}
     for i, (key, text) in enumerate(zip(keys, texts)):
         hit, stored = _cached_result(key, cache, directory, liveness)
@@ -1071,9 +1104,14 @@ def tpu_memory_many(
     if todo:
         order = list(todo)
         compiled = _run_tpu_worker(
-            [texts[todo[key][0]] for key in order], topo, device_index, timeout, tc, hbm_only, liveness
+            [texts[todo[key][0]] for key in order], topo, device_index, timeout, tc, hbm_only, liveness, raise_errors
         )
-        for key, stored in zip(order, compiled):
+        for key, outcome in zip(order, compiled):
+            if isinstance(outcome, TpuCompileError):
+                for i in todo[key]:
+                    results[i] = outcome
+                continue
+            stored = outcome
             if cache:
                 compile_cache.store(directory, key, stored)
             made = [
@@ -1100,7 +1138,8 @@ def _run_tpu_worker(
     tc: Any,
     hbm_only: bool = False,
     liveness: bool = False,
-) -> list[dict[str, Any]]:
+    raise_errors: bool = True,
+) -> list[dict[str, Any] | TpuCompileError]:
     worker = Path(tc.__file__).resolve()
     with tempfile.TemporaryDirectory(prefix="revlib_xla_tpu_") as tmp:
         paths = []
@@ -1134,10 +1173,14 @@ def _run_tpu_worker(
             )
         payload = json.loads(result.read_text(encoding="utf-8"))
     logger.debug("tpu_memory: %d module(s) for %s in %.2f s", len(texts), topology, time.perf_counter() - start)
-    out = []
+    out: list[dict[str, Any] | TpuCompileError] = []
     for i, item in enumerate(payload["results"]):
         if "error" in item:
-            raise TpuCompileError(f"the TPU compiler ({topology}) rejected module {i}: {item['error']}")
+            error = TpuCompileError(f"the TPU compiler ({topology}) rejected module {i}: {item['error']}")
+            if raise_errors:
+                raise error
+            out.append(error)
+            continue
         item["versions"] = payload.get("versions", {})
         if liveness:
             text = item.get("buffer_assignment")

@@ -55,10 +55,15 @@ JAX_VERSION_TESTED = "0.7.1"
 
 #: Generation name -> the topology compiled for. Checked with jax 0.7.1 + libtpu 0.0.20: single-host 2x2 slices are
 #: the smallest accepted ("v5e:1x1" is rejected as "not divisible by chips_per_host_bounds 2x2x1"). v5p devices are
-#: megacore by default (one device = one chip with ``num_cores == 2``), so its numbers are per chip like v5e/v6e;
-#: v4 and v3 topologies also compile but expose one device per TensorCore, so they are not offered by name (pass a
-#: raw topology string such as "v4:2x2x1" to get them).
-TPU_GENERATIONS: dict[str, str] = {"v5e": "v5e:2x2", "v6e": "v6e:2x2", "v5p": "v5p:2x2x1"}
+#: megacore by default (one device = one chip with ``num_cores == 2``), so its numbers are per chip like v5e/v6e.
+#: A raw v4 topology ("v4:2x2x1") exposes one device per TensorCore (16 GiB each); "v4" names the megacore chip
+#: configuration (``@megacore``: one device per chip, both TensorCores and all 32 GiB, as torch_xla runs a v4).
+TPU_GENERATIONS: dict[str, str] = {
+    "v5e": "v5e:2x2",
+    "v6e": "v6e:2x2",
+    "v5p": "v5p:2x2x1",
+    "v4": "v4:2x2x1@megacore",
+}
 
 # Topology prefix -> a matching TPU_ACCELERATOR_TYPE (libtpu wants one; with a topology given it does not change
 # the numbers).
@@ -231,9 +236,12 @@ def compile_for_cpu(stablehlo_text: str) -> dict[str, Any]:
 
 @functools.cache
 def _tpu_device(topology: str, device_index: int) -> Any:
+    """Device ``device_index`` of a topology; ``NAME@CONFIG`` picks libtpu's chip configuration (``megacore``)."""
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[device_index]
+    name, _, chip_config = topology.partition("@")
+    options = {"chip_config_name": chip_config} if chip_config else {}
+    return topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices[device_index]
 
 
 def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0) -> dict[str, Any]:

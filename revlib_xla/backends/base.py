@@ -12,11 +12,12 @@ what differs.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.util
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -206,6 +207,34 @@ class Backend:
             f"the {self.device_type!r} backend cannot show a compiled program's text; trace the step on an XLA "
             f"device (revlib_xla.memory.step_stablehlo) to read its StableHLO"
         )
+
+    # -- tracing for sizing (revlib_xla.fit) ----------------------------------------------------------------
+    def zero_copy_device_tensor(self, host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A tensor on ``device`` that uses ``host_tensor``'s memory, without copying it (for tracing a step at
+        full size: the memory of a ``torch.empty`` host tensor is never touched). Where the device's memory is
+        host memory, ``host_tensor`` itself; elsewhere this family cannot share host memory and raises."""
+        if self.memory_is_host:
+            return host_tensor
+        raise NotImplementedError(
+            f"the {self.device_type!r} backend cannot give host memory to a device tensor without copying; trace "
+            f"for sizing on an XLA device (revlib_xla.fit.trace_step)"
+        )
+
+    def program_arguments(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        """The pending program computing ``tensors``: the :meth:`data_identity` of each of its arguments, in the
+        order of the program's parameters (see :attr:`program_text_available`)."""
+        raise NotImplementedError(f"the {self.device_type!r} backend traces no program with arguments")
+
+    def data_identity(self, tensor: torch.Tensor) -> int:
+        """For a tensor that holds plain device data (no pending computation): the number the program arguments
+        made from that data carry in :meth:`program_arguments`."""
+        raise NotImplementedError(f"the {self.device_type!r} backend traces no program with arguments")
+
+    @contextlib.contextmanager
+    def execution_forbidden(self) -> Iterator[None]:
+        """Within the block, running the pending program raises instead of executing it (a step traced for sizing
+        at full size must never run). An eager device runs every operation as it is called: nothing to forbid."""
+        yield
 
     # -- memory ----------------------------------------------------------------------------------------------
     def allocator_statistics(self, device: torch.device) -> bool:

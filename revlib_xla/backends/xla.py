@@ -152,6 +152,42 @@ class XlaBackend(Backend):
             raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
         return str(xla_model().get_stablehlo(tensors))
 
+    def zero_copy_device_tensor(self, host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """XLA device data over the host tensor's memory through DLPack (PJRT keeps a reference, nothing is copied
+        or read): in a traced program it is an argument like any parameter moved to the device."""
+        xla_model()
+        from torch_xla.utils.dlpack import from_dlpack
+
+        tensor = from_dlpack(host_tensor.detach())
+        return tensor if device.index is None or tensor.device == device else tensor.to(device)
+
+    def program_arguments(self, tensors: Sequence[torch.Tensor]) -> list[int]:
+        import torch_xla
+
+        ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(list(tensors))
+        return [int(i) for i in ids]
+
+    def data_identity(self, tensor: torch.Tensor) -> int:
+        """torch_xla's tensor id, which the device data of a tensor that holds plain data carries into a traced
+        program as its argument's id."""
+        import torch_xla
+
+        return int(torch_xla._XLAC._xla_get_tensor_id(tensor))
+
+    @contextlib.contextmanager
+    def execution_forbidden(self) -> Iterator[None]:
+        """torch_xla's own guard of ``torch_xla.compile(full_graph=True)``: a value read or a sync raises
+        ``RuntimeError('Unexpected execution ...')``."""
+        xla_model()
+        import torch_xla
+
+        allowed = torch_xla._XLAC._get_allow_execution()
+        torch_xla._XLAC._set_allow_execution(False)
+        try:
+            yield
+        finally:
+            torch_xla._XLAC._set_allow_execution(allowed)
+
     def _annotate(self, annotate: bool | None) -> bool:
         if annotate is not None:
             return annotate

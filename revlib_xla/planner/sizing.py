@@ -8,23 +8,25 @@ storages; XLA: FLOP counts, and sizes from each stage's programs compiled device
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from .. import backend
-from .._tree import detached, tensor_leaves
+from .._tree import detached, map_tensors, tensor_leaves
 from ..recompute import probe
 from .chain import Chain, StageOption
 from .measure import InPlaceInput, StageMeasurement, StagePrograms, measure_stage, stage_programs, value_bytes
 from .schedule import Schedule
 from .solver import InfeasibleBudget
 
-__all__ = ["Sizing", "MeasuredChain", "measure_chain", "compiled_sizes", "fit_budget"]
+__all__ = ["Sizing", "MeasuredChain", "measure_chain", "compiled_sizes", "fit_budget", "without_execution"]
 
 logger = logging.getLogger("revlib_xla.checkpointable")
 
@@ -78,7 +80,7 @@ def measure_chain(
     for i, stage in enumerate(stages):
         alternatives = [module for _, module in options.get(i, [])]
         if generation:
-            backend.sync(tensor_leaves(x)[0].device)  # the stage's input as device data
+            x = _as_device_data(x)  # the stage's input as device data
             programs.append([stage_programs(s, x) for s in [stage, *alternatives]])
         rev = sizing.reversible and callable(getattr(stage, "inverse", None))
         opts = []
@@ -126,6 +128,35 @@ def measure_chain(
     if sizing.offload_bandwidth:
         chain = chain.with_bandwidth(sizing.offload_bandwidth, stages=range(1, n))
     return MeasuredChain(chain, measured, lazy)
+
+
+_WITHOUT_EXECUTION: list[bool] = [False]
+
+
+@contextlib.contextmanager
+def without_execution() -> Iterator[None]:
+    """Within the block, :func:`measure_chain` on lazy (XLA) stages runs nothing: each stage's input becomes fresh
+    device data of its shape over untouched host memory (:func:`revlib_xla.backend.zero_copy_device_tensor`)
+    instead of the previous stage's output computed (its values do not matter for sizing). This is how a step is
+    planned at full size without a TPU (:mod:`revlib_xla.fit`)."""
+    _WITHOUT_EXECUTION.append(True)
+    try:
+        yield
+    finally:
+        _WITHOUT_EXECUTION.pop()
+
+
+def _as_device_data(x: Any) -> Any:
+    """``x`` as device data: computed (a sync), or, within :func:`without_execution`, stood in for."""
+    if not _WITHOUT_EXECUTION[-1]:
+        backend.sync(tensor_leaves(x)[0].device)
+        return x
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        fresh = backend.zero_copy_device_tensor(torch.empty(t.shape, dtype=t.dtype), t.device)
+        return fresh.requires_grad_(t.requires_grad)
+
+    return map_tensors(stand_in, x)
 
 
 def compiled_sizes(

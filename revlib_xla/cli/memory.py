@@ -1,0 +1,120 @@
+"""``revlib-xla memory``: will the training step of a config fit a chip, per memory strategy, without the chip.
+
+``revlib-xla memory --config tpu_configs/v5e-1.yaml --chip v5e [--max-batch] [--strategies none,reversible]
+[--gpu h100] [key=value ...]``. The step ``revlib-xla train`` runs is traced at full size on meta/zero-copy
+tensors (nothing allocated, nothing run) and compiled deviceless for one chip by the TPU compiler; see
+:mod:`revlib_xla.fit`. ``--gpu`` adds eager FakeTensor estimates of the same step against a GPU's memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import UsageError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``memory`` command's arguments."""
+    parser.add_argument("--config", help="a run config (tpu_configs/*.yaml); default: the built-in defaults")
+    parser.add_argument("--chip", help="the TPU chip: v4, v5e, v5p or v6e (default: the config's chip.name)")
+    parser.add_argument("--chips", type=int, default=1, help="chips per run (only 1 until sharding is supported)")
+    parser.add_argument(
+        "--max-batch", action="store_true", help="find, per strategy, the largest batch (data.batch_size) that fits"
+    )
+    parser.add_argument(
+        "--strategies",
+        help="comma-separated strategies to compare (config, none, checkpoint, reversible, plan, plan+fewbit, "
+        "plan+fewbit+offload); default: the config as written and all the others",
+    )
+    parser.add_argument("--gpu", help="also estimate the step on a GPU (h100, h200, a100-40gb, a100-80gb, l4, t4)")
+    parser.add_argument("--limit", type=int, default=4096, help="the largest batch --max-batch tries (4096)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.seq_len=2048")
+
+
+def _chosen(args: argparse.Namespace) -> list:
+    from ..fit.strategies import DEFAULT_COMPARISON, strategy
+
+    names = args.strategies.split(",") if args.strategies else ["config", *DEFAULT_COMPARISON]
+    try:
+        return [strategy(name) for name in names if name.strip()]
+    except ValueError as exc:
+        raise UsageError(f"--strategies: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the per-chip memory of each strategy (or its largest batch), with fits / does not fit."""
+    from ..fit import chips
+    from ..fit.report import COMPILER_SOURCE, FOOTNOTE, format_table
+    from ..fit.strategies import gpu_estimate, load, search_strategies, size_strategies, smallest_change, strategy
+    from ..memory import format_bytes
+
+    if args.chips != 1:
+        raise UsageError(
+            f"--chips {args.chips}: sizing a run over several chips needs sharding (mesh/SPMD), which comes with "
+            f"issue 14; today's configs train on one chip: use --chips 1 (the default)"
+        )
+    chosen = _chosen(args)
+    if args.chip:
+        try:
+            chips.chip(args.chip, "tpu")
+        except ValueError as exc:
+            raise UsageError(f"--chip: {exc}") from None
+        # The chip sized for is the run's target too (plan auto's budget is the chip's memory).
+        args.overrides = [*args.overrides, f"chip.name={args.chip.strip().lower()}"]
+    base = load(args.config, args.overrides, strategy("config"))
+    try:
+        target = chips.chip(base.chip.name, "tpu")
+    except ValueError as exc:
+        raise UsageError(f"chip.name: {exc}") from None
+    gpu = None
+    if args.gpu:
+        try:
+            gpu = chips.chip(args.gpu, "gpu")
+        except ValueError as exc:
+            raise UsageError(f"--gpu: {exc}") from None
+    header = (
+        f"{base.model.name}, seq_len {base.data.seq_len}, precision {base.strategy.precision}, on one {target.name} "
+        f"({format_bytes(target.hbm_bytes)} HBM, {format_bytes(target.usable_bytes)} usable); {COMPILER_SOURCE}"
+    )
+    print(header)
+    if args.max_batch:
+        searches = search_strategies(args.config, args.overrides, target, chosen, args.limit)
+        print()
+        width = max(len(s.label) for s in searches)
+        for found in searches:
+            best = found.best_report
+            if best is None:
+                failure = found.smallest_failure
+                assert failure is not None
+                text = f"does not fit at batch 1 (needs >= {format_bytes(failure.at_least)})"
+            else:
+                cap = f" (the search stopped at --limit {args.limit})" if found.capped else ""
+                assert best.total is not None
+                text = f"largest batch {found.best}: {format_bytes(best.total)}{cap}"
+            print(f"  {found.label.ljust(width)}  {text}")
+        shown = [s.best_report or s.smallest_failure for s in searches]
+        print()
+        print(format_table([r for r in shown if r is not None], FOOTNOTE))
+    else:
+        reports = size_strategies(args.config, args.overrides, target, chosen)
+        print(f"batch {base.data.batch_size}\n")
+        print(format_table(reports, FOOTNOTE))
+        own = reports[0]
+        if own.label == "config" and not own.fits:
+            print(
+                f"\nThe config does not fit one {target.name}: "
+                f"{smallest_change(args.config, args.overrides, target, reports, args.limit)}."
+            )
+    if gpu is not None:
+        peak = gpu_estimate(base)
+        verdict = "fits" if peak.total <= gpu.usable_bytes else "does NOT fit"
+        print(
+            f"\nGPU estimate (eager, FakeTensor storage bytes; no CUDA context or allocator overhead, an estimate): "
+            f"the config's step on one {gpu.name} ({format_bytes(gpu.hbm_bytes)}): peak {format_bytes(peak.total)} "
+            f"(parameters {format_bytes(peak.parameters)}, gradients {format_bytes(peak.gradients)}, optimizer state "
+            f"{format_bytes(peak.optimizer)}, activations {format_bytes(peak.activations)}, temporaries "
+            f"{format_bytes(peak.temporaries)}): {verdict}"
+        )
+    return 0

@@ -1,0 +1,173 @@
+"""A run config's training step, traced and sized per memory strategy: what ``revlib-xla memory`` compares.
+
+The step is exactly the one ``revlib-xla train`` runs: the model of :func:`revlib_xla.train.strategy.build_model`
+(built on ``meta``), its optimizer (:func:`~revlib_xla.train.strategy.build_optimizer`) and its step function
+(:func:`~revlib_xla.train.strategy.make_step`), traced at full size by :func:`revlib_xla.fit.trace_step` on a
+``(batch, seq_len)`` token batch. A strategy is a set of config overrides applied on top of the user's config
+(:data:`STRATEGIES`), so everything else (precision, model size, sequence length) stays as configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .chips import Chip
+from .report import FitReport, compile_steps
+from .search import BatchSearch, max_batch
+from .trace import TracedStep, trace_step
+
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "strategy",
+    "load",
+    "trace_config",
+    "size_strategies",
+    "search_strategies",
+    "smallest_change",
+    "gpu_estimate",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A named memory strategy: the config overrides that select it and what it is, in words."""
+
+    name: str
+    overrides: tuple[str, ...]
+    description: str
+
+
+#: The strategies compared by default, cheapest in compute first.
+STRATEGIES: dict[str, Strategy] = {
+    s.name: s
+    for s in (
+        Strategy("config", (), "the config as written"),
+        Strategy("none", ("strategy.activations=none",), "plain torch_xla: autograd keeps every activation"),
+        Strategy(
+            "checkpoint", ("strategy.activations=checkpoint",), "torch_xla checkpointing of every transformer block"
+        ),
+        Strategy("reversible", ("strategy.activations=reversible",), "reversible two-stream blocks (RevLib style)"),
+        Strategy("plan", ("strategy.activations=plan", "strategy.budget=auto"), "the planner's schedule, budget auto"),
+        Strategy(
+            "plan+fewbit",
+            ("strategy.activations=plan", "strategy.budget=auto", "strategy.fewbit=2"),
+            "plan auto with 2-bit FewBit derivatives of the MLP activation",
+        ),
+        Strategy(
+            "plan+fewbit+offload",
+            (
+                "strategy.activations=plan",
+                "strategy.budget=auto",
+                "strategy.fewbit=2",
+                "strategy.offload.optimizer=true",
+            ),
+            "plan + fewbit, with the optimizer state in host memory",
+        ),
+    )
+}
+DEFAULT_COMPARISON = ("none", "checkpoint", "reversible", "plan", "plan+fewbit", "plan+fewbit+offload")
+
+
+def strategy(name: str) -> Strategy:
+    """The strategy called ``name``; a ``ValueError`` naming the choices otherwise."""
+    found = STRATEGIES.get(name.strip())
+    if found is None:
+        raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+    return found
+
+
+def load(config: str | None, overrides: Sequence[str], chosen: Strategy, batch: int | None = None) -> Any:
+    """The run config (:func:`revlib_xla.train.config.load_config`) with the strategy's overrides (and
+    ``data.batch_size=batch``) applied after the user's."""
+    from ..train.config import load_config  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+
+    extra = list(chosen.overrides) + ([f"data.batch_size={batch}"] if batch is not None else [])
+    return load_config(config, [*overrides, *extra])
+
+
+def trace_config(cfg: Any) -> TracedStep:
+    """The steady-state training step of run config ``cfg``, traced at full size without allocating it."""
+    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+
+    model = train_strategy.build_model(cfg, "meta")
+    tokens = torch.empty(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64, device="meta")
+    return trace_step(
+        model,
+        lambda m: train_strategy.build_optimizer(cfg, m),
+        lambda m, optimizer: train_strategy.make_step(cfg, m, optimizer),  # type: ignore[arg-type]
+        [tokens],
+    )
+
+
+def size_strategies(
+    config: str | None, overrides: Sequence[str], chip: Chip, strategies: Sequence[Strategy]
+) -> list[FitReport]:
+    """Each strategy's step at the config's batch, compiled for ``chip`` (one compiler process for all)."""
+    configs = [load(config, overrides, s) for s in strategies]
+    traced = [trace_config(cfg) for cfg in configs]
+    return compile_steps(traced, chip, [s.name for s in strategies], [cfg.data.batch_size for cfg in configs])
+
+
+def search_strategies(
+    config: str | None, overrides: Sequence[str], chip: Chip, strategies: Sequence[Strategy], limit: int = 4096
+) -> list[BatchSearch]:
+    """Per strategy, the largest batch whose step fits ``chip`` (:func:`revlib_xla.fit.max_batch`)."""
+
+    def tracer(chosen: Strategy) -> Callable[[int], TracedStep]:
+        return lambda batch: trace_config(load(config, overrides, chosen, batch))
+
+    return [max_batch(tracer(s), chip, label=s.name, limit=limit) for s in strategies]
+
+
+def smallest_change(
+    config: str | None, overrides: Sequence[str], chip: Chip, reports: Sequence[FitReport], limit: int = 4096
+) -> str:
+    """What to change so that a config that does not fit does: the first strategy (cheapest first) that fits at
+    the config's batch; if none does, the largest batch that fits with the strategy needing the least memory;
+    if not even batch 1 fits, why, in bytes."""
+    for report in reports:
+        if report.fits and report.label != "config":
+            return f"strategy {report.label} fits at batch {report.batch} ({STRATEGIES[report.label].description})"
+    leanest = min(reports, key=lambda r: r.at_least)
+    found = max_batch(
+        lambda b: trace_config(load(config, overrides, STRATEGIES[leanest.label], b)),
+        chip,
+        label=leanest.label,
+        limit=min(limit, max(leanest.batch - 1, 1)),
+    )
+    if found.best:
+        return f"strategy {leanest.label} with data.batch_size={found.best} fits"
+    failure = found.smallest_failure
+    assert failure is not None
+    return (
+        f"nothing fits on one {chip.name}: even batch 1 with strategy {leanest.label} needs at least "
+        f"{failure.at_least / 2**30:.2f} GiB of {chip.usable_bytes / 2**30:.2f} GiB usable (parameters "
+        f"{failure.parameters / 2**30:.2f} GiB, optimizer state {failure.optimizer / 2**30:.2f} GiB); use a "
+        f"smaller model, a chip with more memory or strategy.offload.optimizer=true"
+    )
+
+
+def gpu_estimate(cfg: Any) -> Any:
+    """The eager peak of the same step on a GPU-like eager device, from FakeTensors (nothing allocated): an
+    estimate of tensor storage bytes (:func:`revlib_xla.memory.eager_peak`), without CUDA context or allocator
+    overhead. The step runs once first so that the optimizer state exists, as in every later step."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..memory import eager_peak
+    from ..train import strategy as train_strategy
+
+    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+        # MemTracker's module tracker warns for hooks of modules it no longer sees (recomputing engines).
+        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
+        model = train_strategy.build_model(cfg, "cpu")
+        optimizer = train_strategy.build_optimizer(cfg, model)
+        step = train_strategy.make_step(cfg, model, optimizer)
+        tokens = torch.zeros(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64)
+        step(tokens)
+        return eager_peak(lambda m, t: step(t), model, tokens, optimizer=optimizer, zero_grad=False)

@@ -1,0 +1,92 @@
+"""``revlib-xla memory`` and ``revlib-xla plan``: the step ``revlib-xla train`` runs, sized for a TPU chip without
+one (deviceless compiles), per strategy; bad input as one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from revlib_xla import backend
+from revlib_xla.cli import main
+from revlib_xla.fit.plan import compress_ops
+from revlib_xla.planner import Op
+
+needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')"
+)
+
+
+def compiles(test):
+    """A test that compiles deviceless for a TPU: slow, and needs torch_xla and libtpu."""
+    return pytest.mark.slow(needs_xla(needs_libtpu(test)))
+
+
+SMOKE = "tpu_configs/cpu-smoke.yaml"
+TINY = ["data.seq_len=32", "data.batch_size=2"]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_operations_are_written_compressed():
+    ops = [Op("CF", i) for i in range(6)] + [Op("Fe", 6), Op("Fe", 7), Op("L", 8), Op("B", 7), Op("B", 6)]
+    for i in range(5, -1, -1):
+        ops += [Op("Fe", i), Op("B", i)]
+    assert compress_ops(ops) == "CF_0..5 Fe_6..7 L B_7..6 (Fe_i B_i) for i 5..0"
+    assert compress_ops([Op("Fe", 0, 1), Op("Fe", 1, 1), Op("B", 1)]) == "Fe_0..1[1] B_1"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--chips", "4"], "--chips 4: sizing a run over several chips needs sharding"),
+        (["--chip", "v9"], "--chip: unknown TPU chip 'v9'; choose one of v4, v5e, v5p, v6e"),
+        (["--chip", "h100"], "--chip: unknown TPU chip 'h100'"),
+        (["--gpu", "v5e"], "--gpu: unknown GPU chip 'v5e'; choose one of h100"),
+        (["--strategies", "none,magic"], "--strategies: unknown strategy 'magic'; choose from config, none"),
+        (["model.name=llama-99b"], "llama-99b"),
+    ],
+)
+def test_memory_bad_input_is_one_line_with_exit_2(capsys, argv, message):
+    code, _, err = run(capsys, "memory", "--config", SMOKE, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+    assert err.startswith("revlib-xla memory: error: ") and err.count("\n") == 1
+
+
+def test_plan_bad_budget_is_one_line(capsys):
+    code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "lots")
+    assert code == 2 and err.startswith("revlib-xla plan: error: --budget='lots': expected a number of bytes")
+
+
+@compiles
+def test_memory_prints_each_strategy_with_its_parts_and_the_verdict(capsys):
+    code, out, err = run(capsys, "memory", "--config", SMOKE, "--strategies", "none,reversible", *TINY)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "from the TPU compiler (deviceless libtpu), not a TPU run" in lines[0]
+    rows = {line.split()[0]: line for line in lines if line.split()[:1] in (["none"], ["reversible"])}
+    assert set(rows) == {"none", "reversible"}
+    assert all("yes (15.75 GiB)" in row for row in rows.values())
+    assert "gradients+activations+temporaries" in out and "total minus the arguments" in out
+
+
+@compiles
+def test_memory_max_batch_per_strategy(capsys):
+    code, out, err = run(capsys, "memory", "--config", SMOKE, "--strategies", "none", "--max-batch", *TINY)
+    assert code == 0, err
+    assert "largest batch" in out or "does not fit" in out
+
+
+@compiles
+def test_plan_prints_the_schedule_with_its_predictions(capsys):
+    code, out, err = run(capsys, "plan", "--config", SMOKE, "--budget", "3MiB", *TINY)  # least: 2.25 MiB
+    assert code == 0, err
+    assert "predicted time:" in out and "FLOP per step" in out and "predicted memory:" in out
+    assert "stages:" in out and "operations (" in out
+    code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1KiB", *TINY)
+    assert code == 2 and "the smallest budget for this model and input is" in err
