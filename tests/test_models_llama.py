@@ -400,6 +400,23 @@ def test_reversible_form_on_the_device_matches_cpu(device):
         assert max_rel_err(got[name], expected[name]) <= 1e-4, name
 
 
+def test_bf16_autocast_step_on_the_device_matches_cpu_float32(device):
+    """Under bf16 autocast the projections are bf16; the rotary tables must not promote queries and keys back to
+    float32 beside bf16 values (XLA's attention refused the step)."""
+    config = small(n_layers=2)
+    x = tokens(config)
+    reference = build_llama(config, "plain")
+    reference.init_weights(seed=0)
+    expected = float(reference.loss(x))
+    model = build_llama(config, "plain").to(device)
+    model.init_weights(seed=0)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss = model.loss(x.to(device))
+    loss.backward()
+    assert abs(float(to_host(loss)) - expected) <= 2e-2 * expected
+    assert all(p.grad is not None and bool(torch.isfinite(to_host(p.grad)).all()) for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Registry and bad input
 

@@ -228,7 +228,10 @@ def rotary_tables(
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``(B, heads, T, head_dim)`` by the position angles ``cos``/``sin`` ``(T, head_dim)``."""
+    """Rotate ``x`` ``(B, heads, T, head_dim)`` by the position angles ``cos``/``sin`` ``(T, head_dim)``, in ``x``'s
+    dtype (as HF does): under bf16 autocast the projections are bf16 and the tables float32, and queries and keys
+    promoted to float32 beside bf16 values are refused by XLA's attention."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
