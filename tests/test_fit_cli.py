@@ -90,3 +90,14 @@ def test_plan_prints_the_schedule_with_its_predictions(capsys):
     assert "stages:" in out and "operations (" in out
     code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1KiB", *TINY)
     assert code == 2 and "the smallest budget for this model and input is" in err
+
+
+def test_memory_without_torch_xla_says_what_to_install(capsys, monkeypatch):
+    """Where torch_xla or the TPU compiler is missing (a CUDA or CPU-only install), one line says what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    code, _, err = run(capsys, "memory", "--config", SMOKE, "--chip", "v5e")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "needs libtpu (not installed here): pip install 'revlib_xla[xla,tpu-compile]'" in err

@@ -9,6 +9,7 @@ tensors (nothing allocated, nothing run) and compiled deviceless for one chip by
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
 from . import UsageError
 
@@ -54,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--chips {args.chips}: sizing a run over several chips needs sharding (mesh/SPMD), which comes with "
             f"issue 14; today's configs train on one chip: use --chips 1 (the default)"
+        )
+    missing = [name for name in ("torch_xla", "jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(
+            f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "
+            f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9)"
         )
     chosen = _chosen(args)
     if args.chip:
