@@ -56,12 +56,6 @@ def run(args: argparse.Namespace) -> int:
             f"--chips {args.chips}: sizing a run over several chips needs sharding (mesh/SPMD), which comes with "
             f"issue 14; today's configs train on one chip: use --chips 1 (the default)"
         )
-    missing = [name for name in ("torch_xla", "jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UsageError(
-            f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "
-            f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9)"
-        )
     chosen = _chosen(args)
     if args.chip:
         try:
@@ -81,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
             gpu = chips.chip(args.gpu, "gpu")
         except ValueError as exc:
             raise UsageError(f"--gpu: {exc}") from None
+    missing = [name for name in ("torch_xla", "jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(
+            f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "
+            f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9)"
+        )
     header = (
         f"{base.model.name}, seq_len {base.data.seq_len}, precision {base.strategy.precision}, on one {target.name} "
         f"({format_bytes(target.hbm_bytes)} HBM, {format_bytes(target.usable_bytes)} usable); {COMPILER_SOURCE}"
