@@ -177,25 +177,27 @@ def ranks() -> list[dict[str, Any]]:
     return results
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", CASES)
-def test_ddp_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
-    reference = _reference(kind)
+def _assert_every_rank_equals_one_process(ranks: list[dict[str, Any]], kind: str) -> None:
+    """Every rank's weights after training ``kind`` equal one process's on the whole batch (the model is the first
+    word of ``kind``)."""
+    reference = _reference(kind.split("-")[0])
     for result in ranks:
         assert len(result[kind]) == len(reference)
         for got, want in zip(result[kind], reference):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", CASES)
+def test_ddp_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
+    _assert_every_rank_equals_one_process(ranks, kind)
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(_fully_shard() is None, reason="this torch has no FSDP2 (fully_shard)")
 @pytest.mark.parametrize("kind", FSDP_CASES)
 def test_fsdp2_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
-    reference = _reference(kind.split("-")[0])
-    for result in ranks:
-        assert len(result[kind]) == len(reference)
-        for got, want in zip(result[kind], reference):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    _assert_every_rank_equals_one_process(ranks, kind)
 
 
 @pytest.mark.slow
