@@ -89,14 +89,6 @@ class ReformerLM(ByteTransformerLM):
     config: ReformerConfig
 
     def __init__(self, config: ReformerConfig, flavour: str = Flavour.REVERSIBLE) -> None:
-        if Flavour.of(flavour) is Flavour.CHECKPOINT and config.dropout:
-            # Each checkpointed block's recomputation draws other dropout masks than its forward did (the blocks run
-            # under the reversible core's per-layer generators, which torch.utils.checkpoint does not restore).
-            raise ValueError(
-                f"ReformerLM: the 'checkpoint' flavour with dropout={config.dropout} would recompute other dropout "
-                f"masks than the forward drew (wrong gradients); use the 'reversible' flavour (less memory, exact "
-                f"masks) or dropout=0"
-            )
         super().__init__(config, flavour)
 
     def feed_forward(self, config: TransformerConfig) -> Block:
