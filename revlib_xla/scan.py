@@ -78,11 +78,7 @@ def _signature(layer: ReversibleModule) -> list[tuple[str, str, Any]]:
         ("coupling_inverse", "", wrapper.coupling_inverse),
     ]
     for name, module in block.named_modules(remove_duplicate=False):
-        hooks = any(
-            getattr(module, h, None)
-            for h in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-        )
-        sig.append(("module", name, (type(module).__qualname__, module.extra_repr(), module.training, hooks)))
+        sig.append(("module", name, (type(module).__qualname__, module.extra_repr(), module.training)))
         for key, value in vars(module).items():
             if not key.startswith("_") and key != "training" and isinstance(value, (bool, int, float, str, type(None))):
                 sig.append(("attribute", f"{name}.{key}".lstrip("."), value))
@@ -115,9 +111,9 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple) and len(value) == 4 and isinstance(value[1], torch.dtype):
         shape, dtype, requires_grad, tied = value
         return f"{shape} {dtype}{'' if requires_grad else ' frozen'}{f' (tied to {tied})' if tied else ''}"
-    if isinstance(value, tuple) and len(value) == 4:
-        kind, settings, training, hooks = value
-        return f"{kind}({settings}){'' if training else ' in eval mode'}{' with hooks' if hooks else ''}"
+    if isinstance(value, tuple) and len(value) == 3:
+        kind, settings, training = value
+        return f"{kind}({settings}){'' if training else ' in eval mode'}"
     return repr(value)
 
 
@@ -145,6 +141,24 @@ def repeat_period(layers: Sequence[ReversibleModule], describe: Callable[[int], 
     raise ScanUnsupported(
         f"the layers are not identical in structure: {describe(i)} differs from {describe(i % period)} ({how})"
     )
+
+
+_MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _refuse_hooks(plan: _Plan) -> None:
+    """Module hooks run where the block is called: once per trace of the scan's body, not once per layer."""
+    from torch.nn.modules import module as module_globals
+
+    if any(getattr(module_globals, f"_global{h}", None) for h in _MODULE_HOOKS):
+        raise ScanUnsupported("global module hooks are registered (they would run once for all layers)")
+    for i, layer in enumerate(plan.layers):
+        for name, module in layer.block.named_modules():
+            if any(getattr(module, h, None) for h in _MODULE_HOOKS):
+                raise ScanUnsupported(
+                    f"{plan.describe(i)} has hooks on its module {name or 'itself'!r} (they would run once for all "
+                    f"layers)"
+                )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,6 +307,7 @@ def _prepare(model: ReversibleSequential, plan: _Plan, x0: Tensor, arg_tensors: 
         raise ScanUnsupported("fused_optimizer steps each layer inside the backward walk, which the scan does not run")
     if plan.offload is not None:
         raise ScanUnsupported("target_device streams each layer's parameters, which the scan stacks instead")
+    _refuse_hooks(plan)
     period = repeat_period(plan.layers, plan.describe)
     layout = _layout(plan, period, arg_tensors)
     loop = _scan_loop()

@@ -103,6 +103,7 @@ def scanned_vs_unrolled():
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_scan_equals_unrolled(scanned_vs_unrolled, case):
     (y, dx, grads, whiles), (y_ref, dx_ref, grads_ref, whiles_ref) = scanned_vs_unrolled[case]
@@ -120,6 +121,7 @@ def test_scan_equals_unrolled(scanned_vs_unrolled, case):
             assert max_rel_err(g, g_ref) < tol
 
 
+@pytest.mark.slow
 def test_dropout_masks_are_the_unrolled_walks(scanned_vs_unrolled):
     """Exact replay: with Dropout(0.5) the same entries are zeroed, so the same parameter-gradient entries vanish."""
     (_, _, grads, _), (_, _, grads_ref, _) = scanned_vs_unrolled["dropout"]
@@ -189,6 +191,10 @@ def test_scan_true_refuses_what_it_cannot_run():
     with pytest.raises(ReversibleError, match="scan=True needs a memory-saving mode"):
         _model(True, blocks, memory_mode=revlib.MemoryModes.no_savings)
     model = _model(True, blocks)
+    model[1].block.net[0].register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(ReversibleError, match=r"layer 1 \('0-1': Scaled\) has hooks on its module 'net.0'"):
+        model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    model = _model(True, blocks)
     grad_scale = torch.ones(WIDTH, requires_grad=True)
     with pytest.raises(ReversibleError, match="tensor that requires grad"):
         model(torch.randn(2, 2 * WIDTH), scale=grad_scale)
@@ -204,3 +210,34 @@ def test_scan_true_on_an_eager_device_runs_the_layers_unrolled():
         grads.append([p.grad for p in model.parameters()])
     for g, g_ref in zip(*grads):
         assert torch.equal(g, g_ref)
+
+
+@pytest.mark.slow
+def test_llama_reversible_form_scans_and_compiles_once():
+    """The Llama reversible form (attention and MLP branches alternate: period 2) takes the scan path by itself, and
+    its training step compiles once: no new compilation after the first step."""
+    device, torch_xla = _xla()
+    import torch_xla.debug.metrics as met
+
+    from revlib_xla.models.llama import LlamaConfig, build_llama
+
+    config = LlamaConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
+    torch.manual_seed(0)
+    model = build_llama(config, "reversible").to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = [torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    compiles, losses = [], []
+    for step, batch in enumerate(tokens):
+        met.clear_all()
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(batch.to(device))
+        loss.backward()
+        if step == 0:
+            assert _whiles([p.grad for p in model.layers.parameters()]) == 2
+        opt.step()
+        torch_xla.sync()
+        losses.append(float(loss.detach().cpu()))
+        data = met.metric_data("CompileTime")
+        compiles.append(0 if data is None else data[0])
+    assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
+    assert all(torch.isfinite(torch.tensor(losses)))
