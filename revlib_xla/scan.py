@@ -146,8 +146,9 @@ def repeat_period(layers: Sequence[ReversibleModule], describe: Callable[[int], 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _refuse_hooks(plan: _Plan) -> None:
-    """Module hooks run where the block is called: once per trace of the scan's body, not once per layer."""
+def _refuse_hooks_and_state(plan: _Plan) -> None:
+    """Module hooks run where the block is called: once per trace of the scan's body, not once per layer; and
+    buffers a module updates in its forward would be updated in the trace's slices only."""
     from torch.nn.modules import module as module_globals
 
     if any(getattr(module_globals, f"_global{h}", None) for h in _MODULE_HOOKS):
@@ -158,6 +159,15 @@ def _refuse_hooks(plan: _Plan) -> None:
                 raise ScanUnsupported(
                     f"{plan.describe(i)} has hooks on its module {name or 'itself'!r} (they would run once for all "
                     f"layers)"
+                )
+            if module.training and any(
+                b is not None and key not in module._non_persistent_buffers_set for key, b in module._buffers.items()
+            ):
+                # Kernels such as batch norm's update running statistics without bumping the version counter that
+                # the body checks, so a module that may update its state is not scanned.
+                raise ScanUnsupported(
+                    f"{plan.describe(i)}: its module {name or 'itself'!r} is in training mode with buffers (running "
+                    f"statistics), which the scan would not update per layer; call .eval() on it or pass scan=False"
                 )
 
 
@@ -307,7 +317,7 @@ def _prepare(model: ReversibleSequential, plan: _Plan, x0: Tensor, arg_tensors: 
         raise ScanUnsupported("fused_optimizer steps each layer inside the backward walk, which the scan does not run")
     if plan.offload is not None:
         raise ScanUnsupported("target_device streams each layer's parameters, which the scan stacks instead")
-    _refuse_hooks(plan)
+    _refuse_hooks_and_state(plan)
     period = repeat_period(plan.layers, plan.describe)
     layout = _layout(plan, period, arg_tensors)
     loop = _scan_loop()

@@ -194,6 +194,9 @@ def test_scan_true_refuses_what_it_cannot_run():
     model[1].block.net[0].register_forward_pre_hook(lambda *_: None)
     with pytest.raises(ReversibleError, match=r"layer 1 \('0-1': Scaled\) has hooks on its module 'net.0'"):
         model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    batch_norm = _model(True, lambda: [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)) for _ in "ab"])
+    with pytest.raises(ReversibleError, match="module '1' is in training mode with buffers"):
+        batch_norm(torch.randn(2, 2 * WIDTH))
     model = _model(True, blocks)
     grad_scale = torch.ones(WIDTH, requires_grad=True)
     with pytest.raises(ReversibleError, match="tensor that requires grad"):
