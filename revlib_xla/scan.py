@@ -26,6 +26,13 @@ the scan draw exactly the unrolled walk's dropout masks, and the backward scan t
 several layers per iteration, the layers of a group would share one seed: such groups run scanned only when their
 layers draw no random numbers (else unrolled; with ``scan=True`` a clear error).
 
+Also unrolled: module hooks (the body is traced once, so they would run once for all layers), modules in training
+mode with persistent buffers (batch norm's kernels update running statistics without a version bump that the body
+could see), other buffers changed in place (seen by their version counters while tracing), tensor arguments that
+require grad, ``target_device`` and ``fused_optimizer`` (both work per layer inside the unrolled walk). With the
+scan, parameter gradients reach autograd together at the end of the sequence's backward (one node), not layer by
+layer.
+
 Devices that do not trace lazily (cpu, cuda) run the layers unrolled, which is the same computation.
 """
 
@@ -345,6 +352,7 @@ class _Seeds(TorchFunctionMode):
         if (
             func is torch.randint
             and not self.used
+            and len(args) == 3
             and args[:2] == (0, _SCAN_SEED_HIGH)
             and tuple(args[2]) == (len(self.seeds),)
             and kwargs.get("dtype") == torch.int64
