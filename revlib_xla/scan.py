@@ -19,12 +19,12 @@ torch_xla's ``scan_layers`` makes.
 What was tried (torch 2.9, torch_xla 2.9): torch_xla's public ``scan`` traces its body with AOTAutograd and saves
 the body's activations per iteration for its own backward (O(depth), and no custom inversion); its forward loop
 ``_scan_impl_pytree`` traces the body lazily, so a body may call ``torch.autograd.grad`` and place barriers, and its
-gradients equal plain autograd's to the last bits in float64. That private function is what runs here (found at
-import; without it the layers run unrolled). Random numbers: the scan gives each iteration its own device seed
-(one int64 per iteration, drawn with ``torch.randint``); handing it the seeds the unrolled walk gives each layer makes
-the scan draw exactly the unrolled walk's dropout masks, and the backward scan the same again. With a group of
-several layers per iteration, the layers of a group would share one seed: such groups run scanned only when their
-layers draw no random numbers (else unrolled; with ``scan=True`` a clear error).
+gradients equal plain autograd's to the last bits in float64. That private function is what runs here (the xla
+backend's ``scan_loop``; without it the layers run unrolled). Random numbers: the scan gives each iteration its own
+device seed (one int64 per iteration, drawn with ``torch.randint``); handing it the seeds the unrolled walk gives
+each layer makes the scan draw exactly the unrolled walk's dropout masks, and the backward scan the same again. With
+a group of several layers per iteration, the layers of a group would share one seed: such groups run scanned only
+when their layers draw no random numbers (else unrolled; with ``scan=True`` a clear error).
 
 Also unrolled: module hooks (the body is traced once, so they would run once for all layers), modules in training
 mode with persistent buffers (batch norm's kernels update running statistics without a version bump that the body
@@ -61,15 +61,6 @@ _SCAN_SEED_HIGH = 2**62  # the bound torch_xla's scan draws its per-iteration se
 
 class ScanUnsupported(Exception):
     """Why a call cannot run as a scan (internal: the caller falls back, or raises under ``scan=True``)."""
-
-
-def _scan_loop() -> Callable[..., Any] | None:
-    """torch_xla's scan loop without autograd (private: ``torch_xla.experimental.scan._scan_impl_pytree``)."""
-    try:
-        from torch_xla.experimental import scan as xla_scan
-    except ImportError:
-        return None
-    return getattr(xla_scan, "_scan_impl_pytree", None)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,11 +318,11 @@ def _prepare(model: ReversibleSequential, plan: _Plan, x0: Tensor, arg_tensors: 
     _refuse_hooks_and_state(plan)
     period = repeat_period(plan.layers, plan.describe)
     layout = _layout(plan, period, arg_tensors)
-    loop = _scan_loop()
     if not backend.is_tracing_lazily(x0):
         return None  # eager devices: the unrolled walk is the same computation, without a compiler to save
+    loop = backend.scan_loop(x0.device)
     if loop is None:
-        raise ScanUnsupported("this torch_xla has no scan loop (torch_xla.experimental.scan._scan_impl_pytree)")
+        raise ScanUnsupported(f"the {x0.device.type} backend has no compiled loop (Backend.scan_loop)")
     return _Run(plan, layout, list(arg_tensors), loop)
 
 

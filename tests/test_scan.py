@@ -159,6 +159,12 @@ def test_random_numbers_in_a_group_fall_back_or_raise():
         _model(True, blocks).to(device)(x, scale=torch.ones(WIDTH).to(device))
 
 
+def test_scan_loop_is_a_capability_of_compiling_backends():
+    assert backend.scan_loop("cpu") is None  # eager: the layers run as they come
+    if backend.xla_available():
+        assert callable(backend.scan_loop(backend.device_for("xla")))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What rules the scan out: checked before any device work, so on the host.
 
