@@ -293,8 +293,8 @@ def scanned_forward(
     from .reversible import ReversibleError
 
     wanted = getattr(model, "scan", None)
-    if wanted is False:
-        return None
+    if wanted is False or (wanted is None and not backend.is_tracing_lazily(x0)):
+        return None  # nothing to compile: the unrolled walk, without checking anything per call
     try:
         run = _prepare(model, plan, x0, arg_tensors)
         if run is None:
