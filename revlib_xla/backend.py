@@ -72,6 +72,7 @@ __all__ = [
     "sizing_generation",
     "free_memory",
     "compilations",
+    "scan_loop",
     "HostCopy",
     "HostOffload",
     "to_host",
@@ -409,6 +410,11 @@ def compilations(device: DeviceLike) -> int | None:
     """How many programs ``device``'s family has compiled in this process so far (XLA: torch_xla's
     ``CompileTime`` count), or ``None`` on an eager device. A step that compiles once keeps it constant."""
     return backend_for(as_device(device)).compilations()
+
+
+def scan_loop(device: DeviceLike) -> Callable[..., Any] | None:
+    """The compiled loop of ``device``'s family (see :meth:`Backend.scan_loop`), or ``None`` on an eager device."""
+    return backend_for(as_device(device)).scan_loop()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from . import _tree, backend
+from . import scan as _scan
 from ._grad_destination import GradDestination, node_destination
 from .coupling import (
     COUPLING,
@@ -932,6 +933,12 @@ class ReversibleSequential(nn.Sequential):
         fused_optimizer: ``params -> torch.optim.Optimizer``; one optimizer per layer is built at the first forward
             and stepped inside the backward as soon as the layer's gradients are complete, which are then freed
             (see :mod:`revlib_xla.fused_optimizer`; ``model.fused_optimizer`` is the optimizer object).
+        scan: on a device that traces lazily (XLA), run the forward and the backward as two loops over the layers
+            (:mod:`revlib_xla.scan`), so the step compiles one layer (or one repeating group of layers) whatever
+            the depth. ``None`` (the default): when the layers repeat in structure and nothing rules it out
+            (``target_device``, ``fused_optimizer``, a group of several layers drawing random numbers), else
+            unrolled; ``True``: raise naming what rules it out (the first layer that differs, and how);
+            ``False``: always unrolled. Gradients, dropout masks and autocast are those of the unrolled walk.
     """
 
     def __init__(
@@ -947,6 +954,7 @@ class ReversibleSequential(nn.Sequential):
         compute_dtype: torch.dtype | None = None,
         preserve_rng_state: bool = True,
         verify_inverse: bool | None = None,
+        scan: bool | None = None,
     ):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
@@ -986,6 +994,7 @@ class ReversibleSequential(nn.Sequential):
         self.compute_dtype = compute_dtype
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
+        self.scan = scan
         self._verified: set = set()  # (stream dtype, compute dtype) pairs checked by verify_inverse
         self.target_device: torch.device | None = _available_device(target_device) if target_device else None
         if fused_optimizer is not None and not callable(fused_optimizer):
@@ -997,6 +1006,11 @@ class ReversibleSequential(nn.Sequential):
             raise FusedOptimizerError(
                 "ReversibleSequential: fused_optimizer needs a memory-saving mode (the "
                 "reversible backward walk steps each layer); no_savings runs plain autograd"
+            )
+        if scan and memory_mode == MemoryModes.no_savings:
+            raise ReversibleError(
+                "ReversibleSequential: scan=True needs a memory-saving mode (the scanned backward rebuilds each "
+                "layer); no_savings runs plain autograd, unrolled. Drop scan=True or the memory_mode."
             )
         self.fused_optimizer_factory = fused_optimizer
         self._own_fused: FusedOptimizer | None = None
@@ -1280,7 +1294,8 @@ class ReversibleSequential(nn.Sequential):
             if self._verifies(plan, x0):
                 _check_plan(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):
-                x0, x1 = _run_layers(plan, x0, x1, arg_tensors)
+                scanned = _scan.scanned_forward(self, plan, x0, x1, arg_tensors)
+                x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
 

@@ -310,6 +310,14 @@ class Backend:
         stops growing after the first steps: one compiled graph per step), or ``None`` for an eager family."""
         return None
 
+    def scan_loop(self) -> Callable[..., Any] | None:
+        """A loop ``loop(fn, init, xs, reverse=False) -> (carry, ys)`` that traces ``fn(carry, x) -> (carry, y)``
+        once and runs it over the leading dimension of the tensors in ``xs`` as one compiled loop, without
+        autograd (:mod:`revlib_xla.scan`); the loop gives each iteration its own seed, drawn as
+        ``torch.randint(0, 2**62, (iterations,), dtype=torch.int64)``. ``None`` where the family compiles no loops
+        (an eager device runs the iterations as they come)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} for {self.device_type!r}>"
 

@@ -226,6 +226,16 @@ class XlaBackend(Backend):
         data = met.metric_data("CompileTime")
         return 0 if data is None else int(data[0])
 
+    def scan_loop(self) -> Callable[..., Any] | None:
+        """torch_xla's scan loop without autograd (private: ``torch_xla.experimental.scan._scan_impl_pytree``;
+        ``None`` if this torch_xla lacks it). Its public ``scan`` saves the body's activations for its own backward,
+        which a reversible walk must not."""
+        try:
+            from torch_xla.experimental import scan as xla_scan
+        except ImportError:
+            return None
+        return getattr(xla_scan, "_scan_impl_pytree", None)
+
     def tpu_generation(self, device: torch.device) -> str | None:
         """From PJRT's device kind (``'TPU v5 lite'`` -> ``'v5e'``) when the runtime is a TPU."""
         if runtime_type() != "TPU":

@@ -1,0 +1,253 @@
+"""The scanned reversible sequence (revlib_xla.scan): on XLA, repeating layers run as two while loops whose results
+equal the unrolled walk's (outputs, input and parameter gradients, dropout masks, autocast, layer arguments), the
+compiled program does not grow with depth, and what the scan cannot run falls back or (``scan=True``) raises."""
+
+import pytest
+import torch
+from conftest import max_rel_err
+from torch import nn
+
+import revlib_xla as revlib
+from revlib_xla import backend
+from revlib_xla.reversible import ReversibleError
+
+WIDTH = 8
+
+
+class Scaled(nn.Module):
+    """``dropout(tanh(linear(x))) * scale``: a block with a tensor argument and random numbers."""
+
+    def __init__(self, width: int = WIDTH, p: float = 0.0, hidden: int | None = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, hidden or width), nn.Tanh(), nn.Linear(hidden or width, width))
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x, scale):
+        return self.dropout(self.net(x)) * scale
+
+
+def _xla():
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    import torch_xla
+
+    return backend.device_for("xla"), torch_xla
+
+
+def _whiles(tensors) -> int:
+    import torch_xla
+
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors)).count(" while(")
+
+
+def _model(scan, blocks, seed=0, **options):
+    torch.manual_seed(seed)
+    return revlib.ReversibleSequential(*blocks(), scan=scan, **options)
+
+
+def _step(model, device, dtype=torch.float64, layerwise=False, autocast=False, params=True):
+    """Forward and backward on ``device``; returns (output, input gradient, parameter gradients, while loops)."""
+    torch.manual_seed(1)
+    x = torch.randn(4, 2 * WIDTH, dtype=dtype).to(device).requires_grad_()
+    scale = (torch.rand(WIDTH, dtype=dtype) + 0.5).to(device)
+    kwargs: dict = {}
+    if layerwise:
+        scales = [(torch.rand(WIDTH, dtype=dtype) + 0.5).to(device) for _ in model]
+        kwargs["layerwise_args_kwargs"] = [((s,), {}) for s in scales]
+    else:
+        kwargs["scale"] = scale
+    torch.manual_seed(2)
+    with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
+        y = model(x, **kwargs)
+    loss = (y.sin() * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype, device=device)).sum()
+    if params:
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        dx = x.grad
+    else:
+        (dx,) = torch.autograd.grad(loss, [x])
+        grads = [p.grad for p in model.parameters()]
+    whiles = _whiles([dx, *(g for g in grads if g is not None)])
+    return y.detach().cpu(), dx.cpu(), [None if g is None else g.cpu() for g in grads], whiles
+
+
+def _same_layers(p=0.0):
+    return lambda: [Scaled(p=p) for _ in range(3)]
+
+
+def _two_kinds():
+    """Alternating kinds (a RevNet's F and G, Llama's attention and MLP): repeats with period 2."""
+    return lambda: [Scaled(hidden=WIDTH if i % 2 == 0 else 2 * WIDTH) for i in range(4)]
+
+
+CASES = {
+    "dropout": (_same_layers(0.5), {}, {}),
+    "period2_layerwise": (_two_kinds(), {}, {"layerwise": True}),
+    # torch.autograd.grad of the input only: no parameter gradient is computed (one compile less than a case of its
+    # own; the bfloat16 blocks replay autocast in the recomputation either way)
+    "autocast_bf16_input_grad": (_same_layers(), {}, {"dtype": torch.float32, "autocast": True, "params": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def scanned_vs_unrolled():
+    """Each case run scanned (``scan=None``: chosen automatically) and unrolled (``scan=False``) on XLA."""
+    device, _ = _xla()
+    results = {}
+    for name, (blocks, options, step) in CASES.items():
+        dtype = step.get("dtype", torch.float64)
+        runs = []
+        for scan in (None, False):
+            model = _model(scan, blocks, **options).to(device=device, dtype=dtype)
+            runs.append(_step(model, device, **step))
+        results[name] = runs
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_scan_equals_unrolled(scanned_vs_unrolled, case):
+    (y, dx, grads, whiles), (y_ref, dx_ref, grads_ref, whiles_ref) = scanned_vs_unrolled[case]
+    assert whiles == 2 and whiles_ref == 0  # the forward and the backward loop; the unrolled walk has none
+    # float64: the same operations in the same order, inside a loop or not (XLA may fuse them differently);
+    # float32 with bfloat16 autocast: the blocks round to bfloat16 alike, the streams' sums may round apart.
+    tol = 1e-3 if case == "autocast_bf16_input_grad" else 1e-12
+    assert max_rel_err(y, y_ref) < tol
+    assert max_rel_err(dx, dx_ref) < tol
+    assert len(grads) == len(grads_ref) == 4 * (4 if case == "period2_layerwise" else 3)
+    for g, g_ref in zip(grads, grads_ref):
+        if case == "autocast_bf16_input_grad":
+            assert g is None and g_ref is None
+        else:
+            assert max_rel_err(g, g_ref) < tol
+
+
+@pytest.mark.slow
+def test_dropout_masks_are_the_unrolled_walks(scanned_vs_unrolled):
+    """Exact replay: with Dropout(0.5) the same entries are zeroed, so the same parameter-gradient entries vanish."""
+    (_, _, grads, _), (_, _, grads_ref, _) = scanned_vs_unrolled["dropout"]
+    last_bias, last_bias_ref = grads[-1], grads_ref[-1]
+    assert torch.equal(last_bias == 0, last_bias_ref == 0)
+
+
+def test_program_does_not_grow_with_depth():
+    """2 and 6 layers: the same loops and the same matrix products in the compiled program (traced, not run)."""
+    device, torch_xla = _xla()
+    texts = []
+    for depth in (2, 6):
+        model = _model(None, lambda: [Scaled() for _ in range(depth)]).to(device)
+        x = torch.randn(4, 2 * WIDTH).to(device).requires_grad_()
+        model(x, scale=torch.ones(WIDTH).to(device)).sum().backward()
+        texts.append(torch_xla._XLAC._get_xla_tensors_hlo([x.grad, *(p.grad for p in model.parameters())]))
+    (short, deep) = texts
+    assert short.count(" while(") == deep.count(" while(") == 2
+    assert short.count(" dot(") == deep.count(" dot(") > 0
+
+
+def test_random_numbers_in_a_group_fall_back_or_raise():
+    """A period-2 group whose layers draw random numbers would share one seed per iteration: unrolled with
+    ``scan=None``, an error naming it with ``scan=True``."""
+    device, _ = _xla()
+
+    def blocks():
+        return [Scaled(p=0.5, hidden=WIDTH if i % 2 == 0 else 2 * WIDTH) for i in range(4)]
+
+    x = torch.randn(2, 2 * WIDTH).to(device).requires_grad_()
+    model = _model(None, blocks).to(device)
+    model(x, scale=torch.ones(WIDTH).to(device)).sum().backward()
+    assert _whiles([x.grad]) == 0
+    with pytest.raises(ReversibleError, match=r"scan=True\): the layers repeat in groups of 2 and draw random"):
+        _model(True, blocks).to(device)(x, scale=torch.ones(WIDTH).to(device))
+
+
+def test_scan_loop_is_a_capability_of_compiling_backends():
+    assert backend.scan_loop("cpu") is None  # eager: the layers run as they come
+    if backend.xla_available():
+        assert callable(backend.scan_loop(backend.device_for("xla")))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What rules the scan out: checked before any device work, so on the host.
+
+
+def test_scan_true_names_the_first_differing_layer():
+    model = _model(True, lambda: [Scaled(), Scaled(), Scaled(hidden=16), Scaled()])
+    with pytest.raises(ReversibleError) as err:
+        model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    message = str(err.value)
+    assert "layer 2 ('1-0': Scaled) differs from layer 0 ('0-0': Scaled)" in message
+    assert "its module 'net.0' is Linear(in_features=8, out_features=16, bias=True), not Linear(" in message
+    assert "scan=False" in message
+
+
+def test_scan_true_names_a_differing_setting_and_argument():
+    model = _model(True, lambda: [Scaled(p=0.1), Scaled(p=0.2)])
+    with pytest.raises(ReversibleError, match=r"layer 1 .* differs from layer 0 .*Dropout\(p=0.2"):
+        model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    model = _model(True, lambda: [Scaled(), Scaled()])
+    layerwise = [((torch.ones(WIDTH),), {}), ((torch.ones(2, WIDTH),), {})]
+    with pytest.raises(ReversibleError, match="tensors of different shapes"):
+        model(torch.randn(2, 2 * WIDTH), layerwise_args_kwargs=layerwise)
+
+
+def test_scan_true_refuses_what_it_cannot_run():
+    blocks = _same_layers()
+    fused = _model(True, blocks, fused_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(ReversibleError, match="scan=True\\): fused_optimizer"):
+        fused(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    with pytest.raises(ReversibleError, match="scan=True needs a memory-saving mode"):
+        _model(True, blocks, memory_mode=revlib.MemoryModes.no_savings)
+    model = _model(True, blocks)
+    model[1].block.net[0].register_forward_pre_hook(lambda *_: None)
+    with pytest.raises(ReversibleError, match=r"layer 1 \('0-1': Scaled\) has hooks on its module 'net.0'"):
+        model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH))
+    batch_norm = _model(True, lambda: [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)) for _ in "ab"])
+    with pytest.raises(ReversibleError, match="module '1' is in training mode with buffers"):
+        batch_norm(torch.randn(2, 2 * WIDTH))
+    model = _model(True, blocks)
+    grad_scale = torch.ones(WIDTH, requires_grad=True)
+    with pytest.raises(ReversibleError, match="tensor that requires grad"):
+        model(torch.randn(2, 2 * WIDTH), scale=grad_scale)
+
+
+def test_scan_true_on_an_eager_device_runs_the_layers_unrolled():
+    """Nothing to compile on the host: identical layers run as the unrolled walk, with its gradients."""
+    grads = []
+    for scan in (True, False):
+        model = _model(scan, _same_layers()).double()
+        x = torch.randn(2, 2 * WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        model(x, scale=torch.ones(WIDTH, dtype=torch.float64)).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, g_ref in zip(*grads):
+        assert torch.equal(g, g_ref)
+
+
+@pytest.mark.slow
+def test_llama_reversible_form_scans_and_compiles_once():
+    """The Llama reversible form (attention and MLP branches alternate: period 2) takes the scan path by itself, and
+    its training step compiles once: no new compilation after the first step."""
+    device, torch_xla = _xla()
+    import torch_xla.debug.metrics as met
+
+    from revlib_xla.models.llama import LlamaConfig, build_llama
+
+    config = LlamaConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
+    torch.manual_seed(0)
+    model = build_llama(config, "reversible").to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = [torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    compiles, losses = [], []
+    for step, batch in enumerate(tokens):
+        met.clear_all()
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(batch.to(device))
+        loss.backward()
+        if step == 0:
+            assert _whiles([p.grad for p in model.layers.parameters()]) == 2
+        opt.step()
+        torch_xla.sync()
+        losses.append(float(loss.detach().cpu()))
+        data = met.metric_data("CompileTime")
+        compiles.append(0 if data is None else data[0])
+    assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
+    assert all(torch.isfinite(torch.tensor(losses)))
