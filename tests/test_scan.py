@@ -224,7 +224,8 @@ def test_scan_true_on_an_eager_device_runs_the_layers_unrolled():
 
 @pytest.mark.slow
 def test_llama_reversible_form_scans_and_compiles_once():
-    """The Llama reversible form (attention and MLP branches alternate: period 2) takes the scan path by itself, and
+    """The Llama reversible form (attention and MLP branches alternate: period 2) takes the scan path by itself
+    (scan=None), and
     its training step compiles once: no new compilation after the first step."""
     device, torch_xla = _xla()
     import torch_xla.debug.metrics as met
@@ -233,7 +234,7 @@ def test_llama_reversible_form_scans_and_compiles_once():
 
     config = LlamaConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
     torch.manual_seed(0)
-    model = build_llama(config, "reversible").to(device)
+    model = build_llama(config, "reversible", scan=None).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = [torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     compiles, losses = [], []
