@@ -1,0 +1,210 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) units inside a reversible backward: each block sharded on its own.
+
+FSDP2 works through module hooks: a unit's pre-forward all-gathers its parameters (and swaps the module's sharded
+parameters for unsharded ones), its post-forward reshards, a hook on its outputs all-gathers again for the backward,
+and a function on its inputs reduce-scatters the gradients that autograd accumulated into the unsharded parameters.
+The reversible forward runs the blocks without autograd, so none of the backward bookkeeping is set up there; it all
+comes from the recomputation in the backward, which calls each block through its ``__call__``. For that to give
+exact gradients and cost no more collectives than plain FSDP2, the recomputation of a layer:
+
+* holds resharding (``set_reshard_after_forward(False, recurse=False)`` on the layer's units, restored after): the
+  recomputed forward and its backward use one all-gather instead of two;
+* accumulates the gradients of the unsharded parameters into their ``.grad`` (where FSDP2's post-backward takes
+  them from and reduce-scatters them into the sharded parameters' ``.grad``) instead of returning them from the
+  layer's autograd node;
+* prefetches the previous layer's units explicitly (``set_modules_to_backward_prefetch``, restored after): FSDP2's
+  default prefetch follows the post-forward order, which the recomputations append to, and would gather the wrong
+  units.
+
+Measured on 2 gloo processes (tests/test_distributed.py, bench/results/fsdp_collectives-cpu-gloo.md): as many
+all-gathers and reduce-scatters per step as plain FSDP2 around the same blocks.
+
+Layouts that cannot be made exact are refused at the forward, naming the module: a unit on a layer or on its
+coupling wrapper (their ``forward`` never runs; shard the block), and a unit reached from several layers (FSDP2
+unshards a unit once per backward; its second recomputation would run on sharded parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["FSDPLayoutError", "fsdp_module_type", "fully_shard_function"]
+
+
+class FSDPLayoutError(ValueError):
+    """FSDP2 units placed where a recomputing backward cannot run them exactly; the message names the module and the
+    layout that works."""
+
+
+def fsdp_module_type() -> type | None:
+    """FSDP2's module class if torch's FSDP2 is loaded (its home moved in torch 2.6), else None. Looks only at
+    loaded modules: a model can hold FSDP2 units only once FSDP2 was imported."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        found = getattr(sys.modules.get(name), "FSDPModule", None)
+        if isinstance(found, type):
+            return found
+    return None
+
+
+def fully_shard_function() -> Any:
+    """FSDP2's ``fully_shard`` (``torch.distributed.fsdp`` from torch 2.6, ``torch.distributed._composable.fsdp``
+    before), or None where this torch has none."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard
+    except ImportError:
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+
+            return fully_shard
+        except ImportError:
+            return None
+
+
+def _state(unit: nn.Module) -> Any:
+    """The FSDP state a unit shares with the other modules of one ``fully_shard([...])`` call (the unit itself on a
+    torch without the accessor)."""
+    get = getattr(unit, "_get_fsdp_state", None)
+    return unit if get is None else get()
+
+
+@contextlib.contextmanager
+def _held(units: Sequence[nn.Module], prefetch: Sequence[nn.Module]) -> Iterator[None]:
+    """Run with ``units`` not resharding after their forward and prefetching ``prefetch`` in their backward; both
+    settings are put back after. FSDP2 has setters but no getters for them, so the previous values are read from its
+    state where this torch keeps them (torch 2.5 .. 2.13), else the defaults are restored (reshard, default
+    prefetch)."""
+    saved = []
+    for unit in units:
+        state = _state(unit)
+        group = getattr(state, "_fsdp_param_group", None)
+        saved.append(
+            (
+                unit,
+                state,
+                group,
+                getattr(group, "post_forward_mesh_info", True),
+                getattr(state, "_auto_reshard_after_forward", None),
+                list(getattr(state, "_states_to_backward_prefetch", ())),
+            )
+        )
+        unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]  # an FSDPModule's method
+        unit.set_modules_to_backward_prefetch(list(prefetch))  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        for unit, state, group, mesh_info, auto, prefetched in saved:
+            if group is not None and hasattr(group, "post_forward_mesh_info"):
+                group.post_forward_mesh_info = mesh_info
+                if auto is not None:
+                    state._auto_reshard_after_forward = auto
+            else:
+                unit.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+            if hasattr(state, "_states_to_backward_prefetch"):
+                state._states_to_backward_prefetch = prefetched
+            else:
+                unit.set_modules_to_backward_prefetch([])  # type: ignore[operator]
+
+
+@dataclasses.dataclass
+class LayerUnits:
+    """The FSDP2 units one layer's recomputation runs, and which of its parameters they manage."""
+
+    units: list[nn.Module]  # in the layer's module order
+    managed: list[tuple[nn.Module, str, int]]  # (module, name, position) of the parameters the units manage
+    positions: frozenset[int]  # their positions among the layer's parameters (ReversibleSequential's layer_params)
+    previous: list[nn.Module]  # the units of the nearest earlier layer that has some: prefetched in the backward
+
+    def split(self, used: Sequence[int]) -> list[int]:
+        """Of the layer's parameter positions the backward uses, those whose gradients the layer's autograd node
+        returns; FSDP2 reduce-scatters the others' from their unsharded parameters."""
+        return [j for j in used if j not in self.positions]
+
+    def recomputing(self, prefetch: bool) -> contextlib.AbstractContextManager[None]:
+        """Around the layer's recomputation and gradient: resharding held, the previous layer prefetched (when the
+        walk goes on to it). Otherwise the units prefetch themselves, a no-op (they are unsharded then): an empty
+        list would mean FSDP2's default prefetch, which follows the post-forward order the recomputations appended
+        to, and gathers a unit the backward no longer runs."""
+        return _held(self.units, self.previous if prefetch and self.previous else self.units[:1])
+
+    def vjp(
+        self, out: torch.Tensor, inputs: Sequence[torch.Tensor], grad: torch.Tensor, used: Sequence[int]
+    ) -> list[torch.Tensor | None]:
+        """The gradients of ``out`` (weighted by ``grad``) with respect to ``inputs`` (fresh leaves), while the
+        gradients of the units' unsharded parameters at the ``used`` positions accumulate into their ``.grad``, for
+        FSDP2's post-backward to reduce-scatter. One engine call: FSDP2 runs that post-backward inside it, once the
+        layer's gradients are complete. Call after the recomputation, which left the units unsharded (resharding
+        held), so the modules hold the unsharded parameters."""
+        if not out.requires_grad:
+            return [None] * len(inputs)
+        wanted = set(used)
+        unsharded = {id(p): p for m, name, j in self.managed if j in wanted and (p := m._parameters[name]) is not None}
+        targets = [*inputs, *(p for p in unsharded.values() if p.requires_grad)]
+        torch.autograd.backward(out, grad, inputs=targets)
+        grads = [t.grad for t in inputs]
+        for t in inputs:
+            t.grad = None
+        return grads
+
+
+def layer_units(
+    layers: Sequence[nn.Module],
+    blocks: Sequence[nn.Module],
+    names: Sequence[str],
+    param_slots: Sequence[Sequence[tuple[nn.Module, str, int]]],
+) -> list[LayerUnits | None] | None:
+    """Per layer of a reversible sequence (``layers[i]`` runs ``blocks[i]`` through its ``__call__``), the FSDP2
+    units its recomputation runs; None when no layer has one (FSDP2 not loaded, or no unit inside: a unit on the
+    sequence or around it needs nothing, its parameters stay unsharded through the forward and the backward).
+
+    Raises :class:`FSDPLayoutError` for a unit the reversible backward cannot run exactly."""
+    unit_type = fsdp_module_type()
+    if unit_type is None:
+        return None
+    found: list[list[nn.Module]] = []
+    owner: dict[int, str] = {}  # id of an FSDP state -> the layer whose recomputation runs it
+    for layer, block, name in zip(layers, blocks, names):
+        inside = {id(m) for m in block.modules()}
+        for sub_name, module in layer.named_modules():
+            if isinstance(module, unit_type) and id(module) not in inside:
+                where = f"{name}.{sub_name}" if sub_name else name
+                raise FSDPLayoutError(
+                    f"ReversibleSequential: the module {where!r} ({type(module).__name__}) is an FSDP2 unit "
+                    f"(fully_shard), but the reversible layers never run its forward, so its parameters would stay "
+                    f"sharded when the block runs. Shard the block itself: fully_shard(sequence[{name!r}].block) "
+                    f"(or modules inside it)."
+                )
+        units = [m for m in block.modules() if isinstance(m, unit_type)]
+        for unit in units:
+            key = id(_state(unit))
+            if key in owner and owner[key] != name:
+                raise FSDPLayoutError(
+                    f"ReversibleSequential: the FSDP2 unit {type(unit).__name__} is run by layer {owner[key]!r} and "
+                    f"by layer {name!r}. The reversible backward recomputes each layer in a backward phase of its own, "
+                    f"and FSDP2 unshards a unit once per backward: the second recomputation would run on sharded "
+                    f"parameters. Give each layer its own modules (one fully_shard per block), or shard the whole "
+                    f"sequence with one fully_shard(sequence)."
+                )
+            owner[key] = name
+        found.append(units)
+    if not any(found):
+        return None
+    result: list[LayerUnits | None] = []
+    previous: list[nn.Module] = []
+    for units, slots in zip(found, param_slots):
+        if not units:
+            result.append(None)
+            continue
+        under = {id(m) for unit in units for m in unit.modules()}
+        managed = [(module, name, j) for module, name, j in slots if id(module) in under]
+        result.append(LayerUnits(units, managed, frozenset(j for _, _, j in managed), previous))
+        previous = units
+    return result
