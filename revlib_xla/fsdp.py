@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FSDPLayoutError", "fsdp_module_type", "fully_shard_function"]
+__all__ = ["FSDPLayoutError", "fsdp_module_type", "fully_shard_function", "recomputing"]
 
 
 class FSDPLayoutError(ValueError):
@@ -77,8 +77,10 @@ def _state(unit: nn.Module) -> Any:
 
 
 @contextlib.contextmanager
-def _held(units: Sequence[nn.Module], prefetch: Sequence[nn.Module]) -> Iterator[None]:
-    """Run with ``units`` not resharding after their forward and prefetching ``prefetch`` in their backward; both
+def _held(units: Sequence[nn.Module], prefetch: Sequence[nn.Module] | None) -> Iterator[None]:
+    """Run with ``units`` not resharding after their forward and prefetching ``prefetch`` in their backward (None:
+    each itself, a no-op while it is unsharded: an empty list would mean FSDP2's default prefetch, which follows the
+    post-forward order that recomputations append to, and gathers a unit the backward does not run next); both
     settings are put back after. FSDP2 has setters but no getters for them, so the previous values are read from its
     state where this torch keeps them (torch 2.5 .. 2.13), else the defaults are restored (reshard, default
     prefetch)."""
@@ -97,7 +99,7 @@ def _held(units: Sequence[nn.Module], prefetch: Sequence[nn.Module]) -> Iterator
             )
         )
         unit.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]  # an FSDPModule's method
-        unit.set_modules_to_backward_prefetch(list(prefetch))  # type: ignore[operator]
+        unit.set_modules_to_backward_prefetch([unit] if prefetch is None else list(prefetch))  # type: ignore[operator]
     try:
         yield
     finally:
@@ -130,10 +132,8 @@ class LayerUnits:
 
     def recomputing(self, prefetch: bool) -> contextlib.AbstractContextManager[None]:
         """Around the layer's recomputation and gradient: resharding held, the previous layer prefetched (when the
-        walk goes on to it). Otherwise the units prefetch themselves, a no-op (they are unsharded then): an empty
-        list would mean FSDP2's default prefetch, which follows the post-forward order the recomputations appended
-        to, and gathers a unit the backward no longer runs."""
-        return _held(self.units, self.previous if prefetch and self.previous else self.units[:1])
+        walk goes on to it)."""
+        return _held(self.units, self.previous if prefetch and self.previous else None)
 
     def vjp(
         self, out: torch.Tensor, inputs: Sequence[torch.Tensor], grad: torch.Tensor, used: Sequence[int]
@@ -153,6 +153,15 @@ class LayerUnits:
         for t in inputs:
             t.grad = None
         return grads
+
+
+def recomputing(module: nn.Module) -> contextlib.AbstractContextManager[None]:
+    """Around a recomputation of ``module`` with autograd in a backward pass (a :class:`~revlib_xla.Checkpointable`
+    stage): its FSDP2 units keep their parameters unsharded from the recomputed forward to their backward (one
+    all-gather for both, not two) and prefetch nothing the backward does not run next."""
+    unit_type = fsdp_module_type()
+    units = [] if unit_type is None else [m for m in module.modules() if isinstance(m, unit_type)]
+    return _held(units, None) if units else contextlib.nullcontext()
 
 
 def layer_units(
