@@ -35,7 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FSDPLayoutError", "fsdp_module_type", "fully_shard_function", "recomputing"]
+__all__ = [
+    "CollectiveCount",
+    "FSDPLayoutError",
+    "counting_collectives",
+    "fsdp_module_type",
+    "fully_shard_function",
+    "recomputing",
+]
 
 
 class FSDPLayoutError(ValueError):
@@ -217,3 +224,45 @@ def layer_units(
         result.append(LayerUnits(units, managed, frozenset(j for _, _, j in managed), previous))
         previous = units
     return result
+
+
+@dataclasses.dataclass
+class CollectiveCount:
+    """FSDP2's all-gathers and reduce-scatters in this process while :func:`counting_collectives` is active (one
+    per unit and call: a unit's parameters are gathered and their gradients reduced as one group)."""
+
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+
+
+@contextlib.contextmanager
+def counting_collectives() -> Iterator[CollectiveCount]:
+    """Count FSDP2's all-gathers and reduce-scatters (a diagnostic, as in the tests and ``bench/fsdp_collectives.py``):
+    wraps the functions FSDP2's parameter groups call for them, ``foreach_all_gather`` and ``foreach_reduce`` (torch
+    2.5 .. 2.13). Raises ``RuntimeError`` on a torch whose FSDP2 has neither, rather than counting nothing."""
+    groups = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_param_group") or sys.modules.get(
+        "torch.distributed._composable.fsdp._fsdp_param_group"
+    )
+    names = ("foreach_all_gather", "foreach_reduce")
+    if groups is None or not all(callable(getattr(groups, n, None)) for n in names):
+        raise RuntimeError(
+            "counting_collectives: this torch's FSDP2 has no foreach_all_gather/foreach_reduce to count (or FSDP2 is "
+            "not imported yet: call fully_shard first)"
+        )
+    count = CollectiveCount()
+    originals = {n: getattr(groups, n) for n in names}
+
+    def counted(name: str, field: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            setattr(count, field, getattr(count, field) + 1)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    setattr(groups, "foreach_all_gather", counted("foreach_all_gather", "all_gathers"))  # noqa: B010
+    setattr(groups, "foreach_reduce", counted("foreach_reduce", "reduce_scatters"))  # noqa: B010
+    try:
+        yield count
+    finally:
+        for name, original in originals.items():
+            setattr(groups, name, original)

@@ -1277,6 +1277,12 @@ class ReversibleSequential(nn.Sequential):
             )
         except fsdp.FSDPLayoutError as err:
             raise ReversibleError(str(err)) from None
+        if units is not None and self.fused_optimizer_factory is not None:
+            raise FusedOptimizerError(
+                "ReversibleSequential: fused_optimizer steps each layer from the gradients its backward computes, but "
+                "some blocks are FSDP2 units (fully_shard), whose gradients FSDP2 reduce-scatters across processes "
+                "after the layer's backward: build the sequence without fused_optimizer and step an unfused optimizer."
+            )
         if units is not None and plan.offload is not None:
             raise ReversibleError(
                 "ReversibleSequential: target_device streams each block's parameters to the device, but some blocks "
