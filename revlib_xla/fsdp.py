@@ -191,9 +191,9 @@ def layer_units(
         inside = {id(m) for m in block.modules()}
         for sub_name, module in layer.named_modules():
             if isinstance(module, unit_type) and id(module) not in inside:
-                where = f"{name}.{sub_name}" if sub_name else name
+                where, role = (f"{name}.{sub_name}", "its coupling wrapper") if sub_name else (name, "a layer")
                 raise FSDPLayoutError(
-                    f"ReversibleSequential: the module {where!r} ({type(module).__name__}) is an FSDP2 unit "
+                    f"ReversibleSequential: the module {where!r} ({role}) is an FSDP2 unit "
                     f"(fully_shard), but the reversible layers never run its forward, so its parameters would stay "
                     f"sharded when the block runs. Shard the block itself: fully_shard(sequence[{name!r}].block) "
                     f"(or modules inside it)."
