@@ -304,3 +304,88 @@ def test_one_process_needs_no_opt_in() -> None:
     x, y = _data()
     ((model(x) - y) ** 2).mean().backward()
     assert fused.steps_taken > 0 and not fused.independent_processes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `revlib-xla train` under torchrun
+
+
+_TINY_RUN = [
+    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
+    "data.seq_len=16",
+    "data.batch_size=4",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "train.device=cpu",
+    "strategy=reversible",
+]
+
+
+def _lm_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from revlib_xla.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(out_dir / "checkpoints")
+    assert found is not None and found.name == "step_00000003"
+    return load_file(str(found / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_cli_train_under_torchrun_resumes_and_ends_with_one_processs_weights(tmp_path: Path) -> None:
+    """Two processes (gloo) resume a one-process checkpoint of step 1 and train steps 2 and 3, each on half of every
+    batch: the weights rank 0 writes equal one process's after 3 steps on the whole batches, and only rank 0 logs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from revlib_xla.train.config import dump_config, load_config
+    from revlib_xla.train.loop import train
+
+    def cfg(out: Path, steps: int) -> Any:
+        return load_config(None, [*_TINY_RUN, f"train.steps={steps}", f"train.out_dir={out}"])
+
+    train(cfg(tmp_path / "one", 3))
+    train(cfg(tmp_path / "two", 1))  # the checkpoint the processes resume from
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg(tmp_path / "two", 3)))
+    command += ["-m", "revlib_xla.cli", "train", "--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("loss 5.") == 2  # each process's summary: the same global losses
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]  # rank 0's lines only
+    one, two = _lm_weights(tmp_path / "one"), _lm_weights(tmp_path / "two")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["strategy.fused_optimizer=true", "model.overrides.tie_embeddings=false", "optim.grad_clip=0"],
+            "strategy.fused_optimizer=true under 2",
+        ),
+        (["data.batch_size=3"], "data.batch_size=3: 2 processes each train on an equal slice"),
+        (["data.batch_size=4", "optim.grad_accum_steps=4"], "must be a multiple of 8"),
+    ],
+)
+def test_what_several_processes_cannot_run_is_refused_before_joining(
+    overrides: list[str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from revlib_xla.train.config import load_config
+    from revlib_xla.train.distributed import join_processes
+    from revlib_xla.train.strategy import StrategyError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(StrategyError, match=expected):
+        join_processes(load_config(None, [*_TINY_RUN, *overrides]), torch.device("cpu"))
+    assert not dist.is_initialized()
