@@ -2,7 +2,8 @@
 """FSDP2's collectives per training step when the backward recomputes: all-gathers and reduce-scatters of
 ``fully_shard`` with one unit per block (plus the root), for the same blocks run
 
-* ``plain``           - with plain autograd (two streams, ``y1 = x0 + f(x1)``): the baseline;
+* ``plain``           - with plain autograd (``ReversibleSequential(memory_mode=no_savings)``: the same two-stream
+  function, ``y1 = x0 + f(x1)``): the baseline;
 * ``reversible``      - inside a ``ReversibleSequential`` (the backward rebuilds each layer and recomputes its block
   through the unit's ``__call__``, resharding held, the previous block prefetched: :mod:`revlib_xla.fsdp`);
 * ``reversible-root`` - inside a ``ReversibleSequential`` with one unit around the whole model (no unit per block:
@@ -46,18 +47,6 @@ WORLD = 2
 BATCH = 8
 
 
-class TwoStream(nn.Module):
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x0, x1 = x.chunk(2, 1)
-        for block in self.blocks:
-            x0, x1 = x1, x0 + block(x1)
-        return torch.cat([x0, x1], 1)
-
-
 def build(variant: str, blocks: int, width: int, batch: int) -> tuple[nn.Module, list[nn.Module]]:
     """The model of ``variant`` and the modules that become FSDP2 units before the root."""
     torch.manual_seed(0)
@@ -67,7 +56,8 @@ def build(variant: str, blocks: int, width: int, batch: int) -> tuple[nn.Module,
 
     if variant in ("plain", "reversible", "reversible-root"):
         made = [block() for _ in range(blocks)]
-        stack = TwoStream(made) if variant == "plain" else revlib.ReversibleSequential(*made)
+        mode = revlib.MemoryModes.no_savings if variant == "plain" else revlib.MemoryModes.autograd_function
+        stack = revlib.ReversibleSequential(*made, memory_mode=mode)
         model = nn.Sequential(nn.Linear(width, 2 * width), stack, nn.Linear(2 * width, 1))
         return model, [] if variant == "reversible-root" else made
     stages = [revlib.atomic(nn.Sequential(block(), nn.Tanh())) for _ in range(blocks)]

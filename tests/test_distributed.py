@@ -47,27 +47,13 @@ def _block() -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
 
 
-class _TwoStream(nn.Module):
-    """The reversible stack's function with plain autograd: the baseline for FSDP2's collectives."""
-
-    def __init__(self, blocks: list[nn.Module]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x0, x1 = x.chunk(2, 1)
-        for block in self.blocks:
-            x0, x1 = x1, x0 + block(x1)
-        return torch.cat([x0, x1], 1)
-
-
 def _model(kind: str, batch: int = 8) -> nn.Module:
     torch.manual_seed(0)
     if kind == "plain":
         return nn.Sequential(nn.Linear(WIDTH, WIDTH), _block(), nn.Tanh(), _block(), nn.Linear(WIDTH, 1))
-    if kind in ("reversible", "twostream"):
-        blocks = [_block() for _ in range(3)]
-        stack = revlib.ReversibleSequential(*blocks) if kind == "reversible" else _TwoStream(blocks)
+    if kind in ("reversible", "twostream"):  # twostream: the same function with plain autograd (no_savings)
+        mode = revlib.MemoryModes.autograd_function if kind == "reversible" else revlib.MemoryModes.no_savings
+        stack = revlib.ReversibleSequential(*[_block() for _ in range(3)], memory_mode=mode)
         return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), stack, nn.Linear(2 * WIDTH, 1))
     if kind == "planned":  # one stage per block
         stages = [revlib.atomic(nn.Sequential(_block(), nn.Tanh())) for _ in range(3)]
@@ -85,12 +71,9 @@ def _sharded(kind: str, batch: int, mesh: Any) -> nn.Module:
     model = _model(kind.split("-")[0], batch)
     if kind == "reversible-sequence":
         fully_shard(model[1], mesh=mesh)
-    elif kind == "reversible-blocks":
+    elif kind in ("reversible-blocks", "twostream-blocks"):
         for layer in model[1]:
             fully_shard(layer.block, mesh=mesh)
-    elif kind == "twostream-blocks":
-        for block in model[1].blocks:
-            fully_shard(block, mesh=mesh)
     elif kind in ("checkpointable-stages", "planned-blocks"):
         for stage in model[0].stages[1:]:
             fully_shard(stage, mesh=mesh)
