@@ -24,6 +24,8 @@ Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
 Training runs (what ``revlib-xla train`` does, usable from Python):
     the ``train`` module (``train.load_config``, ``train.build_model``, ``train.make_step``, ``train.train``).
+Several processes (DDP and FSDP2 compose with the reversible and planned backwards):
+    the ``fsdp`` module (FSDP2 units per block inside them; ``fsdp.counting_collectives`` counts all-gathers).
 HuggingFace transformers models (the ``[hf]`` extra):
     the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
     ``hf.model_from_config``).
@@ -47,7 +49,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from . import planner
+from . import fsdp, planner
 from .checkpointable import Checkpointable, atomic, flatten_sequential
 from .core import TensorOffload, replace_grad, reverse_and_swap
 from .coupling import (
@@ -119,6 +121,8 @@ __all__ = [
     "models",
     "train",
     "fit",
+    # several processes
+    "fsdp",
     # HuggingFace transformers models
     "hf",
     # RevLib compatibility

@@ -56,7 +56,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from . import backend
+from . import backend, fsdp
 
 __all__ = [
     "OptimizerFactory",
@@ -376,6 +376,22 @@ class StepsInBackward(Protocol):
         """Stop using ``optimizer`` if it is the one attached (its fusion was removed)."""
 
 
+def _refuse_fsdp_units(model: nn.Module, where: str) -> None:
+    """FSDP2 writes each sharded parameter's ``.grad`` after its reduce-scatter instead of accumulating it, so no
+    post-accumulate-grad hook fires and a fused step would never run: refused rather than training nothing."""
+    unit_type = fsdp.fsdp_module_type()
+    if unit_type is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, unit_type):
+            raise FusedOptimizerError(
+                f"{where}: the module {name or type(module).__name__!r} is an FSDP2 unit (fully_shard). FSDP2 sets "
+                f"each sharded parameter's gradient after reducing it across processes, without autograd's "
+                f"accumulation, so a fused step would never run. Use an unfused optimizer (optimizer.step() after "
+                f"backward)."
+            )
+
+
 class _HookedFusedOptimizer(FusedOptimizer):
     """A :class:`FusedOptimizer` driven by post-accumulate-grad hooks; :meth:`remove` undoes :func:`fuse_optimizer`.
 
@@ -418,6 +434,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
                 f"fused optimizer: the model no longer has parameter {missing[0]!r}; fuse the "
                 f"model again after changing it"
             )
+        _refuse_fsdp_units(self._model, "fused optimizer")
         for h in self._param_hooks:
             h.remove()
         self.rebind([[current[n]] for n in self._paths])
@@ -481,6 +498,7 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
     """
     if not isinstance(model, nn.Module):
         raise FusedOptimizerError(f"fuse_optimizer expects an nn.Module, got {type(model).__name__}")
+    _refuse_fsdp_units(model, "fuse_optimizer")
     shared = _shared_parameters(model)
     if shared:
         paths = next(iter(shared.values()))

@@ -41,7 +41,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from . import _tree, backend
+from . import _tree, backend, fsdp
 from . import scan as _scan
 from ._grad_destination import GradDestination, node_destination
 from .coupling import (
@@ -314,32 +314,6 @@ def _refuse_kv_caches(args: Sequence[Any], kwargs: dict[str, Any], layerwise: LA
             )
 
 
-def _fsdp_module_type() -> type | None:
-    """FSDP2's module class, if torch's FSDP2 is loaded (its home moved in torch 2.6)."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        found = getattr(sys.modules.get(name), "FSDPModule", None)
-        if isinstance(found, type):
-            return found
-    return None
-
-
-def _refuse_inner_fsdp_units(sequence: nn.Module) -> None:
-    """Refuse FSDP2 units (``fully_shard``) inside a sequence whose backward rebuilds: the recomputation runs the
-    blocks outside FSDP's forward/backward bookkeeping, and their gradients came out wrong without an error."""
-    unit_type = _fsdp_module_type()
-    if unit_type is None:
-        return
-    for name, module in sequence.named_modules():
-        if name and isinstance(module, unit_type):
-            raise ReversibleError(
-                f"ReversibleSequential: the module {name!r} inside it is sharded by FSDP2's fully_shard. The "
-                f"reversible backward runs each block again outside FSDP's forward/backward bookkeeping, so "
-                f"sharding units inside the sequence gives wrong gradients. Call fully_shard on the "
-                f"ReversibleSequential itself (or on a module around it) instead: its blocks then train with exact "
-                f"gradients, the whole sequence unsharded during its forward and backward."
-            )
-
-
 def _available_device(target_device: str | torch.device) -> torch.device:
     """``target_device`` as a device this machine has, or a :class:`ReversibleError` saying which it has."""
     try:
@@ -396,6 +370,7 @@ class _Plan:
     fused_done: list[list[int]] | None = None  # per layer: positions (in layer_params) of the fused-stepped ones
     walk: tuple[Tensor, Tensor, Any] | None = None  # the backward walk: the streams the next layer's backward
     # rebuilt, and what it finished (see _layer_backward)
+    fsdp_units: list[fsdp.LayerUnits | None] | None = None  # per layer: the FSDP2 units inside its block
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -741,6 +716,10 @@ def _layer_backward(
     off = plan.offload
     tensors = None
     used = [j for j, dest in enumerate(want.params) if dest is not _UNUSED]  # positions in plan.layer_params[i]
+    units = plan.fsdp_units[i] if plan.fsdp_units is not None else None
+    accumulated: list[int] = []  # with FSDP2 units: used positions, whose unsharded parameters FSDP2 reduces
+    if units is not None:
+        accumulated, used = used, units.split(used)
     layer_params: Sequence[Tensor]
     if off is None:
         layer_params = plan.own_params[i]
@@ -759,9 +738,10 @@ def _layer_backward(
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
     y0, y1, dy0, dy1 = backend.optimization_barrier([y0, y1, dy0, dy1, *layer_params, *_finished(later)])[:4]
     replaced: contextlib.AbstractContextManager[Any] = _NOTHING
-    if off is None and used and any(layer_params[j]._backward_hooks for j in used):
+    if off is None and used and (units is not None or any(layer_params[j]._backward_hooks for j in used)):
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
         # would run their tensor hooks, which run again when the engine accumulates the gradients returned here.
+        # (With FSDP2 units, the gradients of the rest are accumulated where FSDP2 reduces them, see fsdp.LayerUnits.)
         aliases = {j: layer_params[j].detach().requires_grad_() for j in used}
         replaced = _parameters_replaced(plan.param_slots[i], aliases)
         own_params = list(aliases.values())
@@ -769,7 +749,10 @@ def _layer_backward(
         own_params = [layer_params[j] for j in used]
     args, kwargs = plan.args_for(i, recompute_args)
     saved = plan.saved_buffers[i]  # the forward's buffer values; the current ones are put back after the gradient
-    with saved.replayed(plan.buffers_of(i, tensors)) if saved is not None else _NOTHING:
+    with (
+        saved.replayed(plan.buffers_of(i, tensors)) if saved is not None else _NOTHING,
+        units.recomputing(want.previous) if units is not None else _NOTHING,
+    ):
         reseed(plan.seed_of(i))
         with torch.enable_grad(), ctx.layer_autocast():
             x1 = y0.detach().requires_grad_(want.x1)
@@ -795,7 +778,10 @@ def _layer_backward(
                 if plan.stream_dtype is not None:
                     out = out.to(plan.stream_dtype)
         inputs = [*x0_leaf, *([x1] if want.x1 else []), *own_params, *own_args]
-        grads = list(_vjp(out, inputs, dy1)) if inputs else []
+        if units is not None:
+            grads = units.vjp(out, inputs, dy1, accumulated)
+        else:
+            grads = list(_vjp(out, inputs, dy1)) if inputs else []
     del fn_out, out, tensors, own_params, layer_params, inputs
     grads.reverse()  # popped in the order of the inputs
     dx0 = None
@@ -1292,7 +1278,7 @@ class ReversibleSequential(nn.Sequential):
                         plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
-            _refuse_inner_fsdp_units(self)
+            plan.fsdp_units = self._fsdp_units(plan)
             if self._verifies(plan, x0):
                 _check_plan(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):
@@ -1300,6 +1286,29 @@ class ReversibleSequential(nn.Sequential):
                 x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
+
+    def _fsdp_units(self, plan: _Plan) -> list[fsdp.LayerUnits | None] | None:
+        """The FSDP2 units inside the blocks, per layer (see :mod:`revlib_xla.fsdp`), refusing the layouts the
+        reversible backward cannot run exactly."""
+        try:
+            units = fsdp.layer_units(
+                plan.layers, [w.wrapped_module for w in plan.wrappers], plan.names, plan.param_slots
+            )
+        except fsdp.FSDPLayoutError as err:
+            raise ReversibleError(str(err)) from None
+        if units is not None and self.fused_optimizer_factory is not None:
+            raise FusedOptimizerError(
+                "ReversibleSequential: fused_optimizer steps each layer from the gradients its backward computes, but "
+                "some blocks are FSDP2 units (fully_shard), whose gradients FSDP2 reduce-scatters across processes "
+                "after the layer's backward: build the sequence without fused_optimizer and step an unfused optimizer."
+            )
+        if units is not None and plan.offload is not None:
+            raise ReversibleError(
+                "ReversibleSequential: target_device streams each block's parameters to the device, but some blocks "
+                "are FSDP2 units (fully_shard), which hold their parameters sharded across processes: use one or the "
+                "other (FSDP2's CPUOffloadPolicy offloads sharded parameters)."
+            )
+        return units
 
     def _verifies(self, plan: _Plan, streams: Tensor) -> bool:
         """Whether this forward runs :func:`check_invertible` first (see ``verify_inverse``): once per pair of

@@ -156,6 +156,8 @@ def test_capabilities_of_the_eager_families():
     )
     assert cuda.host_offload is backends.HostOffload.STREAM_COPY and cuda.autocast_device_type == "cuda"
     assert not meta.holds_data and not meta.takes_generators and meta.autocast_device_type is None
+    assert (cpu.process_group_backend, cuda.process_group_backend, meta.process_group_backend) == ("gloo", "nccl", None)
+    assert cpu.process_device(torch.device("cpu"), 1) == torch.device("cpu")
     assert backend.default_generator("cpu") is torch.default_generator
     assert backend.free_memory("cpu") is None and backend.sizing_generation("cpu", "v5e") is None
     assert backend.is_host_memory("cpu") and not backend.is_host_memory("meta") and not backend.is_host_memory("mps")

@@ -1,7 +1,8 @@
 """Data parallelism across processes (gloo on the CPU): the reversible backward and the planner's schedules compose
-with ``DistributedDataParallel`` unchanged and with FSDP2 (``fully_shard``) on the modules around them or on the
-planner's stages; FSDP2 units inside a ``ReversibleSequential`` and a fused optimizer are refused, before any weight
-moves.
+with ``DistributedDataParallel`` unchanged and with FSDP2 (``fully_shard``) on the modules around them, on the
+planner's stages and on each block inside a ``ReversibleSequential`` (with as many all-gathers and reduce-scatters as
+plain FSDP2 on the same blocks); the FSDP2 layouts a recomputing backward cannot run, and a fused optimizer, are
+refused, before any weight moves.
 
 Two processes each take half of the batch; after two SGD steps every parameter must equal the single-process run on
 the whole batch (the mean loss over the halves is the mean over the whole batch, and DDP averages the gradients).
@@ -23,12 +24,21 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import revlib_xla as revlib
+from revlib_xla.fsdp import counting_collectives, fully_shard_function
 
 WIDTH = 8
 STEPS = 2
 WORLD = 2
 CASES = ("plain", "reversible", "checkpointable")
-FSDP_CASES = ("reversible-root", "reversible-sequence", "checkpointable-stages")
+FSDP_CASES = (
+    "reversible-root",
+    "reversible-sequence",
+    "checkpointable-stages",
+    "reversible-blocks",
+    "twostream-blocks",
+    "planned-blocks",
+)
+REFUSED_LAYOUTS = ("reversible-layer-unit", "reversible-shared-unit")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -41,39 +51,34 @@ def _model(kind: str, batch: int = 8) -> nn.Module:
     torch.manual_seed(0)
     if kind == "plain":
         return nn.Sequential(nn.Linear(WIDTH, WIDTH), _block(), nn.Tanh(), _block(), nn.Linear(WIDTH, 1))
-    if kind == "reversible":
-        stack = revlib.ReversibleSequential(*[_block() for _ in range(3)])
+    if kind in ("reversible", "twostream"):  # twostream: the same function with plain autograd (no_savings)
+        mode = revlib.MemoryModes.autograd_function if kind == "reversible" else revlib.MemoryModes.no_savings
+        stack = revlib.ReversibleSequential(*[_block() for _ in range(3)], memory_mode=mode)
         return nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), stack, nn.Linear(2 * WIDTH, 1))
-    chain = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[nn.Sequential(_block(), nn.Tanh()) for _ in range(3)])
+    if kind == "planned":  # one stage per block
+        stages = [revlib.atomic(nn.Sequential(_block(), nn.Tanh())) for _ in range(3)]
+        chain = nn.Sequential(nn.Linear(WIDTH, WIDTH), *stages)
+    else:
+        chain = nn.Sequential(nn.Linear(WIDTH, WIDTH), *[nn.Sequential(_block(), nn.Tanh()) for _ in range(3)])
     planned = revlib.Checkpointable(chain, torch.zeros(batch, WIDTH))  # measured at the batch it will run
     planned.compute_sequence(planned.min_memory() * 1.05)  # the smallest schedule: it recomputes
     return nn.Sequential(planned, nn.Linear(WIDTH, 1))
 
 
-def _fully_shard() -> Any:
-    """FSDP2's ``fully_shard`` (its home moved in torch 2.6), or None."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        try:
-            from torch.distributed._composable.fsdp import fully_shard
-        except ImportError:
-            return None
-    return fully_shard
-
-
 def _sharded(kind: str, batch: int, mesh: Any) -> nn.Module:
     """The model of ``kind``'s first word, with FSDP2 units where the rest of ``kind`` says."""
-    fully_shard = _fully_shard()
+    fully_shard = fully_shard_function()
     model = _model(kind.split("-")[0], batch)
     if kind == "reversible-sequence":
         fully_shard(model[1], mesh=mesh)
-    elif kind == "reversible-blocks":
+    elif kind in ("reversible-blocks", "twostream-blocks"):
         for layer in model[1]:
-            fully_shard(layer.wrapped_module.wrapped_module, mesh=mesh)
-    elif kind == "checkpointable-stages":
+            fully_shard(layer.block, mesh=mesh)
+    elif kind in ("checkpointable-stages", "planned-blocks"):
         for stage in model[0].stages[1:]:
             fully_shard(stage, mesh=mesh)
+    elif kind == "reversible-layer-unit":
+        fully_shard(model[1][1], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
@@ -90,14 +95,33 @@ def _fsdp_cases(rank: int, xs: torch.Tensor, ys: torch.Tensor, results: dict[str
             optimizer.step()
             optimizer.zero_grad()
 
-        _train(model, step, xs, ys)
+        _train(model, step, xs, ys, STEPS - 1)
+        with counting_collectives() as count:  # the last step: FSDP2 is initialized
+            _train(model, step, xs, ys, 1)
+        results[f"{kind}:collectives"] = (count.all_gathers, count.reduce_scatters)
         results[kind] = [p.full_tensor().detach().clone() for p in model.parameters()]
+    for kind in REFUSED_LAYOUTS:
+        if kind == "reversible-shared-unit":
+            torch.manual_seed(0)
+            block = _block()
+            model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), revlib.ReversibleSequential(block, block))
+            fully_shard_function()(block, mesh=mesh)
+            fully_shard_function()(model, mesh=mesh)
+        else:
+            model = _sharded(kind, len(xs), mesh)
+        try:
+            model(xs).mean().backward()
+            results[kind] = "no error"
+        except revlib.ReversibleError as exc:
+            results[kind] = str(exc)
     model = _sharded("reversible-blocks", len(xs), mesh)
+    before = [p.full_tensor().detach().clone() for p in model.parameters()]
     try:
-        ((model(xs) - ys) ** 2).mean().backward()
-        results["reversible-blocks"] = "no error"
-    except revlib.ReversibleError as exc:
-        results["reversible-blocks"] = str(exc)
+        revlib.fuse_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        results["fused-fsdp"] = "no error"
+    except revlib.FusedOptimizerError as exc:
+        unchanged = all(torch.equal(a, p.full_tensor()) for a, p in zip(before, model.parameters()))
+        results["fused-fsdp"] = (str(exc), unchanged)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,8 +129,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, WIDTH, generator=generator), torch.randn(8, 1, generator=generator)
 
 
-def _train(model: nn.Module, step: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-    for _ in range(STEPS):
+def _train(model: nn.Module, step: Any, x: torch.Tensor, y: torch.Tensor, steps: int = STEPS) -> None:
+    for _ in range(steps):
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
         step()
@@ -157,7 +181,7 @@ def _worker(rank: int, initfile: str, out: str) -> None:
             model.zero_grad(set_to_none=True)
             ((model(xs) - ys) ** 2).mean().backward()
             results[f"independent-{kind}"] = fused.steps_taken
-        if _fully_shard() is not None:
+        if fully_shard_function() is not None:
             _fsdp_cases(rank, xs, ys, results)
     except Exception:  # reported to the parent, which fails the test with it
         results["error"] = traceback.format_exc()
@@ -194,20 +218,47 @@ def test_ddp_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], 
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_fully_shard() is None, reason="this torch has no FSDP2 (fully_shard)")
+@pytest.mark.skipif(fully_shard_function() is None, reason="this torch has no FSDP2 (fully_shard)")
 @pytest.mark.parametrize("kind", FSDP_CASES)
 def test_fsdp2_equals_one_process_on_the_whole_batch(ranks: list[dict[str, Any]], kind: str) -> None:
     _assert_every_rank_equals_one_process(ranks, kind)
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_fully_shard() is None, reason="this torch has no FSDP2 (fully_shard)")
-def test_fsdp2_units_inside_a_reversible_sequence_are_refused(ranks: list[dict[str, Any]]) -> None:
+@pytest.mark.skipif(fully_shard_function() is None, reason="this torch has no FSDP2 (fully_shard)")
+def test_fsdp2_units_per_block_cost_the_collectives_of_plain_fsdp2(ranks: list[dict[str, Any]]) -> None:
+    """A unit per block inside the reversible stack: recomputing each block costs no extra all-gather (resharding
+    held through the recomputation, the previous block prefetched), measured against the same units around the
+    same blocks run with plain autograd; every unit reduces its gradients once."""
     for result in ranks:
-        message = result["reversible-blocks"]
-        assert message != "no error", "FSDP2 units inside a ReversibleSequential trained with wrong gradients"
-        assert "is sharded by FSDP2's fully_shard" in message
-        assert "Call fully_shard on the ReversibleSequential itself" in message
+        gathers, reductions = result["reversible-blocks:collectives"]
+        plain_gathers, plain_reductions = result["twostream-blocks:collectives"]
+        assert plain_gathers == 7 and plain_reductions == 4  # the root and 3 blocks: forward, backward; reduce
+        assert gathers <= 1.1 * plain_gathers, (gathers, plain_gathers)
+        assert reductions == plain_reductions
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fully_shard_function() is None, reason="this torch has no FSDP2 (fully_shard)")
+def test_fsdp2_layouts_the_reversible_backward_cannot_run_are_refused(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        layer = result["reversible-layer-unit"]
+        assert layer != "no error", "an FSDP2 unit on a reversible layer trained on sharded parameters"
+        assert "the module '0-1' (a layer) is an FSDP2 unit" in layer
+        assert "fully_shard(sequence['0-1'].block)" in layer
+        shared = result["reversible-shared-unit"]
+        assert shared != "no error", "one FSDP2 unit recomputed by two layers trained on sharded parameters"
+        assert "is run by layer '0-0' and by layer '0-1'" in shared
+        assert "one fully_shard per block" in shared
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(fully_shard_function() is None, reason="this torch has no FSDP2 (fully_shard)")
+def test_fused_optimizer_refuses_fsdp2_units_before_any_weight_moves(ranks: list[dict[str, Any]]) -> None:
+    for result in ranks:
+        message, unchanged = result["fused-fsdp"]
+        assert "is an FSDP2 unit (fully_shard)" in message and "Use an unfused optimizer" in message
+        assert unchanged
 
 
 @pytest.mark.slow
@@ -236,3 +287,88 @@ def test_one_process_needs_no_opt_in() -> None:
     x, y = _data()
     ((model(x) - y) ** 2).mean().backward()
     assert fused.steps_taken > 0 and not fused.independent_processes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# `revlib-xla train` under torchrun
+
+
+_TINY_RUN = [
+    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
+    "data.seq_len=16",
+    "data.batch_size=4",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=1",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "train.device=cpu",
+    "strategy=reversible",
+]
+
+
+def _lm_weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from revlib_xla.train.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(out_dir / "checkpoints")
+    assert found is not None and found.name == "step_00000003"
+    return load_file(str(found / "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_cli_train_under_torchrun_resumes_and_ends_with_one_processs_weights(tmp_path: Path) -> None:
+    """Two processes (gloo) resume a one-process checkpoint of step 1 and train steps 2 and 3, each on half of every
+    batch: the weights rank 0 writes equal one process's after 3 steps on the whole batches, and only rank 0 logs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from revlib_xla.train.config import dump_config, load_config
+    from revlib_xla.train.loop import train
+
+    def cfg(out: Path, steps: int) -> Any:
+        return load_config(None, [*_TINY_RUN, f"train.steps={steps}", f"train.out_dir={out}"])
+
+    train(cfg(tmp_path / "one", 3))
+    train(cfg(tmp_path / "two", 1))  # the checkpoint the processes resume from
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    config = tmp_path / "run.yaml"
+    config.write_text(dump_config(cfg(tmp_path / "two", 3)))
+    command += ["-m", "revlib_xla.cli", "train", "--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("loss 5.") == 2  # each process's summary: the same global losses
+    records = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [1, 2, 3]  # rank 0's lines only
+    one, two = _lm_weights(tmp_path / "one"), _lm_weights(tmp_path / "two")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["strategy.fused_optimizer=true", "model.overrides.tie_embeddings=false", "optim.grad_clip=0"],
+            "strategy.fused_optimizer=true under 2",
+        ),
+        (["data.batch_size=3"], "data.batch_size=3: 2 processes each train on an equal slice"),
+        (["data.batch_size=4", "optim.grad_accum_steps=4"], "must be a multiple of 8"),
+    ],
+)
+def test_what_several_processes_cannot_run_is_refused_before_joining(
+    overrides: list[str], expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from revlib_xla.train.config import load_config
+    from revlib_xla.train.distributed import join_processes
+    from revlib_xla.train.strategy import StrategyError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(StrategyError, match=expected):
+        join_processes(load_config(None, [*_TINY_RUN, *overrides]), torch.device("cpu"))
+    assert not dist.is_initialized()

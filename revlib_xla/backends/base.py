@@ -142,6 +142,10 @@ class Backend:
     statistics_source: str = "torch.accelerator.max_memory_allocated"
     #: Order in which :func:`revlib_xla.backend.default_device` prefers families that have hardware here.
     preference: int = 0
+    #: The ``torch.distributed`` backend that reduces the family's tensors across processes (``gloo`` on the host,
+    #: ``nccl`` on CUDA), or ``None`` where the family does not train with several processes (XLA: one process
+    #: drives every chip through SPMD).
+    process_group_backend: str | None = None
 
     # -- presence --------------------------------------------------------------------------------------------
     def available(self, device: torch.device) -> bool:
@@ -156,6 +160,11 @@ class Backend:
         """The family's device when this machine has real hardware for it (a run should go there by default),
         else ``None``."""
         return None
+
+    def process_device(self, device: torch.device, local_rank: int) -> torch.device:
+        """The device the process of ``local_rank`` (its index among the processes on this machine) trains on,
+        made current for it: one device per process where the family has several (CUDA), else ``device``."""
+        return device
 
     # -- steps -----------------------------------------------------------------------------------------------
     def cut_step(self, device: torch.device) -> None:

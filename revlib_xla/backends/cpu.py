@@ -16,6 +16,7 @@ class CpuBackend(Backend):
     host_offload = HostOffload.ALREADY_HOST
     autocast_device_type: str | None = "cpu"
     memory_is_host = True
+    process_group_backend: str | None = "gloo"
 
     def available(self, device: torch.device) -> bool:
         return True
@@ -41,6 +42,7 @@ class MetaBackend(CpuBackend):
     takes_generators = False
     autocast_device_type = None
     memory_is_host = False
+    process_group_backend = None
 
     def default_generator(self, device: torch.device) -> torch.Generator | None:
         return None

@@ -25,6 +25,7 @@ class CudaBackend(Backend):
     autocast_device_type: str | None = "cuda"
     preference = 20
     statistics_source = "torch.cuda.max_memory_allocated"
+    process_group_backend: str | None = "nccl"
 
     def __init__(self) -> None:
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -37,6 +38,10 @@ class CudaBackend(Backend):
 
     def hardware_device(self) -> torch.device | None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+    def process_device(self, device: torch.device, local_rank: int) -> torch.device:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
 
     def synchronize(self, device: torch.device | None) -> None:
         if torch.cuda.is_available():

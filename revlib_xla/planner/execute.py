@@ -13,6 +13,7 @@ outputs may be tensors or tuples, lists, dicts and named tuples of them (``torch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backend, fsdp
 from .._grad_destination import GradDestination, grad_destination
 from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
@@ -136,7 +137,7 @@ class _Run:
         saved = self.saved.get(i)
         tensors = [b for _, b in self.buffers[i]]
         current = saved.swap_in(tensors) if saved is not None else None
-        with self.replay.rerun(i):
+        with self.replay.rerun(i), fsdp.recomputing(stage) if torch.is_grad_enabled() else contextlib.nullcontext():
             out = fn(x)
         if saved is not None and current is not None:
             if torch.is_grad_enabled():  # the stage's backward may read them: put back after it

@@ -30,6 +30,7 @@ from .. import backend
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
+from .distributed import SilentLogger, distribute, join_processes, per_process_step
 from .metrics import MetricsLogger, device_memory
 from .strategy import (
     build_model,
@@ -127,15 +128,15 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     ``train.resume`` and one exists) and return what it did. ``crash_after``: stop right after that step without
     saving anything, as a killed process would (for tests of resume)."""
     start_time = time.perf_counter()
-    device = resolve_device(cfg)
+    processes, device = join_processes(cfg, resolve_device(cfg))  # under torchrun: this process's place and device
     lm_config = model_config(cfg)
     data = load_data(cfg, lm_config.vocab_size)
     sampler = BatchSampler(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.seed)
     val = eval_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
-    model = build_model(cfg, device)
+    model = distribute(build_model(cfg, device), processes)
     model.train()
     optimizer = build_optimizer(cfg, model)
-    step_fn = make_step(cfg, model, optimizer)
+    step_fn = per_process_step(make_step(cfg, model, optimizer), processes)
     lm = language_model(model)
     out = Path(cfg.train.out_dir)
     ckpt_dir = out / "checkpoints"
@@ -154,7 +155,8 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     from ..models.llama import train_flops_per_token
 
     _, peak = chip_spec(cfg.chip.name)
-    logger = MetricsLogger(
+    main = processes is None or processes.main  # logs and writes checkpoints
+    logger = (MetricsLogger if main else SilentLogger)(
         out,
         cfg.train.steps,
         start,
@@ -209,7 +211,9 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
             if crash_after is not None and done == crash_after:
                 break
             periodic = cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
-            if periodic or last or stop.signal:
+            if processes is not None and processes.any(stop.signal is not None):
+                stop.signal = stop.signal or "SIGTERM"  # another process was asked to stop: stop after the same step
+            if (periodic or last or stop.signal) and main:
                 last_ckpt = save(done, {"loss": losses.get(done, float("nan"))})
                 window_start = time.perf_counter()
             if stop.signal:
@@ -218,6 +222,8 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
                     f"Run the same command again to resume"
                 )
                 break
+    if processes is not None:
+        processes.end()
     return TrainResult(
         start_step=start,
         final_step=done,
