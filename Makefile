@@ -62,9 +62,10 @@ test: lint
 test-fast: venv
 	$(PY) $(PYTEST_N) -m "not slow" tests
 
-# The suite on the newer torch; what needs torch_xla, jax or libtpu skips with its reason.
+# The suite on the newer torch without the tests marked slow (the compatibility check; the slow end-to-end runs are
+# in `make test`); what needs torch_xla, jax or libtpu skips with its reason.
 test-newer: venv-newer
-	$(NEWER_PY) $(PYTEST_N) tests
+	$(NEWER_PY) $(PYTEST_N) -m "not slow" tests
 
 # The user's first command: revlib-xla train on the cpu-smoke config (a falling loss in under 2 minutes on a 2-core
 # CPU), then the memory table of one step against depth (eager and the deviceless TPU compile).
