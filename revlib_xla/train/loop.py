@@ -36,6 +36,7 @@ from .strategy import (
     build_optimizer,
     chip_spec,
     compute_device,
+    flops_per_token,
     language_model,
     lm_loss,
     lr_at,
@@ -151,15 +152,13 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     else:
         backend.manual_seed(device, cfg.train.seed)
 
-    from ..models.llama import train_flops_per_token
-
     _, peak = chip_spec(cfg.chip.name)
     logger = MetricsLogger(
         out,
         cfg.train.steps,
         start,
         cfg.data.batch_size * cfg.data.seq_len,
-        train_flops_per_token(lm_config, cfg.data.seq_len),
+        flops_per_token(cfg),
         peak * cfg.chip.chips,
         progress=cfg.train.progress,
     )
