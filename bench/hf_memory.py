@@ -77,14 +77,16 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def plan_at(reference: torch.nn.Module, ids: torch.Tensor, target: int) -> tuple[torch.nn.Module, int, float]:
+def plan_at(
+    reference: torch.nn.Module, ids: torch.Tensor, target: int, probes: int
+) -> tuple[torch.nn.Module, int, float]:
     """The plan converted model with the largest budget found whose peak is within ``target`` bytes."""
     model = memory_efficient(copy.deepcopy(reference), "plan")
     step(model, ids)
     cp = model.revlib_xla_conversion.checkpointable
     low, high = cp.min_memory(), cp.no_checkpoint_memory()
     best: tuple[float, int] | None = None
-    for _ in range(6):
+    for _ in range(probes):
         budget = high if best is None and low >= high else (low + high) / 2
         cp.compute_sequence(budget)
         got = memory.eager_peak(step, model, ids).total
@@ -110,7 +112,7 @@ def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def run(models: list[str], depths: list[int], batch: int, seq: int, repeats: int) -> list[dict[str, Any]]:
+def run(models: list[str], depths: list[int], batch: int, seq: int, repeats: int, probes: int) -> list[dict[str, Any]]:
     rows = []
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     for model_name in models:
@@ -122,7 +124,7 @@ def run(models: list[str], depths: list[int], batch: int, seq: int, repeats: int
                 "reversible": memory_efficient(copy.deepcopy(base), "reversible"),
             }
             peaks = {k: peak(m, ids).total for k, m in models.items()}
-            plan_model, plan_peak, budget = plan_at(base, ids, peaks["hf-checkpointing"])
+            plan_model, plan_peak, budget = plan_at(base, ids, peaks["hf-checkpointing"], probes)
             models["plan@hf"] = plan_model
             peaks["plan@hf"] = plan_peak
             times = timed(models, ids, repeats)
@@ -224,6 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="depths 2 and 4, batch 2 x 32 (a smoke test)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (of 256 tokens)")
+    parser.add_argument("--probes", type=int, default=6, help="plan@hf: budgets tried in the bisection")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: llama,gpt2")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument(
@@ -238,13 +242,14 @@ def main() -> None:
         meta["load_after"] = parts[-1]["meta"]["load_after"]
         write([r for part in parts for r in part["rows"]], meta, out / "hf_memory-cpu")
         return
-    depths, batch, seq = ([2, 4], 2, 32) if args.quick else ([4, 8, 16, 32], 4, 256)
+    # deepest first: the depth the criteria are about is measured first on a slow machine
+    depths, batch, seq = ([4, 2], 2, 32) if args.quick else ([32, 16, 8, 4], args.batch, 256)
     load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     warnings.filterwarnings("ignore")
     import transformers
 
     models = args.models.split(",")
-    rows = run(models, depths, batch, seq, args.repeats)
+    rows = run(models, depths, batch, seq, args.repeats, args.probes)
     meta = {
         "date": datetime.date.today().isoformat(),
         "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",

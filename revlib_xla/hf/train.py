@@ -96,12 +96,15 @@ def hf_spec(cfg: Any) -> HFSpec:
     model = _meta_model(cfg)
     config: Any = model.config
     params = {id(p): p for p in model.parameters()}
-    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    matmul += sum(  # GPT-2's projections are transformers' Conv1D: matrices all the same
-        m.weight.numel() for m in model.modules() if type(m).__name__ == "Conv1D" and hasattr(m, "weight")
+    # every matmul's weights: nn.Linear, and GPT-2's projections (transformers' Conv1D, a matrix all the same)
+    matmul = sum(
+        int(m.weight.numel())
+        for m in model.modules()
+        if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(m.weight, torch.Tensor))
     )
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    hf: Any = model
+    head = hf.get_output_embeddings()
+    tied = head is not None and head.weight is hf.get_input_embeddings().weight
     heads = int(getattr(config, "num_attention_heads", 0) or getattr(config, "n_head", 0))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // max(heads, 1)
     return HFSpec(
@@ -174,7 +177,8 @@ def build_hf_lm(
         model.to(dtype)
     model.train()
     if s.activations == "checkpoint":
-        model.gradient_checkpointing_enable()  # transformers' own, per layer
+        hf: Any = model  # transformers' own, per layer (5.23's name, else 5.15-5.22's)
+        (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
     if s.activations in ("plan", "reversible", "momentum"):
         memory_efficient(
             model,

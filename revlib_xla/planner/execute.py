@@ -14,6 +14,7 @@ outputs may be tensors or tuples, lists, dicts and named tuples of them (``torch
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -55,13 +56,16 @@ class StagesToRun(Protocol):
 
 
 def _input_grads(x: Any) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of a stage's input leaves, taken off the leaves: autograd's graph may keep a leaf alive (its
-    AccumulateGrad node) after the leaf is dropped, and the gradient must not live as long."""
+    """The gradients of a stage's input leaves (made by ``grad_leaves`` for this run), taken off the leaves, whose
+    values are released too: autograd's graph may keep a leaf alive (its AccumulateGrad node, e.g. held by a
+    module hook's reference cycle until Python's garbage collector runs) after the leaf is dropped, and neither its
+    gradient nor the input it aliases must live as long."""
     grads = []
     for t in tensor_leaves(x):
         grads.append(t.grad if t.requires_grad else None)
         if t.requires_grad:
             t.grad = None
+            t.data = t.new_empty(0)
     return tuple(grads)
 
 
@@ -74,16 +78,15 @@ def _takes_edges() -> bool:
 _EDGE_ROOTS = _takes_edges()
 
 
-_ZEROS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+@functools.lru_cache(maxsize=64)
+def _stand_in_of(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
 
 
 def _stand_in(grad: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``grad``'s shape, dtype and device that holds no memory of its own (a broadcast zero, one per
-    dtype and device, kept across steps)."""
-    key = (grad.dtype, grad.device)
-    if key not in _ZEROS:
-        _ZEROS[key] = torch.zeros((), dtype=grad.dtype, device=grad.device)
-    return _ZEROS[key].expand_as(grad)
+    """A tensor of ``grad``'s shape, dtype and device that holds no memory of its own (a broadcast zero, kept
+    across steps: nothing is allocated in a step after the first)."""
+    return _stand_in_of(grad.dtype, grad.device, grad.shape)
 
 
 def _roots(out: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[list[Any], list[torch.Tensor]]:
