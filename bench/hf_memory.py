@@ -2,8 +2,9 @@
 """revlib_xla.hf against transformers' own gradient checkpointing, on the same model and batch.
 
 For a small Llama and a small GPT-2 (``revlib_xla.hf.model_from_config``, random weights, float32; hidden 256, 4
-heads, byte vocabulary 256) at depth 4/8/16/32, on a batch of 4 x 256 tokens (a layer boundary is 1 MiB, one layer's
-activations some 15 MiB, the logits 1 MiB: the layers, not the LM head, are what is measured), one training step
+heads, byte vocabulary 256) at depth 32/16/8/4 (deepest first), on a batch of ``--batch`` (default 4) x 256 tokens (at
+4, a layer boundary is 1 MiB, one layer's activations some 15 MiB, the logits 1 MiB: the layers, not the LM head, are
+what is measured), one training step
 (forward with labels, backward; ``use_cache=False``) of:
 
 * ``plain``: the model as built;

@@ -97,11 +97,10 @@ def hf_spec(cfg: Any) -> HFSpec:
     config: Any = model.config
     params = {id(p): p for p in model.parameters()}
     # every matmul's weights: nn.Linear, and GPT-2's projections (transformers' Conv1D, a matrix all the same)
-    matmul = sum(
-        int(m.weight.numel())
-        for m in model.modules()
-        if isinstance(m, nn.Linear) or (type(m).__name__ == "Conv1D" and isinstance(m.weight, torch.Tensor))
-    )
+    weights: list[Any] = [
+        getattr(m, "weight", None) for m in model.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    ]
+    matmul = sum(int(w.numel()) for w in weights if isinstance(w, torch.Tensor))
     hf: Any = model
     head = hf.get_output_embeddings()
     tied = head is not None and head.weight is hf.get_input_embeddings().weight
