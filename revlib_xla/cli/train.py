@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(cfg)
     s = cfg.strategy
     print(
-        f"revlib-xla train: {cfg.model.name} on {device}, strategy activations={s.activations}"
+        f"revlib-xla train: {cfg.model.hf_config or cfg.model.name} on {device}, strategy activations={s.activations}"
         + (f" fewbit={s.fewbit}" if s.fewbit else "")
         + "".join(f" offload.{k}" for k, v in s.offload.model_dump().items() if v)
         + (" fused_optimizer" if s.fused_optimizer else "")

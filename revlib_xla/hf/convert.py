@@ -370,6 +370,12 @@ def _disable_hf_checkpointing(model: nn.Module, layers: list[nn.Module]) -> None
     disable()
 
 
+def convert_layer_activations(layers: list[nn.Module], bits: int) -> None:
+    """The MLP activations of ``layers`` (transformers' activation classes included) with few-bit derivatives."""
+    for layer in layers:
+        _fewbit.map_module(layer, lambda m: _fewbit.convert_activation(m, bits=bits))
+
+
 def memory_efficient(
     model: nn.Module,
     strategy: str = "plan",
@@ -412,8 +418,7 @@ def memory_efficient(
         branches = [Branches.of(layer) for layer in layers]  # refuses unsplittable layers before changing anything
     _disable_hf_checkpointing(model, layers)
     if fewbit:
-        for layer in layers:
-            _fewbit.map_module(layer, lambda m: _fewbit.convert_activation(m, bits=fewbit))
+        convert_layer_activations(layers, fewbit)
     if strategy == "plan":
         limit = None if budget == "auto" else parse_bytes(budget, "memory_efficient: budget")
         runner = _Planned(layers, limit)

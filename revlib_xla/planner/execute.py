@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -55,14 +57,53 @@ class StagesToRun(Protocol):
 
 
 def _input_grads(x: Any) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of a stage's input leaves, taken off the leaves: autograd's graph may keep a leaf alive (its
-    AccumulateGrad node) after the leaf is dropped, and the gradient must not live as long."""
+    """The gradients of a stage's input leaves (made by ``grad_leaves`` for this run), taken off the leaves, whose
+    values are released too: autograd's graph may keep a leaf alive (its AccumulateGrad node, e.g. held by a
+    module hook's reference cycle until Python's garbage collector runs) after the leaf is dropped, and neither its
+    gradient nor the input it aliases must live as long."""
     grads = []
     for t in tensor_leaves(x):
         grads.append(t.grad if t.requires_grad else None)
         if t.requires_grad:
             t.grad = None
+            t.data = t.new_empty(0)
     return tuple(grads)
+
+
+def _takes_edges() -> bool:
+    """Whether ``torch.autograd.backward`` and ``grad`` start from ``GradientEdge`` roots (torch >= 2.6 or so)."""
+    annotation = str(inspect.signature(torch.autograd.backward).parameters["tensors"].annotation)
+    return "GradEdge" in annotation or "GradientEdge" in annotation
+
+
+_EDGE_ROOTS = _takes_edges()
+
+
+@functools.lru_cache(maxsize=64)
+def _stand_in_of(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+def _stand_in(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``grad``'s shape, dtype and device that holds no memory of its own (a broadcast zero, kept
+    across steps: nothing is allocated in a step after the first)."""
+    return _stand_in_of(grad.dtype, grad.device, grad.shape)
+
+
+def _roots(out: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[list[Any], list[torch.Tensor]]:
+    """The roots and seeds of a stage's backward from its output ``out`` and their gradients.
+
+    The roots are aliases of the outputs, not the outputs themselves: autograd never completes a multi-tensor
+    gradient hook (torch.autograd.graph.register_multi_grad_hook, as trackers and sharding wrappers put on module
+    outputs) whose tensor is a root of the backward, and such a hook holds the gradient it was given until Python's
+    cyclic garbage collector runs. Through the alias, the output's hooks see its gradient as in the plain model.
+    Where torch takes gradient edges as roots, the roots are the aliases' edges: the backward then holds the graph
+    but not the output's values, which the caller can free before running it."""
+    pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads) if o.requires_grad and g is not None]
+    with torch.enable_grad():
+        aliases = [o.view_as(o) for o, _ in pairs]
+    roots: list[Any] = [torch.autograd.graph.get_gradient_edge(a) for a in aliases] if _EDGE_ROOTS else aliases
+    return roots, [g for _, g in pairs]
 
 
 class _Structure:
@@ -114,6 +155,7 @@ class _Run:
         self.accumulate: list[torch.Tensor] | None = None
         self.capture: list[torch.Tensor] = []
         self.captured: list[torch.Tensor | None] = []
+        self.out_grads: dict[int, torch.Tensor | None] = {}  # kept by take_output_grads for the backward phase
 
     def live(self) -> set[Value]:
         """The values this run holds, in the cost model's terms (:class:`~revlib_xla.planner.Simulation`)."""
@@ -221,7 +263,9 @@ class _Run:
 
     def backward(self, i: int) -> None:
         inp, out = self.xbar.pop(i + 1)
-        self._backward(out, self.grad.pop(i + 1), inp)
+        roots, seeds = _roots(out, self.grad.pop(i + 1))
+        del out  # the backward needs its graph, not the output's values: freed before it runs
+        self._backward(roots, seeds, inp)
         self._put_back(i)
         self.grad[i] = _input_grads(inp)
 
@@ -235,10 +279,11 @@ class _Run:
         inp = grad_leaves(rebuilt)
         with torch.enable_grad():
             out = self._call(i, inp, recompute=True, option=option)
-        self._backward(out, self.grad.pop(i + 1), inp)
+        roots, seeds = _roots(out, self.grad.pop(i + 1))
+        del out
+        self._backward(roots, seeds, inp)
         self._put_back(i)
         self.grad[i] = _input_grads(inp)
-        del out
         if i in self.held:
             self.x[i] = detached(rebuilt)
 
@@ -255,20 +300,11 @@ class _Run:
         for op in ops:
             OPERATIONS[op.kind].execute(self, op)
 
-    def _backward(self, out: Any, grads: tuple[torch.Tensor | None, ...], inp: Any) -> None:
-        """The backward of one stage: the gradients of its input leaves (left on them for _input_grads) and of the
-        parameters, sent where the running backward wants them (see :meth:`route`)."""
-        pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads) if o.requires_grad and g is not None]
-        if not pairs:
+    def _backward(self, roots: list[Any], seeds: list[torch.Tensor], inp: Any) -> None:
+        """The backward of one stage from :func:`_roots`: the gradients of its input leaves (left on them for
+        _input_grads) and of the parameters, sent where the running backward wants them (see :meth:`route`)."""
+        if not roots:
             return
-        # The backward starts from an alias, not from the stage's output itself: autograd never completes a
-        # multi-tensor gradient hook (torch.autograd.graph.register_multi_grad_hook, as trackers and sharding
-        # wrappers put on module outputs) whose tensor is a root of the backward, and such a hook holds the
-        # gradient it was given until Python's cyclic garbage collector runs. Through the alias, the output's hooks
-        # see its gradient as in the plain model.
-        with torch.enable_grad():
-            roots = [o.view_as(o) for o, _ in pairs]
-        seeds = [g for _, g in pairs]
         leaves = [t for t in tensor_leaves(inp) if t.requires_grad]
         if self.capture:
             got = torch.autograd.grad(roots, leaves + self.capture, seeds, allow_unused=True)
@@ -282,6 +318,21 @@ class _Run:
             torch.autograd.backward(roots, seeds)
         elif leaves or self.accumulate:
             torch.autograd.backward(roots, seeds, inputs=leaves + self.accumulate)
+
+    def take_output_grads(self, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        """Pre-hook of the schedule's backward node: keeps the gradients of the model's outputs here, for the
+        backward phase to consume (the last stage's backward frees them), and hands autograd zero-sized stand-ins
+        of the same shapes. The gradients autograd passes to a Function's backward stay alive until that backward
+        returns, here the whole backward phase: the outputs' size held to the end for nothing. Node pre-hooks run
+        after the outputs' own hooks and ``retain_grad()``, which see the real gradients."""
+        self.out_grads = dict(enumerate(grads))
+        return tuple(None if g is None else _stand_in(g) for g in grads)
+
+    def output_grads(self, given: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor | None, ...]:
+        """The gradients of the model's outputs: those :meth:`take_output_grads` kept (taken off this run), else
+        the ones autograd passed."""
+        kept, self.out_grads = self.out_grads, {}
+        return tuple(kept.get(k, g) for k, g in enumerate(given))
 
     # -- the phases ----------------------------------------------------------------------------------------------
     def forward_phase(self, inputs: Sequence[torch.Tensor]) -> Any:
@@ -311,7 +362,7 @@ class _Run:
         """Run the schedule after the loss; returns the gradients of the model's input tensors and those of
         ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
         self.route(params)
-        self.grad[len(self.stages)] = tuple(grads)
+        self.grad[len(self.stages)] = self.output_grads(grads)
         try:
             self.run(self.schedule.ops[self.loss_at + 1 :], backward=True)
         finally:
@@ -352,6 +403,7 @@ class _Run:
         self.host.clear()
         self.used = True
         x = self.input_structure.rebuild(inputs)
+        grads = self.output_grads(grads)
         wanted = [p for p in params if grad_destination(p) is not GradDestination.UNUSED]
         got: list[torch.Tensor | None]
         try:
@@ -421,6 +473,9 @@ def run_schedule(owner: StagesToRun, schedule: Schedule, x: Any) -> Any:
     params = [p for p in owner.parameters() if p.requires_grad]
     with owner.recompute_state().python_random_check(type(owner).__name__):
         flat = _ScheduleFunction.apply(run, dummy, len(tensors), *tensors, *params)
+    node = next((t.grad_fn for t in flat if t.grad_fn is not None), None)
+    if node is not None:
+        node.register_prehook(run.take_output_grads)
     assert run.out_structure is not None  # set by the forward phase
     return run.out_structure.rebuild(flat)
 

@@ -37,6 +37,7 @@ from .strategy import (
     build_optimizer,
     chip_spec,
     compute_device,
+    flops_per_token,
     language_model,
     lm_loss,
     lr_at,
@@ -152,8 +153,6 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     else:
         backend.manual_seed(device, cfg.train.seed)
 
-    from ..models.llama import train_flops_per_token
-
     _, peak = chip_spec(cfg.chip.name)
     main = processes is None or processes.main  # logs and writes checkpoints
     logger = (MetricsLogger if main else SilentLogger)(
@@ -161,7 +160,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
         cfg.train.steps,
         start,
         cfg.data.batch_size * cfg.data.seq_len,
-        train_flops_per_token(lm_config, cfg.data.seq_len),
+        flops_per_token(cfg),
         peak * cfg.chip.chips,
         progress=cfg.train.progress,
     )

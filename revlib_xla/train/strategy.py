@@ -49,6 +49,8 @@ __all__ = [
     "lm_loss",
     "state_bytes_per_param",
     "plan_budget",
+    "param_count",
+    "flops_per_token",
 ]
 
 # Chips the run may target, until revlib_xla.fit.chips is merged: (HBM bytes per chip, peak dense bf16 FLOP/s).
@@ -106,12 +108,10 @@ def resolve_device(cfg: RunConfig) -> torch.device:
 
 
 def model_config(cfg: RunConfig) -> Any:
-    """The ``LlamaConfig`` of ``model.name`` with ``model.overrides`` applied."""
+    """The ``LlamaConfig`` of ``model.name`` with ``model.overrides`` applied; with ``model.hf_config``, the
+    transformers model's :class:`revlib_xla.hf.train.HFSpec` (vocabulary, parameters, FLOPs per token)."""
     if cfg.model.hf_config is not None:
-        raise StrategyError(
-            f"model.hf_config={cfg.model.hf_config!r}: training Hugging Face models from the CLI is not supported by "
-            f"this version; use model.name with a llama size"
-        )
+        return _hf_call(cfg, "hf_spec")
     from ..models.llama import llama_config
 
     return llama_config(cfg.model.name, **cfg.model.overrides)
@@ -121,6 +121,8 @@ def check_strategy(cfg: RunConfig) -> None:
     """Raise :class:`StrategyError` for a combination that cannot run correctly."""
     s = cfg.strategy
     lm = model_config(cfg)
+    if cfg.model.hf_config is not None:
+        _hf_call(cfg, "check_hf_strategy")
     if s.offload.params and s.activations not in ("none", "checkpoint"):
         raise StrategyError(
             f"strategy.offload.params=true streams the plain model's layers from host memory (OffloadModel) and "
@@ -229,10 +231,8 @@ def plan_budget(cfg: RunConfig) -> int:
     given = cfg.strategy.budget_bytes()
     if given is not None:
         return given
-    from ..models.llama import num_params
-
     hbm, _ = chip_spec(cfg.chip.name)
-    held = num_params(model_config(cfg)) * state_bytes_per_param(cfg)
+    held = param_count(cfg) * state_bytes_per_param(cfg)
     if held >= hbm:
         raise StrategyError(
             f"strategy.budget=auto: the parameters, gradients and optimizer state of {cfg.model.name} "
@@ -241,6 +241,37 @@ def plan_budget(cfg: RunConfig) -> int:
             f"strategy.budget in bytes"
         )
     return hbm - held
+
+
+def _hf_call(cfg: RunConfig, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``revlib_xla.hf.train.<name>(cfg, ...)`` (``model.hf_config``), its errors as :class:`StrategyError`."""
+    from ..hf import train as hf_train
+    from ..hf.layers import HFConversionError
+
+    try:
+        return getattr(hf_train, name)(cfg, *args, **kwargs)
+    except HFConversionError as exc:
+        raise StrategyError(str(exc)) from None
+
+
+def param_count(cfg: RunConfig) -> int:
+    """The parameter count of ``cfg``'s model (tied weights once)."""
+    spec = model_config(cfg)
+    if cfg.model.hf_config is not None:
+        return int(spec.num_params)
+    from ..models.llama import num_params
+
+    return num_params(spec)
+
+
+def flops_per_token(cfg: RunConfig) -> float:
+    """Training FLOPs per token of ``cfg``'s model at ``data.seq_len`` (for MFU)."""
+    spec = model_config(cfg)
+    if cfg.model.hf_config is not None:
+        return float(spec.train_flops_per_token(cfg.data.seq_len))
+    from ..models.llama import train_flops_per_token
+
+    return train_flops_per_token(spec, cfg.data.seq_len)
 
 
 def build_model(
@@ -261,6 +292,8 @@ def build_model(
     checkpoint = s.activations == "checkpoint" and not s.offload.params
     on_meta = not backend.backend_for(target).holds_data
     budget = plan_budget(cfg) if s.activations == "plan" else 0  # refused before anything is allocated
+    if cfg.model.hf_config is not None:
+        return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
     with torch.device("meta"):  # built without allocating, then materialised where it runs
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
     if not on_meta:

@@ -1,0 +1,100 @@
+"""transformers models through ``revlib-xla train`` (``model.hf_config=``), and the planner's smallest schedule on
+them against transformers' own gradient checkpointing (eager peak, measured)."""
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
+)
+if not transformers.is_torch_available():
+    pytest.skip(
+        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
+    )
+
+from safetensors.torch import load_file  # noqa: E402
+
+from revlib_xla import cli, memory  # noqa: E402
+from revlib_xla.hf import memory_efficient, model_from_config  # noqa: E402
+from revlib_xla.train.config import load_config  # noqa: E402
+from revlib_xla.train.strategy import StrategyError, build_model, flops_per_token, param_count  # noqa: E402
+
+SMOKE = str(Path(__file__).resolve().parents[1] / "tpu_configs" / "cpu-smoke.yaml")
+SMALL = ["data.batch_size=2", "data.seq_len=32", "train.eval_batches=1", "train.progress=false", "train.device=cpu"]
+
+
+def test_cli_trains_a_transformers_config_with_the_planner(tmp_path, capsys):
+    """Three steps of ``revlib-xla train`` on a built-in transformers config (the smoke file's LlamaConfig-named
+    overrides translated): the loss is finite and every weight moved from the seed's initial weights."""
+    args = [*SMALL, "model.hf_config=llama-tiny", "strategy=plan", "train.steps=3", "train.eval_every=3"]
+    args += ["train.checkpoint_every=3", "train.log_every=1", f"train.out_dir={tmp_path}"]
+    assert cli.main(["train", "--config", SMOKE, *args]) == 0
+    assert "llama-tiny on cpu, strategy activations=plan" in capsys.readouterr().out
+    losses = [json.loads(line).get("loss") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [x for x in losses if x is not None]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    trained = load_file(tmp_path / "checkpoints" / "step_00000003" / "model.safetensors")
+    initial = {n: p.detach() for n, p in build_model(load_config(SMOKE, args), "cpu").lm.named_parameters()}
+    assert "model.layers.0.mlp.up_proj.weight" in trained  # transformers' own state-dict keys
+    assert initial["model.layers.0.mlp.up_proj.weight"].shape == (384, 128)  # ffn_dim x dim, as the smoke file says
+    common = [name for name in initial if name in trained]  # a tied weight is stored under one of its names
+    assert len(common) >= len(initial) - 1
+    moved = [name for name in common if not torch.equal(trained[name], initial[name])]
+    assert moved == common
+
+
+def test_strategies_apply_to_the_transformers_model_and_the_spec_counts_it():
+    base = [*SMALL, "model.hf_config=gpt2-tiny", "model.overrides={}"]
+    plain = build_model(load_config(SMOKE, base), "cpu")
+    assert param_count(load_config(SMOKE, base)) == sum(p.numel() for p in plain.parameters())
+    # GPT-2 tiny: 4 layers of 12 * 64^2 matmul weights, the tied head 256 x 64; attention 4 layers x 64 wide
+    assert flops_per_token(load_config(SMOKE, base)) == 6 * (4 * 12 * 64 * 64 + 256 * 64) + 6 * 4 * 64 * 32
+    for strategy, check in [
+        ("checkpoint", lambda m: m.lm.transformer.gradient_checkpointing),
+        ("reversible", lambda m: m.lm.revlib_xla_conversion.strategy == "reversible"),
+        ("momentum", lambda m: m.lm.revlib_xla_conversion.net is not None),
+    ]:
+        assert check(build_model(load_config(SMOKE, [*base, f"strategy={strategy}"]), "cpu")), strategy
+    meta = build_model(load_config(SMOKE, [*base, "strategy=plan"]), "meta")
+    assert all(p.is_meta for p in meta.parameters())
+
+
+def test_cli_refuses_what_a_transformers_model_cannot_run(capsys):
+    """Overrides the transformers config does not have, and the stage-streaming offload, are refused by name."""
+    assert cli.main(["train", "--config", SMOKE, *SMALL, "model.hf_config=gpt2-tiny", "train.steps=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("revlib-xla train: error: model.overrides: n_kv_heads (as num_key_value_heads)")
+    assert "GPT2Config" in err and "\n" not in err
+    cfg = load_config(SMOKE, [*SMALL, "model.hf_config=llama-tiny", "strategy.offload.params=true"])
+    with pytest.raises(StrategyError, match=r"strategy.offload.params=true .* model.hf_config='llama-tiny'"):
+        build_model(cfg, "cpu")
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
+    """The planner's smallest schedule keeps no more than transformers' per-layer checkpointing at its peak (the
+    end of the backward, where both hold the first layer's recomputation): the executor frees each stage's output
+    before the stage's backward, does not hold the stack output's gradient through the backward phase, and releases
+    each stage's input leaf with its gradient."""
+    torch.manual_seed(0)
+    fields = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0} if name.startswith("gpt2") else {}
+    model = model_from_config(name, num_hidden_layers=4, **fields).train()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step(m, ids):
+        m(ids, labels=ids, use_cache=False).loss.backward()
+
+    hf = copy.deepcopy(model)
+    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
+    planned = memory_efficient(copy.deepcopy(model), "plan")
+    step(planned, ids)
+    cp = planned.revlib_xla_conversion.checkpointable
+    schedule = cp.compute_sequence(cp.min_memory())
+    assert sum(op.kind.name == "CF" for op in schedule.ops) > 1  # layers are recomputed, more than once
+    step(hf, ids)
+    step(planned, ids)  # warm: the second and later steps allocate nothing of their own
+    assert memory.eager_peak(step, planned, ids).total <= memory.eager_peak(step, hf, ids).total
