@@ -404,6 +404,8 @@ def _program(
             continue
         seen.add(id(tensor))
         identity = before.get(id(tensor))
+        if identity is not None and _plain_data(tensor) and backend.data_identity(tensor) == identity:
+            continue  # unchanged (a host-stepped optimizer's weights): no output, which would be a copy of it
         if identity is not None and roles.get(identity, (None,))[0] == role and identity not in donors:
             donors[identity] = len(outputs)
         outputs.append(tensor)
