@@ -254,4 +254,4 @@ def test_stage_programs_finds_its_barrier_beside_fewbits_own():
     assert len(barriers) >= 2 and barriers[0] != barriers[-1]  # FewBit's comes first
     [gradient] = programs.gradient_arguments
     assert stablehlo_arguments(programs.backward)[gradient][:2] == ((4, 16), "f32")
-    assert (programs.output_count, programs.input_gradient_count) == (1, 0)
+    assert (programs.output_count, programs.input_gradient_count) == (1, 1)
