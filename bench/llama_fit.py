@@ -8,6 +8,10 @@ checkpointing per block, reversible, plan auto, plan + 2-bit FewBit, + optimizer
 neighbours. Every figure is from the TPU compiler (deviceless libtpu), not a TPU run.
 
 Writes ``bench/results/llama_fit-tpu-deviceless.{json,md}`` after every row (a run cut short keeps what finished).
+On a small machine, where a full-size compile takes many minutes: ``--predict FILE.jsonl`` compiles each strategy
+at 1 and 2 layers (full width and sequence), batches 1 and 2, and extrapolates the largest batch to the full depth;
+``--verify FILE.jsonl --batches B,B+1`` compiles those batches at full size; ``--table`` writes the headline table
+from ``llama_fit-tpu-deviceless-{earlier.json,predicted.jsonl,verified.jsonl}``.
 Usage: ``nice .venv/bin/python bench/llama_fit.py [--models llama-1b] [--chips v5e] [--strategies none,reversible]``
 (hours on a 2-core machine: every batch tried is a full-size compile).
 """
@@ -247,11 +251,21 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
         if fits and fails and min(fails) == max(fits) + 1:
             best = next(r for r in mine if r["batch"] == max(fits))
             row.update(largest_batch=best["batch"], how="verified", shown=best)
+        elif fits and guess is not None and guess["predicted_batch"] <= max(fits):
+            best = next(r for r in mine if r["batch"] == max(fits))
+            how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} predicted not to fit"
+            row.update(largest_batch=best["batch"], how=how, shown=best)
+        elif fits and not fails and guess is None:
+            best = next(r for r in mine if r["batch"] == max(fits))
+            how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} not sized"
+            row.update(largest_batch=best["batch"], how=how, shown=best)
         elif fails and min(fails) == 1:
             row.update(largest_batch=0, how="compiled at batch 1", shown=min(mine, key=lambda r: r["batch"]))
         elif before is not None and not before["largest_batch"]:
             shown = dict(before, at_least_bytes=before["next_batch_needs_at_least_bytes"])
-            row.update(largest_batch=0, how="compiled at batch 1", shown=shown)
+            arguments = shown["at_least_bytes"] - shown["parameters_bytes"] - shown["optimizer_bytes"] < 2**26
+            how = "arguments exceed the chip (not compiled)" if arguments else "compiled at batch 1 (out of memory)"
+            row.update(largest_batch=0, how=how, shown=shown)
         elif guess is not None:
             row.update(largest_batch=guess["predicted_batch"], how="predicted", shown=None)
             if mine:
@@ -266,7 +280,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     lines = [
         "# Largest batch per strategy, Llama at seq_len 2048 on one TPU chip",
         "",
-        f"All figures {COMPILER_SOURCE} (libtpu 0.0.20 via jax 0.7.1), not a TPU run: the training step "
+        f"All figures {COMPILER_SOURCE} (libtpu 0.0.20 via jax 0.7.1): the training step "
         "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. fp32 weights, AdamW. "
         "Usable HBM: v5e 15.75 GiB, v6e 31.75 GiB.",
         "",
@@ -312,6 +326,26 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: Written below the table: what the session could not compile, and the bytes that decide the rest.
+HEADLINE_NOTES = """
+Arithmetic from the parameter counts (fp32, AdamW; not compiler figures): llama-1b has 4.60 GiB of parameters
+(5.58 GiB untied), 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB
+(26.87 GiB untied). `reversible+offload` keeps the parameters and the gradients (outputs of the device program) in
+HBM: llama-1b 9.21 GiB, llama-3b 23.94 GiB before any activation, so llama-3b cannot fit one v5e (15.75 GiB
+usable) that way and may fit one v6e. `reversible+fused` keeps parameters and AdamW state with untied embeddings:
+llama-1b 16.75 GiB (over v5e's 15.75 GiB: does not fit one v5e), llama-3b 40.31 GiB (does not fit one v6e).
+`fused_optimizer` with `offload.optimizer` is refused by the library, and `revlib-xla train` keeps fp32 weights on
+the device (bf16 is autocast), so bf16 device weights with fp32 host master weights (llama-3b: 5.99 + 5.99 GiB of
+weights and gradients) are not a strategy it runs: llama-3b on one v5e is not claimed.
+
+Not sized in this session (the 2-core machine was shared at load ~25; one full-size compile took ~40 minutes, a
+1-2-layer one ~5): the other rows. Run `bench/llama_fit.py --predict
+bench/results/llama_fit-tpu-deviceless-predicted.jsonl`, then `--verify
+bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches B,B+1` per row, then `--table`, on a larger
+machine.
+"""
+
+
 def write_headline(out: Path) -> None:
     """bench/results/llama_fit-tpu-deviceless.{md,json} from the earlier rows (the .json as it was), the
     predictions and the verifications (the two .jsonl files)."""
@@ -319,7 +353,7 @@ def write_headline(out: Path) -> None:
     earlier = json.loads(earlier_path.read_text()) if earlier_path.exists() else []
     rows = headline_rows(earlier, _jsonl(PREDICTIONS), _jsonl(VERIFICATIONS))
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    out.with_suffix(".md").write_text(headline_markdown(rows, STRATEGIES))
+    out.with_suffix(".md").write_text(headline_markdown(rows, STRATEGIES) + HEADLINE_NOTES)
 
 
 def predict_or_verify(args: argparse.Namespace) -> int:
