@@ -257,8 +257,8 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
             row.update(largest_batch=best["batch"], how=how, shown=best)
         elif fits and not fails and guess is None:
             best = next(r for r in mine if r["batch"] == max(fits))
-            how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} not sized"
-            row.update(largest_batch=best["batch"], how=how, shown=best)
+            how = f"fits at batch {best['batch']} (full-depth compile); larger batches not compiled"
+            row.update(largest_batch=best["batch"], how=how, shown=best, lower_bound=True)
         elif fails and min(fails) == 1:
             row.update(largest_batch=0, how="compiled at batch 1", shown=min(mine, key=lambda r: r["batch"]))
         elif before is not None and not before["largest_batch"]:
@@ -303,7 +303,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
 
         if r["largest_batch"]:
             total = b(shown.get("total_bytes")) if shown else "-"
-            best = str(r["largest_batch"])
+            best = (">= " if r.get("lower_bound") else "") + str(r["largest_batch"])
         else:
             total = f">= {b(shown.get('at_least_bytes'))} at batch 1"
             best = "does not fit"
