@@ -446,13 +446,7 @@ def main() -> int:
         for chip_name in args.chips.split(","):
             chip = chips.chip(chip_name, "tpu")
             for name in args.strategies.split(","):
-                overrides = [
-                    f"model.name={model}",
-                    "model.overrides={}",
-                    f"data.seq_len={args.seq_len}",
-                    f"strategy.precision={args.precision}",
-                    f"chip.name={chip.name}",
-                ]
+                overrides = base_overrides(model, chip, args)
                 start = time.perf_counter()
                 try:
                     if args.quick:
