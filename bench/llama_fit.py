@@ -250,7 +250,9 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
             row["predicted_bytes_per_batch_element"] = guess["bytes_per_batch_element"]
         if fits and fails and min(fails) == max(fits) + 1:
             best = next(r for r in mine if r["batch"] == max(fits))
-            row.update(largest_batch=best["batch"], how="verified", shown=best)
+            after = next(r for r in mine if r["batch"] == best["batch"] + 1)
+            how = f"verified ({after['batch']} needs {format_bytes(after['at_least_bytes'])})"
+            row.update(largest_batch=best["batch"], how=how, shown=best)
         elif fits and guess is not None and guess["predicted_batch"] <= max(fits):
             best = next(r for r in mine if r["batch"] == max(fits))
             how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} predicted not to fit"
