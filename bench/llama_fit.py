@@ -8,6 +8,10 @@ checkpointing per block, reversible, plan auto, plan + 2-bit FewBit, + optimizer
 neighbours. Every figure is from the TPU compiler (deviceless libtpu), not a TPU run.
 
 Writes ``bench/results/llama_fit-tpu-deviceless.{json,md}`` after every row (a run cut short keeps what finished).
+On a small machine, where a full-size compile takes many minutes: ``--predict FILE.jsonl`` compiles each strategy
+at 1 and 2 layers (full width and sequence), batches 1 and 2, and extrapolates the largest batch to the full depth;
+``--verify FILE.jsonl --batches B,B+1`` compiles those batches at full size; ``--table`` writes the headline table
+from ``llama_fit-tpu-deviceless-{earlier.json,predicted.jsonl,verified.jsonl}``.
 Usage: ``nice .venv/bin/python bench/llama_fit.py [--models llama-1b] [--chips v5e] [--strategies none,reversible]``
 (hours on a 2-core machine: every batch tried is a full-size compile).
 """
@@ -86,6 +90,57 @@ def quick_row(model: str, chip: chips.Chip, chosen, overrides: list[str]) -> dic
     }
 
 
+#: Depths and batches compiled to predict a full-depth row (cheap: a layer or two of the full width).
+PREDICT_POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))
+
+
+def predict_rows(model: str, chip: chips.Chip, chosen: list, overrides: list[str], depth: int) -> list[dict]:
+    """Per strategy, the largest batch at full ``depth`` predicted from reduced-depth compiles: HBM is taken as
+    affine in depth L and batch B with an L*B term (activations per layer per sequence), solved exactly through
+    the compiled points :data:`PREDICT_POINTS`; all compiled in one compiler process. Not verified."""
+    traced, labels, batches = [], [], []
+    for s in chosen:
+        for layers, batch in PREDICT_POINTS:
+            cfg = load(None, [*overrides, f"model.overrides.n_layers={layers}"], s, batch)
+            traced.append(trace_config(cfg))
+            labels.append(s.name)
+            batches.append(batch)
+    reports = compile_steps(traced, chip, labels, batches)
+    rows = []
+    for i, s in enumerate(chosen):
+        points = dict(zip(PREDICT_POINTS, reports[4 * i : 4 * i + 4]))
+        if any(r.total is None for r in points.values()):
+            rows.append(
+                {
+                    "model": model,
+                    "chip": chip.name,
+                    "strategy": s.name,
+                    "error": f"a reduced-depth compile did not fit or failed: {[r.row() for r in points.values()]}",
+                }
+            )
+            continue
+        h = {k: r.total for k, r in points.items()}
+        d = h[2, 2] - h[2, 1] - h[1, 2] + h[1, 1]  # per layer per batch element
+        b = h[2, 1] - h[1, 1] - d  # per layer
+        c = h[1, 2] - h[1, 1] - d  # per batch element
+        a = h[1, 1] - b - c - d
+        base, slope = a + b * depth, c + d * depth
+        predicted = int((chip.usable_bytes - base) // slope) if slope > 0 else 0
+        rows.append(
+            {
+                "model": model,
+                "chip": chip.name,
+                "strategy": s.name,
+                "predicted_batch": max(predicted, 0),
+                "predicted_bytes_at_batch_1": base + slope,
+                "bytes_per_batch_element": slope,
+                "reduced_depth_totals": {f"L{k[0]}B{k[1]}": v for k, v in h.items()},
+                "host_bytes_at_L2": points[2, 1].host,
+            }
+        )
+    return rows
+
+
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     lines = [
         "# Largest batch per strategy, Llama at seq_len 2048 on one TPU chip",
@@ -154,6 +209,198 @@ def _versions() -> dict:
     return tpu_compile.versions()
 
 
+def base_overrides(model: str, chip: chips.Chip, args: argparse.Namespace) -> list[str]:
+    return [
+        f"model.name={model}",
+        "model.overrides={}",
+        f"data.seq_len={args.seq_len}",
+        f"strategy.precision={args.precision}",
+        f"chip.name={chip.name}",
+    ]
+
+
+PREDICTIONS = OUT.with_name(OUT.name + "-predicted.jsonl")
+VERIFICATIONS = OUT.with_name(OUT.name + "-verified.jsonl")
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dict]) -> list[dict]:
+    """One row per (model, chip, strategy): verified by full-size compiles (the largest batch fits, the next does
+    not) where those ran; else 'does not fit' where batch 1 did not (compiler or arguments); else the
+    reduced-depth prediction."""
+    keys: list[tuple[str, str, str]] = []
+    for r in [*earlier, *predicted, *verified]:
+        key = (r["model"], r["chip"], r["strategy"])
+        if key not in keys:
+            keys.append(key)
+    rows = []
+    for key in keys:
+        mine = [r for r in verified if (r["model"], r["chip"], r["strategy"]) == key]
+        guess = next((r for r in predicted if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
+        before = next((r for r in earlier if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
+        row: dict = dict(zip(("model", "chip", "strategy"), key))
+        fits = sorted(r["batch"] for r in mine if r["fits"])
+        fails = sorted(r["batch"] for r in mine if not r["fits"])
+        if guess is not None:
+            row["predicted_batch"] = guess["predicted_batch"]
+            row["predicted_bytes_at_batch_1"] = guess["predicted_bytes_at_batch_1"]
+            row["predicted_bytes_per_batch_element"] = guess["bytes_per_batch_element"]
+        if fits and fails and min(fails) == max(fits) + 1:
+            best = next(r for r in mine if r["batch"] == max(fits))
+            after = next(r for r in mine if r["batch"] == best["batch"] + 1)
+            how = f"verified ({after['batch']} needs {format_bytes(after['at_least_bytes'])})"
+            row.update(largest_batch=best["batch"], how=how, shown=best)
+        elif fits and guess is not None and guess["predicted_batch"] <= max(fits):
+            best = next(r for r in mine if r["batch"] == max(fits))
+            how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} predicted not to fit"
+            row.update(largest_batch=best["batch"], how=how, shown=best)
+        elif fits and not fails and guess is None:
+            best = next(r for r in mine if r["batch"] == max(fits))
+            how = f"fits at batch {best['batch']} (full-depth compile); larger batches not compiled"
+            row.update(largest_batch=best["batch"], how=how, shown=best, lower_bound=True)
+        elif fails and min(fails) == 1:
+            row.update(largest_batch=0, how="compiled at batch 1", shown=min(mine, key=lambda r: r["batch"]))
+        elif before is not None and not before["largest_batch"]:
+            shown = dict(before, at_least_bytes=before["next_batch_needs_at_least_bytes"])
+            arguments = shown["at_least_bytes"] - shown["parameters_bytes"] - shown["optimizer_bytes"] < 2**26
+            how = "arguments exceed the chip (not compiled)" if arguments else "compiled at batch 1 (out of memory)"
+            row.update(largest_batch=0, how=how, shown=shown)
+        elif guess is not None:
+            row.update(largest_batch=guess["predicted_batch"], how="predicted", shown=None)
+            if mine:
+                row["full_depth_compiles"] = {r["batch"]: r["fits"] for r in mine}
+        else:
+            continue
+        rows.append(row)
+    return rows
+
+
+def headline_markdown(rows: list[dict], strategies: dict) -> str:
+    lines = [
+        "# Largest batch per strategy, Llama at seq_len 2048 on one TPU chip",
+        "",
+        f"All figures {COMPILER_SOURCE} (libtpu 0.0.20 via jax 0.7.1): the training step "
+        "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. fp32 weights, AdamW. "
+        "Usable HBM: v5e 15.75 GiB, v6e 31.75 GiB.",
+        "",
+        "*verified*: compiled at full depth, the batch shown fits and the next one does not. *predicted*: from "
+        "compiles of the same step at full width and sequence but 1 and 2 layers, batches 1 and 2 (HBM taken as "
+        "a + b*layers + c*batch + d*layers*batch through those four points, extrapolated to the full depth); not "
+        "verified by a full-size compile. *does not fit*: not even batch 1 fits; the bytes batch 1 needs at least "
+        "(the compiler's out-of-memory figure, or the step's arguments alone when they exceed the chip: then not "
+        "compiled).",
+        "",
+        "| model | chip | strategy | largest batch | how | HBM at that batch | parameters | optimizer state in HBM "
+        "| host | predicted HBM at batch 1 (+ per batch element) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        shown = r.get("shown") or {}
+
+        def b(value: int | None) -> str:
+            return "-" if value is None else format_bytes(value)
+
+        if r["largest_batch"]:
+            total = b(shown.get("total_bytes")) if shown else "-"
+            best = (">= " if r.get("lower_bound") else "") + str(r["largest_batch"])
+        else:
+            total = f">= {b(shown.get('at_least_bytes'))} at batch 1"
+            best = "does not fit"
+        predicted = (
+            f"{b(r['predicted_bytes_at_batch_1'])} (+ {b(r['predicted_bytes_per_batch_element'])})"
+            if "predicted_batch" in r
+            else "-"
+        )
+        lines.append(
+            f"| {r['model']} | {r['chip']} | {r['strategy']} | {best} | {r['how']} | {total} | "
+            f"{b(shown.get('parameters_bytes'))} | {b(shown.get('optimizer_bytes'))} | {b(shown.get('host_bytes'))} "
+            f"| {predicted} |"
+        )
+    lines += ["", "Strategies:", ""]
+    used = []
+    for r in rows:
+        if r["strategy"] not in used:
+            used.append(r["strategy"])
+    lines += [f"- `{n}`: {strategies[n].description} ({', '.join(strategies[n].overrides)})" for n in used]
+    return "\n".join(lines) + "\n"
+
+
+#: Written below the table: what the session could not compile, and the bytes that decide the rest.
+HEADLINE_NOTES = """
+Arithmetic from the parameter counts (fp32, AdamW; not compiler figures): llama-1b has 4.60 GiB of parameters
+(5.58 GiB untied), 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB
+(26.87 GiB untied). `reversible+offload` keeps the parameters and the gradients (outputs of the device program) in
+HBM: llama-1b 9.21 GiB, llama-3b 23.94 GiB before any activation, so llama-3b cannot fit one v5e (15.75 GiB
+usable) that way and may fit one v6e. `reversible+fused` keeps parameters and AdamW state with untied embeddings:
+llama-1b 16.75 GiB (over v5e's 15.75 GiB: does not fit one v5e), llama-3b 40.31 GiB (does not fit one v6e).
+`fused_optimizer` with `offload.optimizer` is refused by the library, and `revlib-xla train` keeps fp32 weights on
+the device (bf16 is autocast), so bf16 device weights with fp32 host master weights (llama-3b: 5.99 + 5.99 GiB of
+weights and gradients) are not a strategy it runs: llama-3b on one v5e is not claimed.
+
+Not sized in this session (the 2-core machine was shared at load ~25; one full-size compile took ~40 minutes, a
+1-2-layer one ~5): the other rows. Run `bench/llama_fit.py --predict
+bench/results/llama_fit-tpu-deviceless-predicted.jsonl`, then `--verify
+bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches B,B+1` per row, then `--table`, on a larger
+machine.
+"""
+
+
+def write_headline(out: Path) -> None:
+    """bench/results/llama_fit-tpu-deviceless.{md,json} from the earlier rows (the .json as it was), the
+    predictions and the verifications (the two .jsonl files)."""
+    earlier_path = out.with_name(out.name + "-earlier.json")
+    earlier = json.loads(earlier_path.read_text()) if earlier_path.exists() else []
+    rows = headline_rows(earlier, _jsonl(PREDICTIONS), _jsonl(VERIFICATIONS))
+    out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    out.with_suffix(".md").write_text(headline_markdown(rows, STRATEGIES) + HEADLINE_NOTES)
+
+
+def predict_or_verify(args: argparse.Namespace) -> int:
+    from revlib_xla.models.llama import LLAMA_SIZES
+
+    for model in args.models.split(","):
+        for chip_name in args.chips.split(","):
+            chip = chips.chip(chip_name, "tpu")
+            overrides = base_overrides(model, chip, args)
+            chosen = [STRATEGIES[n] for n in args.strategies.split(",")]
+            start = time.perf_counter()
+            if args.predict:
+                rows = predict_rows(model, chip, chosen, overrides, LLAMA_SIZES[model].n_layers)
+                out = Path(args.predict)
+            else:
+                batches = [int(b) for b in args.batches.split(",")]
+                traced = [trace_config(load(None, overrides, chosen[0], b)) for b in batches]
+                reports = compile_steps(traced, chip, [chosen[0].name] * len(batches), batches)
+                rows = [
+                    {
+                        "model": model,
+                        "chip": chip.name,
+                        "strategy": chosen[0].name,
+                        "batch": r.batch,
+                        "fits": r.fits,
+                        "total_bytes": r.total,
+                        "at_least_bytes": r.at_least,
+                        "parameters_bytes": r.parameters,
+                        "optimizer_bytes": r.optimizer,
+                        "temporaries_bytes": r.temporaries,
+                        "host_bytes": r.host,
+                        "error": r.error,
+                    }
+                    for r in reports
+                ]
+                out = Path(args.verify)
+            seconds = round(time.perf_counter() - start, 1)
+            with out.open("a") as f:
+                for row in rows:
+                    row["seconds"] = seconds
+                    f.write(json.dumps(row) + "\n")
+                    print(json.dumps(row), flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="llama-1b,llama-3b")
@@ -174,9 +421,26 @@ def main() -> int:
         help="record tpu_configs/*.hbm.json (the reduced-depth check CI repeats) instead of the table",
     )
     parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
+    parser.add_argument(
+        "--predict",
+        metavar="JSONL",
+        help="append per-strategy predictions from reduced-depth compiles (predict_rows) to JSONL instead",
+    )
+    parser.add_argument(
+        "--verify",
+        metavar="JSONL",
+        help="compile --batches at full depth for one --strategies entry and append the reports to JSONL",
+    )
+    parser.add_argument("--batches", default="", help="with --verify: the batches to compile, e.g. 7,8")
+    parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
     args = parser.parse_args()
     if args.configs:
         record_configs(args.full_configs)
+        return 0
+    if args.predict or args.verify:
+        return predict_or_verify(args)
+    if args.table:
+        write_headline(Path(args.out))
         return 0
     rows: list[dict] = []
     out = Path(args.out)
@@ -184,13 +448,7 @@ def main() -> int:
         for chip_name in args.chips.split(","):
             chip = chips.chip(chip_name, "tpu")
             for name in args.strategies.split(","):
-                overrides = [
-                    f"model.name={model}",
-                    "model.overrides={}",
-                    f"data.seq_len={args.seq_len}",
-                    f"strategy.precision={args.precision}",
-                    f"chip.name={chip.name}",
-                ]
+                overrides = base_overrides(model, chip, args)
                 start = time.perf_counter()
                 try:
                     if args.quick:

@@ -37,6 +37,7 @@ __all__ = [
     "ForwardBackwardSplit",
     "forward_backward_split",
     "optimization_barrier_arguments",
+    "all_optimization_barrier_arguments",
 ]
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$", re.M)
@@ -200,11 +201,19 @@ class ForwardBackwardSplit:
 def optimization_barrier_arguments(stablehlo: str) -> list[int | None]:
     """For each operand of the first ``stablehlo.optimization_barrier`` of a StableHLO module, the number of the
     ``main`` function argument it is (``%argN``), or ``None`` for a computed value."""
-    match = _BARRIER.search(stablehlo)
-    if match is None:
+    return all_optimization_barrier_arguments(stablehlo)[0]
+
+
+def all_optimization_barrier_arguments(stablehlo: str) -> list[list[int | None]]:
+    """:func:`optimization_barrier_arguments` of every ``stablehlo.optimization_barrier`` of a StableHLO module, in
+    text order (a program may hold barriers of its own, e.g. FewBit's, besides the one a caller looks for)."""
+    found = [
+        [int(o[4:]) if re.fullmatch(r"%arg\d+", o) else None for o in (o.strip() for o in m.group(1).split(","))]
+        for m in _BARRIER.finditer(stablehlo)
+    ]
+    if not found:
         raise LivenessParseError("the StableHLO module has no stablehlo.optimization_barrier")
-    operands = [o.strip() for o in match.group(1).split(",")]
-    return [int(o[4:]) if re.fullmatch(r"%arg\d+", o) else None for o in operands]
+    return found
 
 
 def _entry(optimized_hlo: str) -> list[tuple[str, str]]:

@@ -277,3 +277,28 @@ def test_xla_zero_copy_device_data_shares_the_host_memory_and_names_its_argument
     with backend.execution_forbidden(dev), pytest.raises(RuntimeError, match="Unexpected execution"):
         pending.cpu()
     assert (data * data).neg().cpu().tolist() == [-1764.0, -1.0, -4.0, -9.0]  # allowed again after the block
+
+
+@needs_xla
+def test_a_host_stepped_optimizer_is_traced_as_its_device_part():
+    """strategy.offload.optimizer (AdamW stepping on the host, ZeRO-Offload style): the traced program is the forward
+    and backward, the gradients its outputs (sent to the host); no optimizer state and no weight update in it; the
+    host state and master weights are the step's host bytes. Nothing is copied to the host while tracing."""
+    from revlib_xla.fit.report import arguments_exceed
+    from revlib_xla.train.config import load_config
+    from revlib_xla.train.strategy import HostOptimizerState
+
+    cfg = load_config(None, ["strategy.offload.optimizer=true"])
+
+    def host_adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return HostOptimizerState(cfg, list(model.parameters()), annotate=False)
+
+    fast = trace_step(mlp(), host_adamw, make_step, batch(64))
+    ordinary = trace_step(mlp(), host_adamw, make_step, batch(64), zero_copy=False)
+    assert normalized(fast.stablehlo) == normalized(ordinary.stablehlo)
+    n_params = 2 * (WIDTH * WIDTH + WIDTH)
+    assert fast.argument_bytes(PARAMETERS) == 4 * n_params and fast.argument_bytes(OPTIMIZER) == 0
+    assert fast.outputs == ("loss", *(f"gradient to host {i}" for i in range(4)))
+    assert fast.aliases == {}  # the weights come back from the host as new device data
+    assert fast.host_bytes == ordinary.host_bytes == 3 * 4 * n_params  # fp32 master weights, exp_avg, exp_avg_sq
+    assert arguments_exceed(fast, chip("v5e")).host == fast.host_bytes

@@ -4,6 +4,7 @@ import pytest
 
 from revlib_xla.hlo_liveness import (
     LivenessParseError,
+    all_optimization_barrier_arguments,
     forward_backward_split,
     live_peak,
     optimization_barrier_arguments,
@@ -146,3 +147,16 @@ def test_optimization_barrier_arguments():
     assert optimization_barrier_arguments(text) == [None, 1]
     with pytest.raises(LivenessParseError, match="no stablehlo.optimization_barrier"):
         optimization_barrier_arguments("func.func @main() {}")
+
+
+def test_every_optimization_barrier_is_listed_in_text_order():
+    text = (
+        "func.func @main(%arg0: tensor<4xf32>, %arg1: tensor<4xf32>) -> tensor<4xf32> {\n"
+        "    %0:2 = stablehlo.optimization_barrier %arg0, %arg1 : tensor<4xf32>, tensor<4xf32>\n"
+        "    %1 = stablehlo.sine %0#0 : tensor<4xf32>\n"
+        "    %2:3 = stablehlo.optimization_barrier %1, %0#1, %arg1 : tensor<4xf32>, tensor<4xf32>, tensor<4xf32>\n"
+    )
+    assert all_optimization_barrier_arguments(text) == [[0, 1], [None, None, 1]]
+    assert optimization_barrier_arguments(text) == [0, 1]
+    with pytest.raises(LivenessParseError, match="no stablehlo.optimization_barrier"):
+        all_optimization_barrier_arguments("func.func @main() {}")

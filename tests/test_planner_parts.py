@@ -233,3 +233,25 @@ def test_fit_budget_bisects_for_the_compiled_peak():
     assert fit_budget(compiled_peak, 7.0, 15.0, 1500)[0] == 15.0
     with pytest.raises(InfeasibleBudget, match="even the smallest plan needs 700 bytes of TPU v5e HBM"):
         fit_budget(compiled_peak, 7.0, 15.0, 600)
+
+
+def test_stage_programs_finds_its_barrier_beside_fewbits_own():
+    """A stage whose layers hold optimization barriers of their own (FewBit's, in the forward): the backward
+    program's gradient argument is taken from the barrier over the stage's output, not from the first barrier
+    (regression: plan + fewbit on XLA failed with 'barrier operands [None, None, None]')."""
+    from revlib_xla import backend
+    from revlib_xla.fewbit.modules import SiLU as FewBitSiLU
+    from revlib_xla.fit import stablehlo_arguments
+    from revlib_xla.hlo_liveness import all_optimization_barrier_arguments
+    from revlib_xla.planner.measure import stage_programs
+
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed")
+    dev = backend.device_for("xla")
+    stage = nn.Sequential(nn.Linear(16, 32), FewBitSiLU(bits=2), nn.Linear(32, 16)).to(dev)
+    programs = stage_programs(stage, torch.randn(4, 16).to(dev))
+    barriers = all_optimization_barrier_arguments(programs.backward)
+    assert len(barriers) >= 2 and barriers[0] != barriers[-1]  # FewBit's comes first
+    [gradient] = programs.gradient_arguments
+    assert stablehlo_arguments(programs.backward)[gradient][:2] == ((4, 16), "f32")
+    assert (programs.output_count, programs.input_gradient_count) == (1, 1)

@@ -13,7 +13,9 @@
   compiler keeps alive at the peak besides the step's inputs, i.e. gradients, activations kept for the backward
   pass, recomputed values, workspace and the step's unaliased outputs. The compiler's buffer assignment does not
   say which value is a gradient and which an activation, so they are not split;
-* ``host``: bytes the compiler places in host memory (offloaded activations or optimizer state), not in HBM.
+* ``host``: bytes in host memory, not in HBM: what the compiler places there (offloaded activations), plus the
+  state and master weights of an optimizer that steps on the host (``strategy.offload.optimizer``; its step's
+  program is the forward and backward, its gradients outputs; :class:`~revlib_xla.fit.trace.HostStepping`).
 
 When the v5e compiler finds the program larger than the chip it stops ("Ran out of memory in memory space hbm.
 Used X of Y hbm"): the report then says that it does not fit and gives the compiler's X as a lower bound. A program
@@ -48,7 +50,8 @@ FOOTNOTE = (
     "(parameters and optimizer state updated in place are donated, as torch_xla does). parameters, optimizer "
     "state, inputs = the bytes of the step's arguments of that kind (exact); gradients+activations+temporaries = "
     "total minus the arguments (the compiler does not say which live value is a gradient and which an "
-    "activation); host = bytes the compiler places in host memory. '>=' : the compiler stopped at 'out of "
+    "activation); host = bytes in host memory (placed there by the compiler, or a host-stepped optimizer's state "
+    "and master weights). '>=' : the compiler stopped at 'out of "
     "memory' and gives a lower bound."
 )
 
@@ -146,7 +149,7 @@ def fit_report(
         inputs=inputs,
         other=other,
         temporaries=compiled.hbm_peak_bytes - in_hbm,
-        host=compiled.host_bytes,
+        host=compiled.host_bytes + traced.host_bytes,
     )
 
 
@@ -188,7 +191,9 @@ def arguments_exceed(traced: TracedStep, chip: Chip, label: str = "", batch: int
     optimizer = traced.argument_bytes(OPTIMIZER)
     inputs = traced.argument_bytes(INPUTS)
     other = traced.argument_bytes() - parameters - optimizer - inputs
-    return FitReport(chip, label, batch, None, traced.argument_bytes(), parameters, optimizer, inputs, other, None, 0)
+    return FitReport(
+        chip, label, batch, None, traced.argument_bytes(), parameters, optimizer, inputs, other, None, traced.host_bytes
+    )
 
 
 def format_table(reports: Sequence[FitReport], footnote: str = FOOTNOTE) -> str:

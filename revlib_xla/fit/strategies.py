@@ -60,6 +60,22 @@ STRATEGIES: dict[str, Strategy] = {
             "plan auto with 2-bit FewBit derivatives of the MLP activation",
         ),
         Strategy(
+            "reversible+offload",
+            ("strategy.activations=reversible", "strategy.offload.optimizer=true"),
+            "reversible, with AdamW stepping on the host over host master weights and state (ZeRO-Offload style)",
+        ),
+        Strategy(
+            "reversible+fused",
+            (
+                "strategy.activations=reversible",
+                "strategy.fused_optimizer=true",
+                "optim.grad_clip=0",
+                "model.overrides.tie_embeddings=false",
+            ),
+            "reversible, each weight stepped in the backward pass (no full set of gradients); untied embeddings and "
+            "no global-norm clipping, which a fused step cannot do",
+        ),
+        Strategy(
             "plan+fewbit+offload",
             (
                 "strategy.activations=plan",
@@ -67,11 +83,20 @@ STRATEGIES: dict[str, Strategy] = {
                 "strategy.fewbit=2",
                 "strategy.offload.optimizer=true",
             ),
-            "plan + fewbit, with the optimizer state in host memory",
+            "plan + fewbit, with AdamW stepping on the host over host master weights and state",
         ),
     )
 }
-DEFAULT_COMPARISON = ("none", "checkpoint", "reversible", "plan", "plan+fewbit", "plan+fewbit+offload")
+DEFAULT_COMPARISON = (
+    "none",
+    "checkpoint",
+    "reversible",
+    "plan",
+    "plan+fewbit",
+    "plan+fewbit+offload",
+    "reversible+offload",
+    "reversible+fused",
+)
 
 
 def strategy(name: str) -> Strategy:

@@ -27,7 +27,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -43,6 +43,7 @@ __all__ = [
     "ROLES",
     "StepArgument",
     "TracedStep",
+    "HostStepping",
     "trace_step",
     "mark_aliases",
     "stablehlo_arguments",
@@ -98,16 +99,31 @@ class StepArgument:
     output: int | None
 
 
+@runtime_checkable
+class HostStepping(Protocol):
+    """An optimizer that steps on the host (ZeRO-Offload style, :class:`revlib_xla.train.HostOptimizerState`):
+    its ``step()`` runs the device program, brings the gradients to the host, updates host master weights and
+    copies them back. The traced step is its device part only: within ``device_part_only()`` its step collects the
+    gradients it would send (they become outputs of the program) and does nothing else; ``host_state_bytes()`` is
+    the host memory its state and master weights take, reported beside the program's."""
+
+    def device_part_only(self) -> contextlib.AbstractContextManager[list[torch.Tensor]]: ...
+
+    def host_state_bytes(self) -> int: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class TracedStep:
     """A training step traced at full size: ``stablehlo`` (aliases marked; compile it with
     :func:`revlib_xla.memory.tpu_memory`), ``unaliased_stablehlo`` (the text torch_xla gave), its ``arguments``
-    and ``outputs`` (names, in the program's order)."""
+    and ``outputs`` (names, in the program's order), and ``host_bytes``: what the step's optimizer keeps in host
+    memory outside the program (:class:`HostStepping`; 0 for others)."""
 
     stablehlo: str
     unaliased_stablehlo: str
     arguments: tuple[StepArgument, ...]
     outputs: tuple[str, ...]
+    host_bytes: int = 0
 
     def argument_bytes(self, role: str | None = None) -> int:
         """Bytes of the arguments with ``role`` (all of them when ``None``)."""
@@ -319,11 +335,16 @@ def _trace(
 ) -> TracedStep:
     zero_copy = storage.zero_copy
     roles: dict[int, tuple[str, str]] = {}
+    host_stepping = isinstance(optimizer, HostStepping)
     # The autograd engine's worker threads are not needed to trace; see memory.step_stablehlo.
-    with torch.autograd.set_multithreading_enabled(False):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        # A host-stepping optimizer's step is traced as its device part: its gradients, sent to the host.
+        sent = stack.enter_context(optimizer.device_part_only()) if host_stepping else []  # type: ignore[union-attr]
         # The first step may read small values (the recompute engine compares a unit's buffers with copies once,
         # as kernels may update buffers without bumping their version); the traced step below never runs.
         step(*batch)
+        sent.clear()
         if zero_copy:  # fresh storage: drop the first step's graph; the second starts from device data
             for _, _, tensor, setter in _named_state(model, optimizer):
                 if backend.is_tracing_lazily(tensor) and not _plain_data(tensor):
@@ -340,7 +361,9 @@ def _trace(
                 roles.setdefault(before[id(tensor)], (role, name))
         with backend.execution_forbidden(dev):
             result = step(*batch)
-            return _program(result, _named_state(model, optimizer), roles, before)
+            traced = _program(result, _named_state(model, optimizer), roles, before, sent)
+    host = optimizer.host_state_bytes() if host_stepping else 0  # type: ignore[union-attr]
+    return dataclasses.replace(traced, host_bytes=host)
 
 
 def _plain_data(tensor: torch.Tensor) -> bool:
@@ -354,9 +377,11 @@ def _program(
     updated: Iterable[tuple[str, str, torch.Tensor, Any]],
     roles: dict[int, tuple[str, str]],
     before: dict[int, int],
+    sent: Sequence[torch.Tensor] = (),
 ) -> TracedStep:
-    """The program computing the step's result and every updated tensor; a tensor updated in place (the same
-    object as before the step) is donated the buffer of the argument it started from, as torch_xla does."""
+    """The program computing the step's result, the tensors ``sent`` to the host and every updated tensor; a
+    tensor updated in place (the same object as before the step) is donated the buffer of the argument it started
+    from, as torch_xla does."""
     outputs: list[torch.Tensor] = []
     names: list[str] = []
     seen: set[int] = set()
@@ -368,12 +393,19 @@ def _program(
             seen.add(id(tensor))
             outputs.append(tensor)
             names.append("loss" if i == 0 else f"result {i}")
+    for i, tensor in enumerate(sent):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            outputs.append(tensor)
+            names.append(f"gradient to host {i}")
     donors: dict[int, int] = {}  # data identity -> output index
     for role, name, tensor, _ in updated:
         if not backend.is_tracing_lazily(tensor) or id(tensor) in seen:
             continue
         seen.add(id(tensor))
         identity = before.get(id(tensor))
+        if identity is not None and _plain_data(tensor) and backend.data_identity(tensor) == identity:
+            continue  # unchanged (a host-stepped optimizer's weights): no output, which would be a copy of it
         if identity is not None and roles.get(identity, (None,))[0] == role and identity not in donors:
             donors[identity] = len(outputs)
         outputs.append(tensor)

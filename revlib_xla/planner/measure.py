@@ -133,7 +133,7 @@ class StagePrograms:
 
 def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
     """The programs of a stage (see :class:`StagePrograms`) for an XLA input ``x`` that is device data."""
-    from ..hlo_liveness import optimization_barrier_arguments
+    from ..hlo_liveness import all_optimization_barrier_arguments
 
     with torch.no_grad():
         out = stage(x)
@@ -158,13 +158,18 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         # The output is returned too: the chain keeps it anyway (it is x_{i+1}), and an output nobody uses would
         # let the compiler drop the barrier's hold on the backward.
         backward = stablehlo_of(outs + grads)
-        operands = optimization_barrier_arguments(backward)
-        arguments = tuple(a for a in operands[len(outs) :] if a is not None)
-        if len(arguments) != len(dys):
+        # The stage's own layers may hold barriers too (FewBit's, in the forward): ours is the one over the
+        # outputs whose last operands are arguments, the gradients.
+        barriers = all_optimization_barrier_arguments(backward)
+        ours = [
+            ops for ops in barriers if len(ops) == len(outs) + len(dys) and all(a is not None for a in ops[len(outs) :])
+        ]
+        if len(ours) != 1:
             raise RuntimeError(
                 f"stage_programs: the gradient of {type(stage).__name__}'s output is not an argument "
-                f"of its backward program (barrier operands {operands})"
+                f"of exactly one barrier of its backward program (barrier operands {barriers})"
             )
+        arguments = tuple(a for a in ours[0][len(outs) :] if a is not None)
     finally:
         for p, g in zip(params, kept):
             p.grad = g

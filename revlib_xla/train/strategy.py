@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from .. import backend
-from ..backends.base import HostOffload
 from .config import RunConfig
 
 __all__ = [
@@ -341,23 +340,35 @@ def _adamw(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
 class HostOptimizerState(torch.optim.Optimizer):
     """AdamW whose state (and float32 master weights) live in host memory (``strategy.offload.optimizer``).
 
-    Two ways, as the device's backend can keep tensors in host memory:
+    Two ways to keep the state in host memory:
 
-    * ``annotate`` (XLA): the state stays a graph value annotated to live in host memory between steps
-      (:func:`revlib_xla.backend.place_on_host`); the step brings it to the device, updates it and puts it back,
-      and the compiler schedules both transfers. On PJRT CPU the annotations are left out (it cannot run them).
-    * host copies (cuda and other eager devices): the optimizer runs on the CPU over host copies of the parameters
-      (page-locked where the backend can copy from them asynchronously); each step brings the gradients to the host
-      and the updated weights back, as ZeRO-Offload does. The state never occupies device memory.
+    * host step (what :func:`build_optimizer` uses on every device, as ZeRO-Offload does): the optimizer runs on the
+      CPU over host master copies of the parameters (page-locked where the backend can copy from them
+      asynchronously); each step brings the gradients to the host and the updated weights back. The state never
+      occupies device memory. On a lazy device (XLA) the step first runs the pending graph (forward and backward,
+      :func:`revlib_xla.backend.sync`), so the device program is the forward and backward producing gradients,
+      and the weights come back as new device data.
+    * ``annotate`` (XLA, by request only): the state stays a graph value annotated to live in host memory between
+      steps (:func:`revlib_xla.backend.place_on_host`). The TPU compiler rejects such a step (an output moved to
+      host is returned without a host layout), and torch_xla has no host-resident graph arguments, so the state
+      would come back into HBM as an argument anyway; kept to show the annotations.
+
+    :meth:`device_part_only` runs the device part of the host step alone (how :func:`revlib_xla.fit.trace_step`
+    sizes it without running anything); :meth:`host_state_bytes` is the host memory the state and master copies
+    take.
     """
 
     def __init__(self, cfg: RunConfig, params: list[nn.Parameter], annotate: bool) -> None:
         self.device_params = params
         self.annotate = annotate
+        self._deferred: list[list[Tensor]] = []
         if annotate:
             self.inner = _adamw(cfg, params)
         else:
-            self.host = [nn.Parameter(p.detach().to("cpu", copy=True)) for p in params]
+            # Filled from the device weights at the first step (or by load_state_dict): nothing is copied when the
+            # step is only traced for sizing, and weights loaded after the optimizer was built are the ones used.
+            self.host = [nn.Parameter(torch.empty(p.shape, dtype=_master_dtype(p.dtype))) for p in params]
+            self._filled = False
             for h, p in zip(self.host, params):
                 backend.pin_host_tensor_(h, p.device)
             self.inner = _adamw(cfg, self.host)
@@ -373,6 +384,26 @@ class HostOptimizerState(torch.optim.Optimizer):
                 if isinstance(value, Tensor) and key != "step":
                     state[key] = move(value)
 
+    @contextlib.contextmanager
+    def device_part_only(self) -> Iterator[list[Tensor]]:
+        """Within the block, :meth:`step` of the host step does only its device part: the gradients it would
+        bring to the host are appended to the yielded list (still pending on the device), and nothing is run,
+        copied or updated. (``annotate``: the whole step is the device's; nothing is sent.)"""
+        sent: list[Tensor] = []
+        self._deferred.append(sent)
+        try:
+            yield sent
+        finally:
+            self._deferred.pop()
+
+    def host_state_bytes(self) -> int:
+        """Host bytes of the master weights and the optimizer state (AdamW: two moments per weight, four with
+        amsgrad's maximum), whether or not a step has created the state yet."""
+        if self.annotate:
+            return 0
+        moments = 3 if self.defaults.get("amsgrad") else 2
+        return sum(h.numel() * h.element_size() * (1 + moments) for h in self.host)
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self.annotate:
@@ -380,12 +411,26 @@ class HostOptimizerState(torch.optim.Optimizer):
             out = self.inner.step(closure)
             self._move_state(lambda t: backend.place_on_host(t))
             return out
-        for h, p in zip(self.host, self.device_params):
-            h.grad = None if p.grad is None else p.grad.detach().to("cpu")
+        grads = [p.grad for p in self.device_params]
+        if self._deferred:
+            self._deferred[-1].extend(g for g in grads if g is not None)
+            return None
+        if self.device_params and backend.backend_for(self.device_params[0].device).lazy:
+            backend.sync(self.device_params[0].device)  # one program: forward and backward (and the loss)
+        if not self._filled:
+            self._copy_from_device()
+        for h, g in zip(self.host, grads):
+            h.grad = None if g is None else backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
         out = self.inner.step(closure)
         for h, p in zip(self.host, self.device_params):
             p.copy_(h, non_blocking=False)
         return out
+
+    def _copy_from_device(self) -> None:
+        with torch.no_grad():
+            for h, p in zip(self.host, self.device_params):
+                h.copy_(p)
+        self._filled = True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.device_params:
@@ -398,9 +443,12 @@ class HostOptimizerState(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
         if not self.annotate:  # the master copies follow the restored weights
-            with torch.no_grad():
-                for h, p in zip(self.host, self.device_params):
-                    h.copy_(p)
+            self._copy_from_device()
+
+
+def _master_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a host master weight: float32 for a half-precision device weight, else the weight's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -413,11 +461,9 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
         # Fused into the LM itself: a wrapper's second path to the same weights (the planner's stages) is not a tie.
         return fuse_optimizer(language_model(model), lambda ps: _adamw(cfg, list(ps)))
     if cfg.strategy.offload.optimizer:
-        device = compute_device(model)
         if backend.is_host_memory(params[0].device):
             return _adamw(cfg, params)  # the state is in host memory already
-        annotate = backend.backend_for(device).host_offload is HostOffload.MEMORY_SPACE_ANNOTATION
-        return HostOptimizerState(cfg, params, annotate)
+        return HostOptimizerState(cfg, params, annotate=False)
     return _adamw(cfg, params)
 
 
