@@ -243,6 +243,16 @@ def plan_budget(cfg: RunConfig) -> int:
     return hbm - held
 
 
+def _shard_under_mesh(lm: nn.Module, device: torch.device) -> None:
+    """Under a mesh over ``device`` (:func:`revlib_xla.sharding.apply_mesh`), split the parameters over it before
+    their values are written, so that no device ever holds the whole model."""
+    from ..sharding import active_mesh, shard_model
+
+    mesh = active_mesh(device)
+    if mesh is not None:
+        shard_model(lm, mesh)
+
+
 def build_model(
     cfg: RunConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> nn.Module:
@@ -265,6 +275,7 @@ def build_model(
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
+        _shard_under_mesh(lm, target)
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
@@ -416,6 +427,8 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     micro-batches), gradient clipping by the global norm (``optim.grad_clip``), the optimizer step, gradients
     freed; returns the mean loss (a 0-d tensor on the device). bf16 precision runs under autocast. On XLA it does not
     sync: the caller cuts the step (:func:`revlib_xla.backend.sync`)."""
+    from ..sharding import shard_batch
+
     s = cfg.strategy
     device = compute_device(model)
     autocast_type = backend.backend_for(device).autocast_device_type
@@ -436,7 +449,7 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         return stack
 
     def step(tokens: Tensor) -> Tensor:
-        tokens = tokens.to(device)
+        tokens = shard_batch(tokens.to(device))  # split over the mesh's data x fsdp, if there is one
         total: Tensor | None = None
         for micro in tokens.chunk(accum):
             with scope():
