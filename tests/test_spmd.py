@@ -194,8 +194,9 @@ def test_per_chip_parameters_are_a_quarter_on_four_chips_and_one_chip_is_unchang
     assert split.parameters == (params - norms) // 4 + norms  # the norm scales stay whole
     assert split.optimizer < single.optimizer / 3
     # The compiler's own argument bytes per chip agree: what is not parameters, state or the batch (the rotary
-    # tables, whole on every chip, and scalars) is the same on one chip and on each of four
-    assert split.other > 0 and abs(split.other - single.other) < 4096
+    # tables, whole on every chip, and scalars) is the same on one chip and on each of four, to within the
+    # compiler's padding of small arguments to its alignment
+    assert split.other > 0 and abs(split.other - single.other) <= 512 * len(one.arguments)
     assert split.inputs == single.inputs // 4
     assert split.total < single.total
     assert four.argument_bytes(OPTIMIZER) == split.optimizer
