@@ -98,7 +98,6 @@ def main(out_dir: str) -> None:
         if name != "plan"
     }
     for name, cfg in configs.items():
-        reference = references[name]
         if name == "plan":  # refused at the point of use
             try:
                 sharding.apply_mesh(cfg, xla)
@@ -106,6 +105,7 @@ def main(out_dir: str) -> None:
             except sharding.ShardingError as exc:
                 results["plan"] = str(exc)
             continue
+        reference = references[name]
         mesh = sharding.apply_mesh(cfg, xla)
         assert mesh is not None
         got = run_steps(cfg, xla)
@@ -119,7 +119,8 @@ def main(out_dir: str) -> None:
             "fraction": shard_fraction(got["lm"], family),
             "specs": {n: family_spec(p) for n, p in got["lm"].named_parameters()},
         }
-        print(name, f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        summary = {k: v for k, v in results["cases"][name].items() if k != "specs"}
+        print(name, f"{time.perf_counter() - start:.1f} s", json.dumps(summary), file=sys.stderr, flush=True)
     # revlib-xla train's loop over the mesh: no compile after the warm-up steps
     cfg = load_config(
         None,
