@@ -244,8 +244,9 @@ def plan_budget(cfg: RunConfig) -> int:
 
 
 def _shard_under_mesh(lm: nn.Module, device: torch.device) -> None:
-    """Under a mesh over ``device`` (:func:`revlib_xla.sharding.apply_mesh`), split the parameters over it before
-    their values are written, so that no device ever holds the whole model."""
+    """Under a mesh over ``device`` (:func:`revlib_xla.sharding.apply_mesh`), split the parameters over it, once
+    their values are written: initialization and a dtype change give the parameters new tensors, which drops an
+    earlier split (torch_xla)."""
     from ..sharding import active_mesh, shard_model
 
     mesh = active_mesh(device)
@@ -275,10 +276,10 @@ def build_model(
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
-        _shard_under_mesh(lm, target)
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
+    _shard_under_mesh(lm, target)
     if s.fewbit:
         from ..fewbit import convert_activation
         from ..fewbit.conversion import map_module
