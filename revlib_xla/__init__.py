@@ -20,6 +20,9 @@ Measuring memory:
 Will it fit, without the chip:
     the ``fit`` module (a training step traced at full size without allocating it, ``fit.trace_step``; its compiled
     HBM per TPU chip, ``fit.compile_steps``; the largest batch that fits, ``fit.max_batch``; ``fit.CHIPS``).
+TPU pods (one process, every chip of a TPU VM, torch_xla SPMD):
+    the ``sharding`` module (a mesh from the run config, ``sharding.apply_mesh``; parameters split FSDP-style,
+    ``sharding.shard_model``; a traced step partitioned for N chips, ``sharding.shard_step``).
 Reference models:
     the ``models`` module (a byte-level transformer LM, ResNets and a GPT as ``nn.Sequential``).
 Training runs (what ``revlib-xla train`` does, usable from Python):
@@ -79,12 +82,12 @@ from .reversible import (
 )
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, fit, hf, memory, models, train, utils
+    from . import compat, core, fewbit, fit, hf, memory, models, sharding, train, utils
 
 __version__ = "0.1.0"
 
 # Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat", "fit")
+_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat", "fit", "sharding")
 
 __all__ = [
     # reversible networks
@@ -123,6 +126,7 @@ __all__ = [
     "fit",
     # several processes
     "fsdp",
+    "sharding",
     # HuggingFace transformers models
     "hf",
     # RevLib compatibility

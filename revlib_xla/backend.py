@@ -34,6 +34,7 @@ __all__ = [
     "device_available",
     "available_kinds",
     "default_device",
+    "default_device_type",
     "device_for",
     "RngState",
     "draw_seed",
@@ -134,6 +135,13 @@ def default_device() -> torch.device:
         if dev is not None:
             return dev
     return torch.device("cpu")
+
+
+def default_device_type() -> str:
+    """The type of :func:`default_device`, found without starting that family's runtime (so that it can still be
+    switched to SPMD, :mod:`revlib_xla.sharding`)."""
+    families = sorted(_registry.registered().values(), key=lambda b: -b.preference)
+    return next((found.device_type for found in families if found.hardware_present()), "cpu")
 
 
 def sync(device: DeviceLike = None) -> None:

@@ -845,11 +845,18 @@ def _require(modules: Sequence[str], hint: str, what: str) -> None:
 
 
 def _cache_key(
-    platform: str, topology: str | None, device_index: int, text: str, hbm_only: bool = False, liveness: bool = False
+    platform: str,
+    topology: str | None,
+    device_index: int,
+    text: str,
+    hbm_only: bool = False,
+    liveness: bool = False,
+    partitions: int = 1,
 ) -> str:
     tc = _compile_helpers()
     header = json.dumps(
         {
+            **({"partitions": partitions} if partitions > 1 else {}),
             "format": 3,
             "platform": platform,
             "topology": topology,
@@ -1076,10 +1083,14 @@ def tpu_memory_results(
     hbm_only: bool = False,
     liveness: bool = False,
     raise_errors: bool = False,
+    partitions: int = 1,
 ) -> list[CompiledMemory | TpuCompileError]:
     """:func:`tpu_memory_many` where a module the compiler rejects (e.g. "Ran out of memory in memory space hbm")
     gets its :class:`TpuCompileError` in its place (``raise_errors=False``, the default) instead of raising, so the
-    other modules' results are kept; a failure of the worker itself still raises. Errors are not cached."""
+    other modules' results are kept; a failure of the worker itself still raises. Errors are not cached.
+    ``partitions > 1``: modules sharded for that many chips (``mhlo.sharding`` annotations, as
+    :func:`revlib_xla.sharding.shard_step` writes them), split over the first chips of ``topology`` by the SPMD
+    partitioner; the figures are then per chip."""
     if isinstance(stablehlo_texts, str):
         raise TypeError("tpu_memory_many takes a list of StableHLO texts; for one text use tpu_memory(text)")
     texts = list(stablehlo_texts)
@@ -1089,7 +1100,7 @@ def tpu_memory_results(
     tc = _compile_helpers()
     topo = _resolve_topology(generation, topology)
     directory = compile_cache.directory_for(disk_cache)
-    keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness) for text in texts]
+    keys = [_cache_key("tpu", topo, device_index, text, hbm_only, liveness, partitions) for text in texts]
     results: list[CompiledMemory | TpuCompileError | None] = [None] * len(texts)
     todo: dict[str, list[int]] = {}
     for i, (key, text) in enumerate(zip(keys, texts)):
@@ -1104,7 +1115,15 @@ def tpu_memory_results(
     if todo:
         order = list(todo)
         compiled = _run_tpu_worker(
-            [texts[todo[key][0]] for key in order], topo, device_index, timeout, tc, hbm_only, liveness, raise_errors
+            [texts[todo[key][0]] for key in order],
+            topo,
+            device_index,
+            timeout,
+            tc,
+            hbm_only,
+            liveness,
+            raise_errors,
+            partitions,
         )
         for key, outcome in zip(order, compiled):
             if isinstance(outcome, TpuCompileError):
@@ -1139,6 +1158,7 @@ def _run_tpu_worker(
     hbm_only: bool = False,
     liveness: bool = False,
     raise_errors: bool = True,
+    partitions: int = 1,
 ) -> list[dict[str, Any] | TpuCompileError]:
     worker = Path(tc.__file__).resolve()
     with tempfile.TemporaryDirectory(prefix="revlib_xla_tpu_") as tmp:
@@ -1152,7 +1172,12 @@ def _run_tpu_worker(
         # libtpu writes log files (two per process) to $TPU_LOG_DIR, by default /tmp/tpu_logs, and never removes
         # them: unless the caller chose a directory, they go into this temporary directory and are deleted with it.
         env.setdefault("TPU_LOG_DIR", str(Path(tmp) / "tpu_logs"))
-        order: dict[str, Any] = {"topology": topology, "device_index": device_index, "modules": paths}
+        order: dict[str, Any] = {
+            "topology": topology,
+            "device_index": device_index,
+            "partitions": partitions,
+            "modules": paths,
+        }
         if liveness:
             order["dump_dir"] = str(Path(tmp) / "dump")
             env["XLA_FLAGS"] = tc.dump_flags(order["dump_dir"], env.get("XLA_FLAGS"))

@@ -13,7 +13,8 @@ neither torch nor torch_xla, and it is both
   stderr, and may abort the process on bad input) away from the caller's process and its torch_xla runtime.
 
 The request file is JSON ``{"topology": "v5e:2x2", "device_index": 0, "modules": [PATH, ...]}`` where each PATH holds
-StableHLO text; the result file is JSON ``{"results": [...]}`` with one entry per module (see
+StableHLO text (``"partitions": N``: modules sharded over the topology's first N chips, see
+:func:`compile_for_tpu`); the result file is JSON ``{"results": [...]}`` with one entry per module (see
 :func:`compile_module`), or an ``"error"`` string per module that failed to compile. With ``"dump_dir": DIR`` in the
 request (and the worker started with ``XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text``, see
 :func:`dump_flags`), each entry also holds ``"buffer_assignment"``: the text of the compiler's buffer-assignment
@@ -34,10 +35,13 @@ import functools
 import importlib.metadata
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "TPU_GENERATIONS",
+    "SLICE_TOPOLOGIES",
+    "slice_topology",
     "JAX_VERSION_TESTED",
     "HBM_ONLY_FLAGS",
     "versions",
@@ -64,6 +68,37 @@ TPU_GENERATIONS: dict[str, str] = {
     "v5p": "v5p:2x2x1",
     "v4": "v4:2x2x1@megacore",
 }
+
+#: Generation -> {chips: the topology of a slice of that many chips}, for programs partitioned over every chip of a
+#: slice (SPMD). v5e and v6e hosts hold 8 chips (2x4); v5p and v4 slices are named by TensorCores (v5p-8 = 4 chips,
+#: 2x2x1), and their devices are chips (megacore). Single-host slices, and multi-host ones up to 64 chips.
+SLICE_TOPOLOGIES: dict[str, dict[int, str]] = {
+    "v5e": {1: "v5e:2x2", 4: "v5e:2x2", 8: "v5e:2x4", 16: "v5e:4x4", 32: "v5e:4x8", 64: "v5e:8x8"},
+    "v6e": {1: "v6e:2x2", 4: "v6e:2x2", 8: "v6e:2x4", 16: "v6e:4x4", 32: "v6e:4x8", 64: "v6e:8x8"},
+    "v5p": {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4", 32: "v5p:2x4x4", 64: "v5p:4x4x4"},
+    "v4": {
+        1: "v4:2x2x1@megacore",
+        4: "v4:2x2x1@megacore",
+        8: "v4:2x2x2@megacore",
+        16: "v4:2x2x4@megacore",
+        32: "v4:2x4x4@megacore",
+        64: "v4:4x4x4@megacore",
+    },
+}
+
+
+def slice_topology(generation: str, chips: int) -> str:
+    """The topology whose first ``chips`` devices a program partitioned over ``chips`` chips is compiled for; a
+    ``ValueError`` naming the slice sizes there are for anything else."""
+    sizes = SLICE_TOPOLOGIES.get(generation)
+    if sizes is None:
+        raise ValueError(f"unknown TPU generation {generation!r}; choose one of {', '.join(SLICE_TOPOLOGIES)}")
+    if chips not in sizes:
+        raise ValueError(
+            f"no {generation} slice of {chips} chips to compile for; choose one of {', '.join(map(str, sizes))} chips"
+        )
+    return sizes[chips]
+
 
 # Topology prefix -> a matching TPU_ACCELERATOR_TYPE (libtpu wants one; with a topology given it does not change
 # the numbers).
@@ -193,17 +228,31 @@ STAT_FIELDS = (
 )
 
 
-def compile_module(stablehlo_text: str, device: Any, *, load: bool) -> dict[str, Any]:
+def compile_module(stablehlo_text: str, device: Any, *, load: bool, partitions: Sequence[Any] = ()) -> dict[str, Any]:
     """Compile ``stablehlo_text`` for one device and return its memory statistics and HLO texts.
 
     ``load=False`` compiles only (the only choice for a deviceless TPU topology); ``load=True`` also loads the
-    executable, which the XLA:CPU client requires. Returns a JSON-able dict: the ``CompiledMemoryStats`` fields
-    (bytes), ``device_kind``, ``compile_seconds``, ``optimized_hlo`` and ``pre_optimization_hlo``.
+    executable, which the XLA:CPU client requires. ``partitions``: the devices of a program whose arguments carry
+    ``mhlo.sharding`` annotations, split over them by the SPMD partitioner (GSPMD); the figures are then those of
+    one of them (the first, ``device``). Returns a JSON-able dict: the ``CompiledMemoryStats`` fields (bytes),
+    ``device_kind``, ``compile_seconds``, ``optimized_hlo`` and ``pre_optimization_hlo``.
     """
     compiler, _, xc, _ = _jax_internals()
     bytecode = _to_bytecode(stablehlo_text)
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[device])
-    devices = xc.DeviceList((device,))
+    if len(partitions) > 1:
+        import numpy as np
+
+        assignment = np.array(list(partitions), dtype=object).reshape(1, len(partitions))
+        options = compiler.get_compile_options(
+            num_replicas=1, num_partitions=len(partitions), device_assignment=assignment, use_spmd_partitioning=True
+        )
+        build = options.executable_build_options
+        if hasattr(build, "use_shardy_partitioner"):
+            build.use_shardy_partitioner = False  # the annotations are GSPMD's (mhlo.sharding), as torch_xla's
+        devices = xc.DeviceList(tuple(partitions))
+    else:
+        options = compiler.get_compile_options(num_replicas=1, num_partitions=1, device_assignment=[device])
+        devices = xc.DeviceList((device,))
     start = time.perf_counter()
     if load:
         executable = device.client.compile_and_load(bytecode, devices, options)
@@ -235,22 +284,29 @@ def compile_for_cpu(stablehlo_text: str) -> dict[str, Any]:
 
 
 @functools.cache
-def _tpu_device(topology: str, device_index: int) -> Any:
-    """Device ``device_index`` of a topology; ``NAME@CONFIG`` picks libtpu's chip configuration (``megacore``)."""
+def _tpu_devices(topology: str) -> tuple[Any, ...]:
+    """The devices of a topology; ``NAME@CONFIG`` picks libtpu's chip configuration (``megacore``)."""
     from jax.experimental import topologies
 
     name, _, chip_config = topology.partition("@")
     options = {"chip_config_name": chip_config} if chip_config else {}
-    return topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices[device_index]
+    return tuple(topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices)
 
 
-def compile_for_tpu(stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0) -> dict[str, Any]:
-    """Compile deviceless for one chip of a TPU topology, in this process.
+def compile_for_tpu(
+    stablehlo_text: str, topology: str = "v5e:2x2", device_index: int = 0, partitions: int = 1
+) -> dict[str, Any]:
+    """Compile deviceless for one chip of a TPU topology, in this process; ``partitions > 1``: a program sharded
+    over the topology's first ``partitions`` chips (see :func:`compile_module`), its figures per chip.
 
     Needs libtpu and the environment of :func:`tpu_environment` set *before* libtpu loads; this is why
     :func:`revlib_xla.memory.tpu_memory` calls it in a child process rather than in the caller's.
     """
-    return compile_module(stablehlo_text, _tpu_device(topology, device_index), load=False)
+    devices = _tpu_devices(topology)
+    if partitions > len(devices):
+        raise ValueError(f"the topology {topology} has {len(devices)} chips, not the {partitions} to partition over")
+    spread = devices[:partitions] if partitions > 1 else ()
+    return compile_module(stablehlo_text, devices[device_index], load=False, partitions=spread)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         request = json.load(f)
     topology = request.get("topology", TPU_GENERATIONS["v5e"])
     device_index = int(request.get("device_index", 0))
+    partitions = int(request.get("partitions", 1))
     dump_dir = request.get("dump_dir")
     seen: set = set()
     results = []
@@ -270,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         try:
-            results.append(compile_for_tpu(text, topology, device_index))
+            results.append(compile_for_tpu(text, topology, device_index, partitions))
         except Exception as exc:  # report per module; the parent raises with this message
             results.append({"error": f"{type(exc).__name__}: {exc}"})
         if dump_dir:

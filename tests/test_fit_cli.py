@@ -45,7 +45,8 @@ def test_operations_are_written_compressed():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--chips", "4"], "--chips 4: sizing a run over several chips needs sharding"),
+        (["--chips", "3"], "--chips 3: no v5e slice of 3 chips to compile for; choose one of 1, 4, 8, 16"),
+        (["--chips", "4", "mesh.fsdp=8"], "--chips 4: mesh: mesh.data=1, mesh.fsdp=8, mesh.tensor=1 multiplies to 8"),
         (["--chip", "v9"], "--chip: unknown TPU chip 'v9'; choose one of v4, v5e, v5p, v6e"),
         (["--chip", "h100"], "--chip: unknown TPU chip 'h100'"),
         (["--gpu", "v5e"], "--gpu: unknown GPU chip 'v5e'; choose one of h100"),

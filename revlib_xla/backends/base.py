@@ -156,6 +156,11 @@ class Backend:
         """A concrete device for ``device`` (the index filled in where the family has a current device)."""
         return device
 
+    def hardware_present(self) -> bool:
+        """Whether :meth:`hardware_device` finds hardware, asked without starting the family's runtime (a runtime
+        that drives several devices as one must be told so before it starts: :meth:`enable_spmd`)."""
+        return self.hardware_device() is not None
+
     def hardware_device(self) -> torch.device | None:
         """The family's device when this machine has real hardware for it (a run should go there by default),
         else ``None``."""
@@ -298,6 +303,33 @@ class Backend:
     def place_on_device(self, tensor: torch.Tensor, annotate: bool | None) -> torch.Tensor:
         """The counterpart of :meth:`place_on_host`."""
         return tensor
+
+    # -- several devices in one process (SPMD) -------------------------------------------------------------
+    def spmd_device_count(self, device: torch.device) -> int:
+        """How many devices one process drives as one through the SPMD partitioner (tensors annotated with
+        shardings over a mesh of them, the compiler inserting the collectives): 1 where the family has no SPMD,
+        where a run over several devices is several processes (DDP, FSDP2 under ``torchrun``)."""
+        return 1
+
+    def enable_spmd(self) -> None:
+        """Switch this process to SPMD before any tensor of the family is created (see :meth:`spmd_device_count`)."""
+        raise NotImplementedError(
+            f"the {self.device_type!r} backend has no SPMD partitioner: one process drives one device; run several "
+            f"processes with FSDP2 or DDP under torchrun instead"
+        )
+
+    def spmd_mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Any:
+        """A mesh of all the SPMD devices with ``shape`` and named axes, for :meth:`mark_sharding`."""
+        self.enable_spmd()  # raises: no SPMD here
+
+    def mark_sharding(self, tensor: torch.Tensor, mesh: Any, spec: Sequence[str | tuple[str, ...] | None]) -> None:
+        """Annotate ``tensor`` in place: dimension ``i`` split over the mesh axes ``spec[i]`` (``None``: whole on
+        every device; axes not named: replicated over them)."""
+        self.enable_spmd()
+
+    def shard_shapes(self, tensor: torch.Tensor) -> list[tuple[int, ...]]:
+        """The shape of the piece of ``tensor`` each device holds (one entry per device)."""
+        return [tuple(tensor.shape)]
 
     # -- kernels and sizing ----------------------------------------------------------------------------------
     def kernel_platform(self, tensor: torch.Tensor) -> str:

@@ -102,8 +102,11 @@ class XlaBackend(Backend):
 
         return torch_xla.device() if device.index is None else device
 
+    def hardware_present(self) -> bool:
+        return runtime_type() not in (None, "CPU")
+
     def hardware_device(self) -> torch.device | None:
-        return self.concrete(torch.device("xla")) if runtime_type() not in (None, "CPU") else None
+        return self.concrete(torch.device("xla")) if self.hardware_present() else None
 
     def cut_step(self, device: torch.device) -> None:
         _xla_sync()
@@ -235,6 +238,50 @@ class XlaBackend(Backend):
         except ImportError:
             return None
         return getattr(xla_scan, "_scan_impl_pytree", None)
+
+    def spmd_device_count(self, device: torch.device) -> int:
+        """Every device of the PJRT runtime (the chips of a TPU VM; ``CPU_NUM_DEVICES`` on the CPU)."""
+        xla_model()
+        import torch_xla.runtime as xr
+
+        return int(xr.global_runtime_device_count())
+
+    def enable_spmd(self) -> None:
+        """``torch_xla.runtime.use_spmd()``: from here on one virtual device stands for all of them. It must come
+        before the runtime hands out its first device (torch_xla would replicate what exists, and on PJRT CPU the
+        gradients of such a run crash the process when read): later, this raises instead."""
+        xla_model()
+        import torch_xla
+        import torch_xla.runtime as xr
+
+        if xr.is_spmd():
+            return
+        if torch_xla._XLAC._xla_get_spmd_config_is_locked():
+            raise RuntimeError(
+                "SPMD (a mesh over several XLA devices) must be switched on before the first XLA device or tensor "
+                "of the process: call revlib_xla.sharding.apply_mesh / make_mesh before anything touches torch_xla"
+            )
+        xr.use_spmd()
+
+    def spmd_mesh(self, shape: Sequence[int], axis_names: Sequence[str]) -> Any:
+        import numpy as np
+        import torch_xla.distributed.spmd as xs
+
+        self.enable_spmd()
+        count = self.spmd_device_count(torch.device("xla"))
+        return xs.Mesh(np.arange(count), tuple(shape), tuple(axis_names))
+
+    def mark_sharding(self, tensor: torch.Tensor, mesh: Any, spec: Sequence[str | tuple[str, ...] | None]) -> None:
+        import torch_xla.distributed.spmd as xs
+
+        xs.mark_sharding(tensor, mesh, tuple(spec))
+
+    def shard_shapes(self, tensor: torch.Tensor) -> list[tuple[int, ...]]:
+        """From ``torch_xla._XLAC._get_local_shards``: the device data of each shard."""
+        import torch_xla
+
+        shards = torch_xla._XLAC._get_local_shards([tensor])[0]
+        return [tuple(shard.shape) for shard, _ in shards]
 
     def tpu_generation(self, device: torch.device) -> str | None:
         """From PJRT's device kind (``'TPU v5 lite'`` -> ``'v5e'``) when the runtime is a TPU."""

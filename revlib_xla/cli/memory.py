@@ -1,9 +1,11 @@
 """``revlib-xla memory``: will the training step of a config fit a chip, per memory strategy, without the chip.
 
-``revlib-xla memory --config tpu_configs/v5e-1.yaml --chip v5e [--max-batch] [--strategies none,reversible]
-[--gpu h100] [key=value ...]``. The step ``revlib-xla train`` runs is traced at full size on meta/zero-copy
-tensors (nothing allocated, nothing run) and compiled deviceless for one chip by the TPU compiler; see
-:mod:`revlib_xla.fit`. ``--gpu`` adds eager FakeTensor estimates of the same step against a GPU's memory.
+``revlib-xla memory --config tpu_configs/v5e-1.yaml --chip v5e [--chips N] [--max-batch] [--strategies
+none,reversible] [--gpu h100] [key=value ...]``. The step ``revlib-xla train`` runs is traced at full size on
+meta/zero-copy tensors (nothing allocated, nothing run) and compiled deviceless for one chip by the TPU compiler;
+see :mod:`revlib_xla.fit`. With ``--chips N`` (or ``chip.chips``) the step is split over the config's ``mesh`` of
+N chips (:mod:`revlib_xla.sharding`) and compiled for a slice of N by the SPMD partitioner: what each chip holds.
+``--gpu`` adds eager FakeTensor estimates of the same step against a GPU's memory.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``memory`` command's arguments."""
     parser.add_argument("--config", help="a run config (tpu_configs/*.yaml); default: the built-in defaults")
     parser.add_argument("--chip", help="the TPU chip: v4, v5e, v5p or v6e (default: the config's chip.name)")
-    parser.add_argument("--chips", type=int, default=1, help="chips per run (only 1 until sharding is supported)")
+    parser.add_argument(
+        "--chips",
+        type=int,
+        help="chips the run is split over with the config's mesh (SPMD); figures are per chip (default: chip.chips)",
+    )
     parser.add_argument(
         "--max-batch", action="store_true", help="find, per strategy, the largest batch (data.batch_size) that fits"
     )
@@ -50,12 +56,13 @@ def run(args: argparse.Namespace) -> int:
     from ..fit.report import COMPILER_SOURCE, FOOTNOTE, format_table
     from ..fit.strategies import gpu_estimate, load, search_strategies, size_strategies, smallest_change, strategy
     from ..memory import format_bytes
+    from ..sharding import ShardingError, resolve_mesh
+    from ..tpu_compile import slice_topology
 
-    if args.chips != 1:
-        raise UsageError(
-            f"--chips {args.chips}: sizing a run over several chips needs sharding (mesh/SPMD), which comes with "
-            f"issue 14; today's configs train on one chip: use --chips 1 (the default)"
-        )
+    if args.chips is not None:
+        if args.chips < 1:
+            raise UsageError(f"--chips {args.chips}: the number of chips the run is split over (>= 1)")
+        args.overrides = [*args.overrides, f"chip.chips={args.chips}"]
     chosen = _chosen(args)
     if args.chip:
         try:
@@ -69,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
         target = chips.chip(base.chip.name, "tpu")
     except ValueError as exc:
         raise UsageError(f"chip.name: {exc}") from None
+    count = base.chip.chips
+    try:
+        mesh = resolve_mesh(base.mesh.axes(), count, backend_name=f"{count}-chip {target.name} slice")
+        if count > 1:
+            slice_topology(target.name, count)
+    except (ShardingError, ValueError) as exc:
+        raise UsageError(f"--chips {count}: {exc}") from None
     gpu = None
     if args.gpu:
         try:
@@ -81,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
             f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "
             f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9)"
         )
+    where = f"on one {target.name}" if count == 1 else f"per chip of {count} {target.name} chips (mesh {mesh})"
     header = (
-        f"{base.model.name}, seq_len {base.data.seq_len}, precision {base.strategy.precision}, on one {target.name} "
+        f"{base.model.name}, seq_len {base.data.seq_len}, precision {base.strategy.precision}, {where} "
         f"({format_bytes(target.hbm_bytes)} HBM, {format_bytes(target.usable_bytes)} usable); {COMPILER_SOURCE}"
     )
     print(header)

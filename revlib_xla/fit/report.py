@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 
 from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
+from ..tpu_compile import slice_topology
 from .chips import Chip
 from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 
@@ -161,10 +162,16 @@ def compile_steps(
     timeout: float = 7200.0,
 ) -> list[FitReport]:
     """Compile ``traced`` steps for one TPU ``chip`` in one child process and report each (a program larger than
-    the chip is reported as not fitting, not raised). ``timeout``: seconds for the compiler process (a full-size
-    step of a billion-parameter model takes minutes per program on a small machine)."""
+    the chip is reported as not fitting, not raised). Steps split over several chips (:attr:`TracedStep.partitions`,
+    all the same) are compiled for a slice of that many, and reported per chip. ``timeout``: seconds for the
+    compiler process (a full-size step of a billion-parameter model takes minutes per program on a small machine)."""
     if not chip.is_tpu or chip.topology_1chip is None:
         raise ValueError(f"{chip.name} is not a TPU chip: the TPU compiler cannot size programs for it")
+    partitions = {t.partitions for t in traced}
+    if len(partitions) > 1:
+        raise ValueError(f"the steps are split over different numbers of chips ({sorted(partitions)}): size them apart")
+    chips = partitions.pop() if partitions else 1
+    topology = chip.topology_1chip if chips == 1 else slice_topology(chip.name, chips)
     labels = list(labels) or [""] * len(traced)
     batches = list(batches) or [0] * len(traced)
     # A program whose arguments alone exceed the chip cannot fit whatever the compiler does with the rest: it is
@@ -172,7 +179,10 @@ def compile_steps(
     hopeless = [t.argument_bytes() > chip.usable_bytes for t in traced]
     compiled = iter(
         tpu_memory_results(
-            [t.stablehlo for t, h in zip(traced, hopeless) if not h], topology=chip.topology_1chip, timeout=timeout
+            [t.stablehlo for t, h in zip(traced, hopeless) if not h],
+            topology=topology,
+            timeout=timeout,
+            partitions=chips,
         )
     )
     reports = []

@@ -117,17 +117,22 @@ def load(config: str | None, overrides: Sequence[str], chosen: Strategy, batch: 
 
 
 def trace_config(cfg: Any) -> TracedStep:
-    """The steady-state training step of run config ``cfg``, traced at full size without allocating it."""
+    """The steady-state training step of run config ``cfg``, traced at full size without allocating it. Over
+    ``chip.chips > 1`` chips, the step is split over the config's ``mesh`` of them
+    (:func:`revlib_xla.sharding.shard_step`): compiled, its figures are per chip."""
+    from ..sharding import resolve_mesh, shard_step
     from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
 
+    mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips, backend_name=f"{cfg.chip.chips}-chip {cfg.chip.name} slice")
     model = train_strategy.build_model(cfg, "meta")
     tokens = torch.empty(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64, device="meta")
-    return trace_step(
+    traced = trace_step(
         model,
         lambda m: train_strategy.build_optimizer(cfg, m),
         lambda m, optimizer: train_strategy.make_step(cfg, m, optimizer),  # type: ignore[arg-type]
         [tokens],
     )
+    return shard_step(traced, mesh)
 
 
 def size_strategies(

@@ -88,7 +88,8 @@ class StepArgument:
     """One argument of a traced step's program: its position, ``role`` (one of :data:`ROLES`), ``name`` (the
     parameter's or buffer's qualified name, ``'<param>.<state key>'`` for optimizer state, ``'input <i>'``), its
     ``shape``, ``dtype`` (StableHLO element type) and ``nbytes``, and the program output it is donated to
-    (``output``; ``None``: not aliased)."""
+    (``output``; ``None``: not aliased). In a step partitioned over several chips (:meth:`TracedStep.partitioned`),
+    ``tiles`` says into how many pieces each dimension is cut, and :attr:`chip_nbytes` is what one chip holds."""
 
     index: int
     role: str
@@ -97,6 +98,15 @@ class StepArgument:
     dtype: str
     nbytes: int
     output: int | None
+    tiles: tuple[int, ...] | None = None
+
+    @property
+    def chip_nbytes(self) -> int:
+        """The bytes of the piece one chip holds (the largest, where a dimension does not divide evenly)."""
+        if not self.tiles or not self.shape:
+            return self.nbytes
+        piece = math.prod(-(-size // ways) for size, ways in zip(self.shape, self.tiles))
+        return piece * (self.nbytes // math.prod(self.shape)) if math.prod(self.shape) else 0
 
 
 @runtime_checkable
@@ -116,20 +126,36 @@ class HostStepping(Protocol):
 class TracedStep:
     """A training step traced at full size: ``stablehlo`` (aliases marked; compile it with
     :func:`revlib_xla.memory.tpu_memory`), ``unaliased_stablehlo`` (the text torch_xla gave), its ``arguments``
-    and ``outputs`` (names, in the program's order), and ``host_bytes``: what the step's optimizer keeps in host
-    memory outside the program (:class:`HostStepping`; 0 for others)."""
+    and ``outputs`` (names, in the program's order); ``host_bytes``: what the step's optimizer keeps in host
+    memory outside the program (:class:`HostStepping`; 0 for others); ``partitions``: the number of chips the
+    program is split over by the SPMD partitioner (:meth:`partitioned`); its sizes are then per chip."""
 
     stablehlo: str
     unaliased_stablehlo: str
     arguments: tuple[StepArgument, ...]
     outputs: tuple[str, ...]
     host_bytes: int = 0
+    partitions: int = 1
 
     def argument_bytes(self, role: str | None = None) -> int:
-        """Bytes of the arguments with ``role`` (all of them when ``None``)."""
+        """Bytes one chip holds of the arguments with ``role`` (all of them when ``None``)."""
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown role {role!r}; choose one of {', '.join(ROLES)}")
-        return sum(a.nbytes for a in self.arguments if role is None or a.role == role)
+        return sum(a.chip_nbytes for a in self.arguments if role is None or a.role == role)
+
+    def partitioned(self, shardings: Sequence[str], tiles: Sequence[tuple[int, ...]], partitions: int) -> TracedStep:
+        """This step split over ``partitions`` chips by the compiler's SPMD partitioner: argument ``i`` annotated
+        with the HLO sharding ``shardings[i]`` (cut ``tiles[i]`` ways per dimension), each output that reuses a
+        donated argument's buffer sharded as that argument, the other outputs whole on every chip."""
+        if len(shardings) != len(self.arguments) or len(tiles) != len(self.arguments):
+            raise ValueError(f"one sharding per argument: {len(self.arguments)} arguments, {len(shardings)} given")
+        results = {a.output: shardings[a.index] for a in self.arguments if a.output is not None}
+        return dataclasses.replace(
+            self,
+            stablehlo=_annotate_shardings(self.stablehlo, list(shardings), results, partitions),
+            arguments=tuple(dataclasses.replace(a, tiles=tuple(t)) for a, t in zip(self.arguments, tiles)),
+            partitions=partitions,
+        )
 
     @property
     def aliases(self) -> dict[int, int]:
@@ -192,6 +218,41 @@ def mark_aliases(stablehlo: str, aliases: dict[int, int]) -> str:
     if missing:
         raise ValueError(f"the StableHLO main function has no arguments {missing} to alias")
     return stablehlo[:start] + head + stablehlo[end:]
+
+
+_MODULE = re.compile(r"^module @[\w.$-]+ attributes \{", re.MULTILINE)
+_RESULT = re.compile(r"tensor<[^>]*>( \{[^{}]*\})?")
+
+
+def _annotate_shardings(stablehlo: str, arguments: list[str], results: dict[int, str], partitions: int) -> str:
+    """``stablehlo`` for ``partitions`` chips: ``mhlo.sharding`` on every argument of ``main`` and on every result
+    (``results[i]``, else whole: ``{replicated}``), and the partition count on the module."""
+    start, end, head = _main_signature(stablehlo)
+
+    def argument(match: re.Match[str]) -> str:
+        attribute = f'mhlo.sharding = "{arguments[int(match.group(1))]}"'
+        if match.group(3):
+            return f"%arg{match.group(1)}: tensor<{match.group(2)}> {{{attribute}, {match.group(3)[2:]}"
+        return f"%arg{match.group(1)}: tensor<{match.group(2)}> {{{attribute}}}"
+
+    head = _ARGUMENT.sub(argument, head)
+    if not stablehlo.startswith(" -> ", end + 1):
+        raise ValueError("the StableHLO main function has no results to shard")
+    stop = stablehlo.index(" {\n", end)
+    count = iter(range(1 << 30))
+
+    def result(match: re.Match[str]) -> str:
+        if match.group(1):
+            raise ValueError("the StableHLO main function's results already carry attributes")
+        return f'{match.group(0)} {{mhlo.sharding = "{results.get(next(count), "{replicated}")}"}}'
+
+    tail = _RESULT.sub(result, stablehlo[end:stop])
+    text = stablehlo[:start] + head + tail + stablehlo[stop:]
+    module = _MODULE.search(text)
+    if module is None:
+        raise ValueError("the StableHLO module has no attributes to put the partition count in")
+    count_attributes = f"mhlo.num_partitions = {partitions} : i32, mhlo.num_replicas = 1 : i32, "
+    return text[: module.end()] + count_attributes + text[module.end() :]
 
 
 class _Storage:

@@ -1,9 +1,10 @@
 """The run configuration of ``revlib-xla train``: a typed schema (pydantic v2), YAML files and ``key=value`` overrides.
 
-A run is described by six sections, each a pydantic model that rejects unknown keys: ``model`` (which LM and how its
+A run is described by seven sections, each a pydantic model that rejects unknown keys: ``model`` (which LM and how its
 shape differs from the named size), ``strategy`` (how the step saves memory: activations, few-bit, offload, fused
 optimizer, precision), ``data``, ``optim``, ``chip`` (the target for ``plan`` auto, the MFU estimate and
-``revlib-xla memory``) and ``train`` (steps, evaluation, checkpoints, device).
+``revlib-xla memory``), ``mesh`` (how one process spreads the step over several devices: SPMD) and ``train``
+(steps, evaluation, checkpoints, device).
 
 :func:`load_config` reads a YAML file (``tpu_configs/*.yaml``), applies overrides written as dotted keys with YAML
 values (``train.steps=10``, ``strategy.offload.optimizer=true``, ``optim.betas=[0.9,0.99]``; ``strategy=reversible``
@@ -33,6 +34,7 @@ __all__ = [
     "DataConfig",
     "OptimConfig",
     "ChipConfig",
+    "MeshConfig",
     "TrainConfig",
     "RunConfig",
     "ACTIVATIONS",
@@ -154,6 +156,37 @@ class ChipConfig(_Section):
     chips: int = Field(default=1, ge=1)
 
 
+class MeshConfig(_Section):
+    """How one process spreads the step over the devices it drives (torch_xla SPMD: the chips of a TPU VM): a
+    mesh of ``data x fsdp x tensor`` devices, ``-1`` for one axis = the devices the others leave. Parameters are
+    sharded over ``fsdp`` (and ``tensor``) and the batch over ``data x fsdp``; see :mod:`revlib_xla.sharding`.
+    Where one process drives one device (cpu, cuda) every axis must come to 1."""
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+
+    @field_validator("data", "fsdp", "tensor")
+    @classmethod
+    def _axis(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("a mesh axis is a number of devices (>= 1), or -1 for the devices the others leave")
+        return value
+
+    @model_validator(mode="after")
+    def _one_fill(self) -> MeshConfig:
+        filled = [name for name in ("data", "fsdp", "tensor") if getattr(self, name) == -1]
+        if len(filled) > 1:
+            raise ValueError(
+                f"mesh: only one axis may be -1 (the devices the others leave), not {' and '.join(filled)}"
+            )
+        return self
+
+    def axes(self) -> dict[str, int]:
+        """The axes in mesh order (``data``, ``fsdp``, ``tensor``) with their sizes as written (-1: fill)."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
 class TrainConfig(_Section):
     """The loop: steps, evaluation, logging, checkpoints, device and where everything is written."""
 
@@ -171,13 +204,14 @@ class TrainConfig(_Section):
 
 
 class RunConfig(_Section):
-    """A whole run: the six sections."""
+    """A whole run: the seven sections."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     strategy: StrategyConfig = Field(default_factory=StrategyConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     chip: ChipConfig = Field(default_factory=ChipConfig)
+    mesh: MeshConfig = Field(default_factory=MeshConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
 
     @model_validator(mode="after")

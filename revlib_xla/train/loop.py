@@ -27,6 +27,7 @@ from types import FrameType
 import torch
 
 from .. import backend
+from ..sharding import apply_mesh
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
@@ -129,6 +130,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     ``train.resume`` and one exists) and return what it did. ``crash_after``: stop right after that step without
     saving anything, as a killed process would (for tests of resume)."""
     start_time = time.perf_counter()
+    apply_mesh(cfg)  # before the device starts: SPMD over the mesh's devices, if several
     processes, device = join_processes(cfg, resolve_device(cfg))  # under torchrun: this process's place and device
     lm_config = model_config(cfg)
     data = load_data(cfg, lm_config.vocab_size)

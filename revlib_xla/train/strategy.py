@@ -273,6 +273,17 @@ def flops_per_token(cfg: RunConfig) -> float:
     return train_flops_per_token(spec, cfg.data.seq_len)
 
 
+def _shard_under_mesh(lm: nn.Module, device: torch.device) -> None:
+    """Under a mesh over ``device`` (:func:`revlib_xla.sharding.apply_mesh`), split the parameters over it, once
+    their values are written: initialization and a dtype change give the parameters new tensors, which drops an
+    earlier split (torch_xla)."""
+    from ..sharding import active_mesh, shard_model
+
+    mesh = active_mesh(device)
+    if mesh is not None:
+        shard_model(lm, mesh)
+
+
 def build_model(
     cfg: RunConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> nn.Module:
@@ -292,6 +303,14 @@ def build_model(
     on_meta = not backend.backend_for(target).holds_data
     budget = plan_budget(cfg) if s.activations == "plan" else 0  # refused before anything is allocated
     if cfg.model.hf_config is not None:
+        from ..sharding import active_mesh
+
+        if active_mesh(target) is not None:
+            raise StrategyError(
+                f"model.hf_config={cfg.model.hf_config}: a transformers model is not split over a mesh (the sharding "
+                f"rules know the models of revlib_xla.models); train it on one device (mesh all 1), or use "
+                f"model.name=llama-*"
+            )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
     with torch.device("meta"):  # built without allocating, then materialised where it runs
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
@@ -300,6 +319,7 @@ def build_model(
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
+    _shard_under_mesh(lm, target)
     if s.fewbit:
         from ..fewbit import convert_activation
         from ..fewbit.conversion import map_module
@@ -495,6 +515,8 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     micro-batches), gradient clipping by the global norm (``optim.grad_clip``), the optimizer step, gradients
     freed; returns the mean loss (a 0-d tensor on the device). bf16 precision runs under autocast. On XLA it does not
     sync: the caller cuts the step (:func:`revlib_xla.backend.sync`)."""
+    from ..sharding import shard_batch
+
     s = cfg.strategy
     device = compute_device(model)
     autocast_type = backend.backend_for(device).autocast_device_type
@@ -515,7 +537,7 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
         return stack
 
     def step(tokens: Tensor) -> Tensor:
-        tokens = tokens.to(device)
+        tokens = shard_batch(tokens.to(device))  # split over the mesh's data x fsdp, if there is one
         total: Tensor | None = None
         for micro in tokens.chunk(accum):
             with scope():

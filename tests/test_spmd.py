@@ -1,0 +1,202 @@
+"""TPU pods through SPMD (revlib_xla.sharding): the mesh from config, the sharding rules, bad input named at the
+point of use, training over 4 CPU SPMD devices against the CPU (one child process runs every SPMD case), and the
+per-chip HBM of a slice from a sharded deviceless compile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from revlib_xla import backend, sharding
+from revlib_xla.sharding import MeshShape, ShardingError, hlo_sharding, parameter_spec, resolve_mesh
+from revlib_xla.train.config import ConfigError, load_config
+
+HERE = Path(__file__).resolve().parent
+needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+
+# ----------------------------------------------------------------------------------------------------------------
+# The mesh and the rules (no devices needed)
+
+
+def test_mesh_axes_fill_and_multiply_to_the_devices():
+    assert resolve_mesh({"fsdp": -1, "tensor": 1, "data": 1}, 8) == MeshShape(1, 8, 1)
+    assert resolve_mesh({"data": 2, "fsdp": -1}, 8) == MeshShape(2, 4, 1)
+    assert resolve_mesh({"fsdp": 2, "tensor": -1}, 8) == MeshShape(1, 2, 4)
+    assert resolve_mesh({"fsdp": -1}, 1).size == 1
+    assert str(MeshShape(2, 4, 1)) == "data=2 x fsdp=4 x tensor=1"
+
+
+@pytest.mark.parametrize(
+    ("axes", "devices", "message"),
+    [
+        ({"fdsp": 4}, 4, "mesh: unknown axis 'fdsp'; the axes are data, fsdp, tensor"),
+        ({"fsdp": 3}, 4, "mesh.data=1, mesh.fsdp=3, mesh.tensor=1 multiplies to 3 devices but the run drives 4"),
+        ({"data": 3, "fsdp": -1}, 8, "the fixed axes multiply to 3, which does not divide the 8 device(s)"),
+        ({"data": -1, "fsdp": -1}, 8, "only one axis may be -1"),
+        ({"fsdp": 0}, 8, "mesh: fsdp=0: an axis is a number of devices"),
+    ],
+)
+def test_bad_meshes_are_named(axes, devices, message):
+    with pytest.raises(ShardingError) as info:
+        resolve_mesh(axes, devices)
+    assert message in str(info.value)
+
+
+def test_a_mesh_on_a_backend_without_spmd_points_to_torchrun():
+    assert sharding.make_mesh({"fsdp": -1}, "cpu") is None  # one device: nothing to shard
+    with pytest.raises(ShardingError) as info:
+        sharding.make_mesh({"fsdp": 2}, "cpu")
+    message = str(info.value)
+    assert "multiplies to 2 devices but the 'cpu' backend drives 1" in message
+    assert "FSDP2 or DDP under torchrun" in message
+    cpu = backend.backend_for("cpu")
+    assert cpu.spmd_device_count(torch.device("cpu")) == 1
+    with pytest.raises(NotImplementedError, match="no SPMD partitioner.*torchrun"):
+        cpu.enable_spmd()
+    assert backend.default_device_type() == backend.default_device().type  # asked without starting a runtime
+
+
+def test_the_config_has_a_mesh_section_and_names_bad_keys():
+    assert load_config(None, []).mesh.axes() == {"data": 1, "fsdp": -1, "tensor": 1}
+    assert load_config(None, ["mesh.data=2", "mesh.fsdp=4"]).mesh.axes() == {"data": 2, "fsdp": 4, "tensor": 1}
+    for overrides, message in (
+        (["mesh.model=2"], "unknown key 'mesh.model'"),
+        (["mesh.fsdp=0"], "mesh.fsdp=0: a mesh axis is a number of devices"),
+        (["mesh.data=-1"], "mesh: only one axis may be -1"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+
+
+def test_parameters_split_megatron_on_tensor_and_fsdp_on_the_other_dimension():
+    mesh = MeshShape(1, 4, 2)
+    assert parameter_spec("layers.0.attn.self_attn.q_proj.weight", (64, 32), mesh) == ("tensor", "fsdp")
+    assert parameter_spec("layers.0-1.wrapped_module.mlp.down_proj.weight", (32, 128), mesh) == ("fsdp", "tensor")
+    assert parameter_spec("embed.weight", (256, 32), mesh) == ("tensor", "fsdp")
+    assert parameter_spec("norm.weight", (32,), mesh) == (None,)
+    fsdp = MeshShape(1, 4, 1)
+    assert parameter_spec("layers.0.attn.self_attn.q_proj.weight", (64, 32), fsdp) == (None, "fsdp")
+    assert parameter_spec("conv.weight", (6, 40, 3, 3), fsdp) == (None, "fsdp", None, None)  # largest that divides
+    assert parameter_spec("odd.weight", (6, 10), fsdp) == (None, None)  # nothing divides: whole on every device
+
+
+def test_hlo_shardings_number_the_devices_as_the_mesh():
+    assert hlo_sharding(("fsdp", None), MeshShape(1, 4, 1)) == "{devices=[4,1]0,1,2,3}"
+    assert hlo_sharding((None,), MeshShape(1, 4, 1)) == "{replicated}"
+    # fsdp inside data: the pieces of a parameter repeat over data (devices 0,2 hold the same piece)
+    assert hlo_sharding(("fsdp", None), MeshShape(2, 2, 1)) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+    assert hlo_sharding((("data", "fsdp"), None), MeshShape(2, 2, 1)) == "{devices=[4,1]0,1,2,3}"
+    assert hlo_sharding(("tensor", "fsdp"), MeshShape(1, 2, 2)) == "{devices=[2,2]0,2,1,3}"
+
+
+def test_a_batch_that_does_not_split_is_named():
+    with pytest.raises(ShardingError, match="the batch of 6 rows does not split over the mesh's data x fsdp = 2 x 2"):
+        sharding.check_batch(6, MeshShape(2, 2, 1))
+    sharding.check_batch(8, MeshShape(2, 2, 2))  # tensor does not split the batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Training over 4 CPU SPMD devices: ONE child process runs every case (tests/spmd_cases.py)
+
+
+@pytest.fixture(scope="module")
+def spmd(tmp_path_factory):
+    out = tmp_path_factory.mktemp("spmd")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "spmd_cases.py"), str(out)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@needs_xla
+def test_spmd_steps_equal_the_cpu_steps_with_a_quarter_of_the_parameters_per_device(spmd):
+    assert spmd["devices"] == 4
+    assert set(spmd["cases"]) == {
+        "plain data x fsdp x tensor",
+        "reversible data x fsdp",
+        "checkpoint + offloaded optimizer fsdp",
+    }
+    for name, case in spmd["cases"].items():
+        loss, reference = case["loss"]
+        assert math.isclose(loss, reference, rel_tol=1e-12), name
+        assert case["grad_rel_err"] < 1e-10, name  # float64: the partitioned sums only reorder additions
+        for got, want in zip(*case["losses"]):
+            assert math.isclose(got, want, rel_tol=1e-10), name
+        assert case["weight_rel_err"] < 1e-9, name
+        compiles = case["compiles"]
+        assert compiles[-1] == compiles[1], f"{name}: compiled again after the second step: {compiles}"
+    # parameters split 1/4 per device (norm scales, 1.5% of the elements, stay whole); over data they repeat
+    assert 0.25 <= spmd["cases"]["checkpoint + offloaded optimizer fsdp"]["fraction"] < 0.27
+    assert 0.25 <= spmd["cases"]["plain data x fsdp x tensor"]["fraction"] < 0.27  # fsdp 2 x tensor 2
+    assert 0.5 <= spmd["cases"]["reversible data x fsdp"]["fraction"] < 0.52  # fsdp 2, repeated over data 2
+    specs = spmd["cases"]["plain data x fsdp x tensor"]["specs"]
+    assert specs["layers.0.attn.self_attn.q_proj.weight"] == "{devices=[2,2]0,2,1,3}"  # (tensor, fsdp)
+
+
+@pytest.mark.slow
+@needs_xla
+def test_revlib_xla_train_applies_the_mesh_and_compiles_once(spmd):
+    run = spmd["train"]
+    assert run["recompilations"] == 0 and not run["warnings"]
+    assert len(run["losses"]) == 4 and all(math.isfinite(v) for v in run["losses"])
+    assert 0.25 <= run["fraction"] < 0.27
+
+
+@pytest.mark.slow
+@needs_xla
+def test_spmd_refusals_at_the_point_of_use(spmd):
+    assert "the batch of 6 rows does not split over the mesh's data x fsdp = 1 x 4" in spmd["odd_batch"]
+    assert "strategy.activations=plan" in spmd["plan"] and "reversible or checkpoint" in spmd["plan"]
+    assert "strategy.offload.params=true streams whole layers" in spmd["offload_params"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-chip HBM of a slice without the slice: the sharded deviceless compile
+
+SIZED = [
+    # every piece a multiple of the TPU's (8, 128) tiles, so that the per-chip bytes carry no layout padding
+    "model.overrides={vocab_size: 256, dim: 512, n_layers: 1, n_heads: 4, n_kv_heads: 2, ffn_dim: 1024}",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "strategy=reversible",
+]
+
+
+@pytest.mark.slow
+@needs_xla
+@needs_libtpu
+def test_per_chip_parameters_are_a_quarter_on_four_chips_and_one_chip_is_unchanged():
+    from revlib_xla.fit import chips
+    from revlib_xla.fit.report import compile_steps
+    from revlib_xla.fit.strategies import trace_config
+    from revlib_xla.fit.trace import OPTIMIZER, PARAMETERS
+
+    one = trace_config(load_config(None, SIZED))
+    four = sharding.shard_step(one, MeshShape(1, 4, 1))
+    assert sharding.shard_step(one, MeshShape(1, 1, 1)) is one  # one chip: today's program, untouched
+    assert four.partitions == 4 and 'mhlo.sharding = "{devices=[1,4]0,1,2,3}"' in four.stablehlo
+    assert "mhlo.num_partitions = 4" in four.stablehlo
+    single, split = compile_steps([one], chips.chip("v5e")) + compile_steps([four], chips.chip("v5e"))
+    params = one.argument_bytes(PARAMETERS)
+    norms = sum(a.nbytes for a in one.arguments if a.role == PARAMETERS and len(a.shape) == 1)
+    assert split.parameters == (params - norms) // 4 + norms  # the norm scales stay whole
+    assert split.optimizer < single.optimizer / 3
+    # The compiler's own argument bytes per chip agree: what is not parameters, state or the batch (the rotary
+    # tables, whole on every chip, and scalars) is the same on one chip and on each of four, to within the
+    # compiler's padding of small arguments to its alignment
+    assert split.other > 0 and abs(split.other - single.other) <= 512 * len(one.arguments)
+    assert split.inputs == single.inputs // 4
+    assert split.total < single.total
+    assert four.argument_bytes(OPTIMIZER) == split.optimizer
