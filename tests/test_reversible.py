@@ -844,14 +844,14 @@ class AppendsToCache(nn.Module):
 
 def test_block_with_a_cache_of_its_own_is_refused():
     """A block that appends to a cache in forward sees a longer cache in the recomputation: its gradients are wrong.
-    The check at the first training forward finds it, by default for every coupling: the default additive one too
-    (before, additive stacks were not checked unless verify_inverse=True, and trained on wrong gradients)."""
+    The check at the first training forward finds it (on by default for non-additive couplings and momentum
+    nets; verify_inverse=True for additive ones)."""
     from revlib_xla import utils
 
     torch.manual_seed(0)
     x = torch.randn(3, 8, requires_grad=True)
     for make in (
-        lambda blocks: ReversibleSequential(*blocks, split_dim=-1),
+        lambda blocks: ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True),
         lambda blocks: utils.momentum_net(*blocks, split_dim=-1),
     ):
         cache = []
@@ -864,10 +864,11 @@ def test_block_with_a_cache_of_its_own_is_refused():
             model(x)
 
 
-def test_additive_stack_that_cannot_rebuild_its_input_is_refused_by_default():
+def test_additive_stack_that_cannot_rebuild_its_input_is_refused_with_verify_inverse():
     """An additive coupling inverts exactly only in exact arithmetic: eight bfloat16 MLP blocks with large weights
-    rebuild their input so badly that the reversible backward's gradients are off by more than 100 %, silently
-    before additive stacks were checked by default. Now the first training forward refuses, naming the depth."""
+    rebuild their input so badly that the reversible backward's gradients are off by more than 100 %.
+    verify_inverse=True refuses at the first training forward, naming the depth (additive stacks are not checked
+    by default: see the README)."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(8)]
     for p in (p for b in blocks for p in b.parameters()):
@@ -881,7 +882,7 @@ def test_additive_stack_that_cannot_rebuild_its_input_is_refused_by_default():
         grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
     assert float((grads[0] - grads[1]).norm() / grads[1].norm()) > 1.0  # what the check prevents
     with pytest.raises(revlib.ReversibleError, match=r"rebuilt from the output through all 8 layers"):
-        ReversibleSequential(*blocks, split_dim=-1).bfloat16()(x)
+        ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True).bfloat16()(x)
 
 
 @pytest.mark.parametrize("construction", ["momentum_coupling", "momentum_net"])
