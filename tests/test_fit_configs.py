@@ -49,6 +49,12 @@ def test_recorded_hbm_is_what_the_compiler_reports(path):
     record = json.loads(path.with_suffix(".hbm.json").read_text())
     check = record["check"]
     chip = chips.chip(record["chip"], "tpu")
+    if load(str(path), check["overrides"], STRATEGIES["config"]).chip.chips > 1:
+        pytest.skip(
+            "a sharded config's trace at its full batch holds ~19 GB of host memory today (the sharded trace is not "
+            "zero-copy yet; v5litepod-8 peaked at 18.7 GB, another was OOM-killed beside a second test worker): its "
+            "record is rechecked by bench/llama_fit.py --configs, not in CI (issue 14)"
+        )
     [report] = size_strategies(str(path), check["overrides"], chip, [STRATEGIES["config"]])
     assert report.total == check["hbm_bytes"] and report.at_least == check["at_least_bytes"]
     assert report.fits == check["fits"]
