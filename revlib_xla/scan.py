@@ -292,7 +292,7 @@ def scanned_forward(
     With ``scan=True``, what the scan cannot run raises a :class:`revlib_xla.ReversibleError` naming it."""
     from .reversible import ReversibleError
 
-    wanted = getattr(model, "scan", None)
+    wanted = getattr(model, "scan", False)  # models pickled before the argument existed: its default
     if wanted is False or (wanted is None and not backend.is_tracing_lazily(x0)):
         return None  # nothing to compile: the unrolled walk, without checking anything per call
     try:
