@@ -34,22 +34,25 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    from ..train.distributed import launched_rank
     from ..train.loop import train
     from ..train.strategy import resolve_device
 
     device = resolve_device(cfg)
     s = cfg.strategy
-    print(
-        f"revlib-xla train: {cfg.model.hf_config or cfg.model.name} on {device}, strategy activations={s.activations}"
-        + (f" fewbit={s.fewbit}" if s.fewbit else "")
-        + "".join(f" offload.{k}" for k, v in s.offload.model_dump().items() if v)
-        + (" fused_optimizer" if s.fused_optimizer else "")
-        + f" precision={s.precision}; {cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens; "
-        f"writing to {cfg.train.out_dir}",
-        flush=True,
-    )
+    announce = launched_rank() == 0  # under torchrun, rank 0 speaks for the run
+    if announce:
+        print(
+            f"revlib-xla train: {cfg.model.hf_config or cfg.model.name} on {device}, strategy activations={s.activations}"
+            + (f" fewbit={s.fewbit}" if s.fewbit else "")
+            + "".join(f" offload.{k}" for k, v in s.offload.model_dump().items() if v)
+            + (" fused_optimizer" if s.fused_optimizer else "")
+            + f" precision={s.precision}; {cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens; "
+            f"writing to {cfg.train.out_dir}",
+            flush=True,
+        )
     result = train(cfg)
-    if result.losses:
+    if announce and result.losses:
         print(
             f"loss {result.first_loss:.4f} (step {min(result.losses)}) -> {result.last_loss:.4f} (step "
             f"{max(result.losses)})"

@@ -36,7 +36,21 @@ from .. import backend
 from .config import RunConfig
 from .strategy import StrategyError, language_model, lm_loss
 
-__all__ = ["Processes", "join_processes", "distribute", "per_process_step", "DataParallelLM", "SilentLogger"]
+__all__ = [
+    "Processes",
+    "launched_rank",
+    "join_processes",
+    "distribute",
+    "per_process_step",
+    "DataParallelLM",
+    "SilentLogger",
+]
+
+
+def launched_rank() -> int:
+    """This process's rank as ``torchrun`` set it (0 when not launched by it), readable before the process group
+    exists: the CLI announces a run and its result once, from rank 0."""
+    return int(os.environ.get("RANK", "0"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +127,7 @@ def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | No
             f"{world} processes on {device.type}: this device family does not train with several processes here "
             f"(TPU pods train in one process through SPMD); run one process, or train.device=cpu/cuda"
         )
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = launched_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     device = family.process_device(device, local_rank)
     started = not torch.distributed.is_initialized()
     if started:
