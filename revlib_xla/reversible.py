@@ -371,6 +371,8 @@ class _Plan:
     walk: tuple[Tensor, Tensor, Any] | None = None  # the backward walk: the streams the next layer's backward
     # rebuilt, and what it finished (see _layer_backward)
     fsdp_units: list[fsdp.LayerUnits | None] | None = None  # per layer: the FSDP2 units inside its block
+    stacked: Callable[[int], dict[str, Tensor]] | None = None  # stacked parameters (scan.stack_layers): layer i's
+    # parameters as views of the stacks, for the paths that call the blocks one by one
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -1135,6 +1137,7 @@ class ReversibleSequential(nn.Sequential):
             RecomputeState.of(self),
             param_slots=param_slots,
         )
+        plan.stacked = _scan.stacked_views(self)
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         # The fused optimizer built from fused_optimizer= is stepped by the backward walk, one layer at a time;
@@ -1271,7 +1274,13 @@ class ReversibleSequential(nn.Sequential):
                     x0, x1 = (
                         x1,
                         _forward_layer(
-                            plan, i, x0, x1, a, k, None if copies is None else plan.offloaded().mapping(i, copies)
+                            plan,
+                            i,
+                            x0,
+                            x1,
+                            a,
+                            k,
+                            _plain_copies(plan, i) if copies is None else plan.offloaded().mapping(i, copies),
                         ),
                     )
                     if copies is not None:
@@ -1360,9 +1369,9 @@ class ReversibleSequential(nn.Sequential):
 
 def _plain_copies(plan: _Plan, i: int) -> dict[str, Tensor] | None:
     """With ``target_device``: layer ``i``'s tensors copied to the device (no streaming), for the inverse and the
-    invertibility check."""
+    invertibility check; with stacked parameters, views of them."""
     if plan.offload is None:
-        return None
+        return None if plan.stacked is None else plan.stacked(i)
     device = plan.offload.streamer.device
     return plan.offload.mapping(i, [offload_tensor(t, device) for t in plan.offload.streamer.units[i]])
 
