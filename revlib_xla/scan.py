@@ -192,6 +192,7 @@ class _Stacks:
     entries: list[list[tuple[str, tuple[str, ...]]]]
     keys: list[list[str]]
     block: str
+    opened: int = 0  # layer_parameters contexts open
 
     def params(self, model: nn.Module) -> list[Tensor]:
         return [getattr(model, attr) for entries in self.entries for attr, _ in entries]
@@ -229,9 +230,11 @@ def stacked_views(model: nn.Module) -> Callable[[int], dict[str, Tensor]] | None
     return None if stacks is None else _Views(model, stacks)
 
 
-def stack_layers(model: ReversibleSequential) -> ReversibleSequential:
+def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> ReversibleSequential:
     """Store the parameters of ``model``'s repeating layers stacked: one ``[iterations, ...]`` parameter per
-    parameter name (and per position in a repeating group of layers), registered on ``model``; returns ``model``.
+    parameter name (and per position in a repeating group of layers), registered on ``model``; returns ``model``,
+    whose ``scan`` becomes ``scan`` (default ``None``: scanned on XLA when nothing rules it out, which is why one
+    stacks; ``False``: the layers one by one, on views of the stacks).
 
     Call it before building the optimizer (as FSDP2's ``fully_shard``): the layers' own parameters are replaced by
     the stacks, so an optimizer built before would hold the old ones. What it gives: the scanned forward and
@@ -317,6 +320,7 @@ def stack_layers(model: ReversibleSequential) -> ReversibleSequential:
             module_name, _, leaf = name.rpartition(".")
             delattr(layer.block.get_submodule(module_name), leaf)
     vars(model)["_stacks"] = _Stacks(period, iterations, entries, keys, block_path)  # plain state: copied, pickled
+    model.scan = scan
     model._register_state_dict_hook(_stacked_state_dict)
     model._register_load_state_dict_pre_hook(_load_into_stacks, with_module=True)
     return model
@@ -396,16 +400,18 @@ def _load_into_stacks(
 
 
 @contextlib.contextmanager
-def layer_parameters(model: ReversibleSequential) -> Iterator[ReversibleSequential]:
+def layer_parameters(model: nn.Module) -> Iterator[nn.Module]:
     """Inside: each stacked layer's block holds its parameters again, as parameters sharing storage with the stacks,
     so code that initialises or loads weights layer by layer (``block.weight.normal_()``, ``copy_``) writes into
-    the stacks. Outside, the blocks hold none again. For writes only: a forward inside runs on the stacks."""
+    the stacks. Outside, the blocks hold none again. For writes only: a forward inside runs on the stacks. Nests;
+    a model without stacked layers (any module) is left as it is."""
     stacks = stacks_of(model)
-    if stacks is None:
+    if stacks is None or stacks.opened:
         yield model
         return
     layers = cast("list[ReversibleModule]", list(model._modules.values()))
     placed: list[tuple[nn.Module, str]] = []
+    stacks.opened += 1
     try:
         for i, layer in enumerate(layers):
             j, t = i % stacks.period, i // stacks.period
@@ -419,6 +425,7 @@ def layer_parameters(model: ReversibleSequential) -> Iterator[ReversibleSequenti
                     placed.append((module, leaf))
         yield model
     finally:
+        stacks.opened -= 1
         for module, leaf in placed:
             delattr(module, leaf)
 

@@ -420,3 +420,37 @@ def test_stacked_scan_compiles_once_and_does_not_grow_with_depth():
         if depth == 4:
             assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
     assert lines[0] == lines[1]
+
+
+def test_llama_with_scan_stacks_its_layers():
+    """``build_llama(..., scan=None)`` stacks the reversible layers: the same weights from the same seed, the same
+    state-dict keys and HF key map, HF weights loaded layer by layer, and the same loss and gradients (cpu)."""
+    from revlib_xla.models.llama import LlamaConfig, build_llama
+
+    config = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
+    plain, stacked = (build_llama(config, "reversible", scan=scan).double() for scan in (False, None))
+    assert stacked.layers.scan is None and next(stacked.layers.named_parameters())[0].startswith("stacked_")
+    for model in (plain, stacked):
+        model.init_weights(seed=3)
+    assert list(stacked.state_dict()) == list(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(stacked.state_dict()[key], value), key
+    assert stacked.hf_key_map() == plain.hf_key_map()
+    hf = {theirs: plain.state_dict()[ours] * 2 for ours, theirs in plain.hf_key_map().items()}
+    for model in (plain, stacked):
+        model.load_hf_state_dict(hf)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    for key, value in plain.state_dict().items():  # the HF weights went into the stacks
+        assert torch.equal(stacked.state_dict()[key], value), key
+    losses = []
+    for model in (plain, stacked):
+        loss = model.loss(tokens)
+        loss.backward()
+        losses.append(loss.detach())
+    assert max_rel_err(losses[1], losses[0]) < 1e-12
+    found = {
+        f"layers.{k}": g for k, g in _per_layer(stacked.layers, [p.grad for p in stacked.layers.parameters()]).items()
+    }
+    found |= {name: p.grad for name, p in stacked.named_parameters() if not name.startswith("layers.")}
+    for name, param in plain.named_parameters():
+        assert max_rel_err(found[name], param.grad) < 1e-12, name
