@@ -14,7 +14,12 @@ MLP branches), :class:`revlib_xla.ReversibleSequential` runs them as two XLA whi
   gradient.
 
 Stacking copies the parameters (and buffers) once per pass: a transient copy of the repeated layers' weights, as
-torch_xla's ``scan_layers`` makes.
+torch_xla's ``scan_layers`` makes, and the stacked gradients are unstacked into each parameter's gradient. Both copies
+go with stacked parameter storage (:func:`stack_layers`, what MaxText's and torchprime's scanned layers hold): the
+repeated layers' parameters live as one ``[iterations, ...]`` parameter per name, which the loops read as they are
+and whose gradient is the backward loop's stacked output, so the step holds the parameters and their gradients
+once. State dicts keep the unstacked keys (hooks translate both ways); without the loops (``scan=False``, cpu,
+cuda) the layers run one by one on views of the stacks, as one autograd node with the same gradients.
 
 What was tried (torch 2.9, torch_xla 2.9): torch_xla's public ``scan`` traces its body with AOTAutograd and saves
 the body's activations per iteration for its own backward (O(depth), and no custom inversion); its forward loop

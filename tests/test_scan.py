@@ -278,6 +278,7 @@ def _per_layer(model, tensors):
     return out
 
 
+@pytest.mark.slow
 def test_stacked_layers_train_as_the_unstacked_model(device):
     """Three AdamW steps (weight decay, gradient clipping, dropout): every gradient, the clipped norm and every
     weight after each step equal the unstacked model's; on XLA the stacked model runs as the two loops."""
