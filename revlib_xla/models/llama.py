@@ -484,7 +484,7 @@ class LlamaLM(nn.Module):
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
         self.init_weights()
-        if form is not Form.PLAIN and stack_options.get("scan", False) is not False:
+        if form is Form.REVERSIBLE and stack_options.get("scan", False) is not False:  # (momentum: layers differ)
             stack_layers(cast(ReversibleSequential, self.layers), stack_options["scan"])  # the scan reads them as is
 
     # -- weights ------------------------------------------------------------------------------------------------
