@@ -361,6 +361,24 @@ def test_stacked_layers_keep_the_unstacked_state_dict():
     assert (stacked.stacked_0_0_net_0_weight[1] == 7).all() and (stacked.stacked_0_0_net_0_weight[0] != 7).all()
 
 
+def test_stacked_layers_compose_with_grad_scaler_and_zero_grad():
+    """GradScaler's unscale_ divides the stacked gradients back to the unscaled ones; zero_grad clears them."""
+    reference, stacked = _stacked_pair(_two_kinds())
+    x = torch.randn(2, 2 * WIDTH, generator=torch.Generator().manual_seed(0))
+    reference(x, scale=torch.ones(WIDTH)).sum().backward()
+    opt = torch.optim.SGD(stacked.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(stacked(x, scale=torch.ones(WIDTH)).sum()).backward()
+    scaler.unscale_(opt)
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in _per_layer(stacked, [p.grad for p in stacked.parameters()]).items():
+        assert max_rel_err(grad, expected[name]) < 1e-6, name
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in stacked.parameters())
+
+
 def _perturbed(state):
     return {k: v + 1 for k, v in state.items()}
 
