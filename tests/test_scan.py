@@ -379,6 +379,25 @@ def test_stacked_layers_compose_with_grad_scaler_and_zero_grad():
     assert all(p.grad is None for p in stacked.parameters())
 
 
+def test_stacked_layers_without_the_reversible_walk():
+    """Plain autograd (no_savings), no gradients, the inverse and check_invertible run the blocks on views of the
+    stacks: the unstacked model's gradients and outputs."""
+    mode = {"memory_mode": revlib.MemoryModes.no_savings}
+    reference, stacked = _stacked_pair(_two_kinds(), scan=False, **mode)
+    x = torch.randn(2, 2 * WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(WIDTH, dtype=torch.float64)
+    for model in (reference.double(), stacked.double()):
+        model(x, scale=ones).sin().sum().backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in _per_layer(stacked, [p.grad for p in stacked.parameters()]).items():
+        assert max_rel_err(grad, expected[name]) < 1e-12, name
+    with torch.no_grad():
+        y = stacked(x, scale=ones)
+        assert max_rel_err(y, reference(x, scale=ones)) < 1e-12
+        assert max_rel_err(stacked.inverse(y, scale=ones), x) < 1e-9
+    assert revlib.check_invertible(stacked, x, scale=ones).worst < 1e-9
+
+
 def _perturbed(state):
     return {k: v + 1 for k, v in state.items()}
 
