@@ -161,9 +161,11 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
                 temp = (own[high]["tpu_live_temp_mib"] - own[low]["tpu_live_temp_mib"]) / (high - low)
                 line += f", of which live temporaries {temp:.3f} (the rest: arguments and outputs, tile-padded)"
         lines.append(line)
-    earlier = sorted({(r["mode"], r["measured"]) for r in rows if "measured" in r})
-    for mode, when in earlier:
-        lines.append(f"- the {mode} rows were measured on {when} (an earlier run, kept; its load is in git history)")
+    earlier = sorted({(r["mode"], r.get("dtype", "float32"), r["measured"]) for r in rows if "measured" in r})
+    for mode, dtype, when in earlier:
+        lines.append(
+            f"- the {mode} ({dtype}) rows were measured on {when} (an earlier run, kept; its load is in git history)"
+        )
     (out / "scan_compile-xla-cpu.md").write_text("\n".join(lines) + "\n")
 
 
