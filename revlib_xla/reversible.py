@@ -930,8 +930,8 @@ class ReversibleSequential(nn.Sequential):
             drawing random numbers), else unrolled; ``True``: scan, or raise naming what rules it out (the first
             layer that differs, and how). Gradients, dropout masks and autocast are those of the unrolled walk.
             With the layers' parameters stacked (:func:`revlib_xla.scan.stack_layers`, which sets ``scan=None``),
-            the loops read the stacks without copying them and the step holds parameters and gradients once: the
-            scan's memory cost is gone (measured in ``bench/results/scan_compile-xla-cpu.md``).
+            the loops read the stacks without copying them and the step holds parameters and gradients once (TPU
+            HBM per layer as the unrolled walk's with bfloat16 weights, ``bench/results/scan_compile-xla-cpu.md``).
     """
 
     def __init__(
