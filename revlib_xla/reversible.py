@@ -1103,8 +1103,9 @@ class ReversibleSequential(nn.Sequential):
         layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
         check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
+        stacked = {p.dtype for p in self._parameters.values() if p is not None and p.is_floating_point()}  # scan
         for i, layer in enumerate(layers):
-            own, slots, float_dtypes, modules = [], [], set(), list(layer.modules())
+            own, slots, float_dtypes, modules = [], [], set(stacked), list(layer.modules())
             for module in modules:
                 for name, p in module._parameters.items():
                     if p is not None and p.is_floating_point():
@@ -1274,18 +1275,8 @@ class ReversibleSequential(nn.Sequential):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
                     copies = self._plain_offload(plan, i)
-                    x0, x1 = (
-                        x1,
-                        _forward_layer(
-                            plan,
-                            i,
-                            x0,
-                            x1,
-                            a,
-                            k,
-                            _plain_copies(plan, i) if copies is None else plan.offloaded().mapping(i, copies),
-                        ),
-                    )
+                    tensors = _plain_copies(plan, i) if copies is None else plan.offloaded().mapping(i, copies)
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, tensors)
                     if copies is not None:
                         plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output

@@ -418,6 +418,8 @@ def test_stacked_layers_refuse_what_they_cannot_run():
     model = stack(_model(None, _same_layers()))
     with pytest.raises(ReversibleError, match="stacked already"):
         stack(model)
+    with pytest.raises(ReversibleError, match=r"layer 0 \('0-0': Scaled\): its parameters are torch.float32, but"):
+        model(torch.randn(2, 2 * WIDTH, dtype=torch.float64), scale=torch.ones(WIDTH))
     with pytest.raises(ReversibleError, match="a tensor argument requires grad"):
         model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH, requires_grad=True))
     norm = stack(_model(None, lambda: [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)) for _ in "ab"]))
