@@ -4,8 +4,9 @@
 For each depth, builds the transformer-like ReversibleSequential of ``bench/xla_compile_time.py`` (layers alternate a
 pre-norm attention block and a pre-norm MLP block: they repeat with period 2, as Llama's branches do) without
 dropout (a group of several layers that draws random numbers runs unrolled, see ``revlib_xla.scan``), and traces one
-training step: forward, MSE loss, backward. Per depth and mode (``scan=False``: unrolled; ``scan=None``: scanned,
-chosen automatically) it records:
+training step: forward, MSE loss, backward. Modes: ``scan`` (``scan=None``: scanned, chosen automatically, over
+per-layer parameters stacked per pass), ``stacked`` (``scan=None`` after ``revlib_xla.scan.stack_layers``: the loops
+read the stacked parameters and write stacked gradients), ``unrolled`` (``scan=False``). Per depth and mode it records:
 
 * ``compile_s``: torch_xla's ``CompileTime`` metric of the step's graph on XLA:CPU (wall), ``compile_cpu_s``: process
   CPU seconds in the sync that compiled it (the compiler's threads included; steadier on a shared machine);
@@ -44,21 +45,26 @@ import revlib_xla as revlib
 MIB = 2**20
 
 
-def build(depth: int, args, scan: bool | None) -> torch.nn.Module:
+MODES = {"scan": None, "stacked": None, "unrolled": False}  # mode -> ReversibleSequential(scan=...)
+
+
+def build(depth: int, args, mode: str) -> torch.nn.Module:
     blocks = [Attention(args.width, args.heads, 0.0) if i % 2 == 0 else mlp(args.width, 0.0) for i in range(depth)]
-    return revlib.ReversibleSequential(*blocks, split_dim=-1, scan=scan)
+    model = revlib.ReversibleSequential(*blocks, split_dim=-1, scan=MODES[mode])
+    return revlib.scan.stack_layers(model) if mode == "stacked" else model
 
 
-def measure(depth: int, scan: bool | None, args) -> dict:
+def measure(depth: int, mode: str, args) -> dict:
     import torch_xla
     import torch_xla.debug.metrics as met
 
     dev = torch_xla.device()
     torch.manual_seed(0)
-    model = build(depth, args, scan).to(dev)
+    dtype = getattr(torch, args.dtype)
+    model = build(depth, args, mode).to(dev, dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev)
-    target = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev)
+    x = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev, dtype)
+    target = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev, dtype)
     torch_xla.sync()
     met.clear_all()
     loss = F.mse_loss(model(x), target)
@@ -74,7 +80,8 @@ def measure(depth: int, scan: bool | None, args) -> dict:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     row = {
         "depth": depth,
-        "mode": "unrolled" if scan is False else "scan",
+        "mode": mode,
+        "dtype": args.dtype,
         "compile_s": 0.0 if compiled is None else compiled[1] / 1e9,
         "compiles": 0 if compiled is None else compiled[0],
         "compile_cpu_s": c1 - c0,
@@ -87,6 +94,8 @@ def measure(depth: int, scan: bool | None, args) -> dict:
         found = revlib.memory.tpu_memory(stablehlo, "v5e", hbm_only=True)
         row["tpu_peak_mib"] = found.peak_bytes / MIB
         row["tpu_argument_mib"] = found.argument_bytes / MIB
+        row["tpu_output_mib"] = found.output_bytes / MIB
+        row["tpu_live_temp_mib"] = found.live_temporary_bytes / MIB
     return row
 
 
@@ -114,26 +123,33 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
         f"Model: layers alternate pre-norm attention ({args.heads} heads) and pre-norm MLP (4x) blocks, stream width "
         f"{args.width}, no dropout; input {args.batch}x{args.seq}x{2 * args.width}; step = forward, MSE loss, "
         f"backward, one sync. Depth = reversible layers. TPU: v5e, deviceless compile of the same step's StableHLO, "
-        f"every buffer in HBM (`hbm_only`).",
+        f"every buffer in HBM (`hbm_only`): peak = arguments (parameters, input) + outputs (gradients, loss) + live "
+        f"temporaries; the TPU pads small dimensions to its tiles, so arguments and outputs exceed the logical bytes.",
         "",
-        "| mode | depth | compile wall (s) | compile CPU (s) | while loops | HLO lines | params (MiB) "
-        "| TPU v5e peak (MiB) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | dtype | depth | compile wall (s) | compile CPU (s) | while loops | HLO lines | params (MiB) "
+        "| TPU v5e peak (MiB) | TPU live temporaries (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tpu = f"{r['tpu_peak_mib']:.2f}" if "tpu_peak_mib" in r else "-"
+        temp = f"{r['tpu_live_temp_mib']:.2f}" if "tpu_live_temp_mib" in r else "-"
         lines.append(
-            f"| {r['mode']} | {r['depth']} | {r['compile_s']:.2f} | {r['compile_cpu_s']:.2f} | {r['whiles']} | "
-            f"{r['hlo_lines']} | {r['param_mib']:.2f} | {tpu} |"
+            f"| {r['mode']} | {r.get('dtype', 'float32')} | {r['depth']} | {r['compile_s']:.2f} | "
+            f"{r['compile_cpu_s']:.2f} | {r['whiles']} | {r['hlo_lines']} | {r['param_mib']:.2f} | {tpu} | {temp} |"
         )
     lines.append("")
-    for mode in ("unrolled", "scan"):
-        own = {r["depth"]: r for r in rows if r["mode"] == mode}
+    for mode, dtype in sorted({(r["mode"], r.get("dtype", "float32")) for r in rows}):
+        own = {r["depth"]: r for r in rows if r["mode"] == mode and r.get("dtype", "float32") == dtype}
         if len(own) < 2:
             continue
         low, high = min(own), max(own)
         ratio = own[high]["compile_s"] / max(own[low]["compile_s"], 1e-9)
-        line = f"- {mode}: compile wall at depth {high} / depth {low} = {ratio:.2f}x"
+        cpu = own[high]["compile_cpu_s"] / max(own[low]["compile_cpu_s"], 1e-9)
+        lines_ratio = own[high]["hlo_lines"] / own[low]["hlo_lines"]
+        line = (
+            f"- {mode} ({dtype}): depth {high} / depth {low}: compile wall {ratio:.2f}x, compile CPU {cpu:.2f}x, "
+            f"HLO lines {lines_ratio:.2f}x"
+        )
         if "tpu_peak_mib" in own[low]:
             grow = (own[high]["tpu_peak_mib"] - own[low]["tpu_peak_mib"]) / (high - low)
             per_layer = (own[high]["param_mib"] - own[low]["param_mib"]) / (high - low)
@@ -141,7 +157,15 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
                 f"; TPU peak grows {grow:.3f} MiB per layer (parameters: {per_layer:.3f} MiB per layer, with their "
                 f"gradients {2 * per_layer:.3f})"
             )
+            if "tpu_live_temp_mib" in own[low] and "tpu_live_temp_mib" in own[high]:
+                temp = (own[high]["tpu_live_temp_mib"] - own[low]["tpu_live_temp_mib"]) / (high - low)
+                line += f", of which live temporaries {temp:.3f} (the rest: arguments and outputs, tile-padded)"
         lines.append(line)
+    earlier = sorted({(r["mode"], r.get("dtype", "float32"), r["measured"]) for r in rows if "measured" in r})
+    for mode, dtype, when in earlier:
+        lines.append(
+            f"- the {mode} ({dtype}) rows were measured on {when} (an earlier run, kept; its load is in git history)"
+        )
     (out / "scan_compile-xla-cpu.md").write_text("\n".join(lines) + "\n")
 
 
@@ -152,15 +176,38 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameters and input")
     parser.add_argument("--no-tpu", dest="tpu", action="store_false", help="skip the deviceless TPU compile")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="scan: scan=None over per-layer parameters (stacked per pass); stacked: scan=None after "
+        "revlib_xla.scan.stack_layers; unrolled: scan=False. Rows of other modes already in the JSON are kept.",
+    )
     args = parser.parse_args()
     load0 = os.getloadavg()[0]
     rows = []
-    for scan in (None, False):
+    for mode in args.modes:
         for depth in args.depths:
-            rows.append(measure(depth, scan, args))
+            rows.append(measure(depth, mode, args))
             print(json.dumps(rows[-1]), flush=True)
-    write(rows, args, (load0, os.getloadavg()[0]))
+    write(kept_rows(args.modes, args.dtype) + rows, args, (load0, os.getloadavg()[0]))
+
+
+def kept_rows(modes: list[str], dtype: str) -> list[dict]:
+    """The rows of the modes and dtypes not measured now, from the last results (each row carries when it was
+    measured)."""
+    path = ROOT / "bench" / "results" / "scan_compile-xla-cpu.json"
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    return [
+        {"measured": old["meta"]["generated"], **r}
+        for r in old["rows"]
+        if r["mode"] not in modes or r.get("dtype", "float32") != dtype
+    ]
 
 
 if __name__ == "__main__":

@@ -371,6 +371,8 @@ class _Plan:
     walk: tuple[Tensor, Tensor, Any] | None = None  # the backward walk: the streams the next layer's backward
     # rebuilt, and what it finished (see _layer_backward)
     fsdp_units: list[fsdp.LayerUnits | None] | None = None  # per layer: the FSDP2 units inside its block
+    stacked: Callable[[int], dict[str, Tensor]] | None = None  # stacked parameters (scan.stack_layers): layer i's
+    # parameters as views of the stacks, for the paths that call the blocks one by one
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -927,6 +929,9 @@ class ReversibleSequential(nn.Sequential):
             structure and nothing rules it out (``target_device``, ``fused_optimizer``, a group of several layers
             drawing random numbers), else unrolled; ``True``: scan, or raise naming what rules it out (the first
             layer that differs, and how). Gradients, dropout masks and autocast are those of the unrolled walk.
+            With the layers' parameters stacked (:func:`revlib_xla.scan.stack_layers`, which sets ``scan=None``),
+            the loops read the stacks without copying them and the step holds parameters and gradients once (TPU
+            HBM per layer as the unrolled walk's with bfloat16 weights, ``bench/results/scan_compile-xla-cpu.md``).
     """
 
     def __init__(
@@ -1098,8 +1103,9 @@ class ReversibleSequential(nn.Sequential):
         layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
         check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
+        stacked = {p.dtype for p in self._parameters.values() if p is not None and p.is_floating_point()}  # scan
         for i, layer in enumerate(layers):
-            own, slots, float_dtypes, modules = [], [], set(), list(layer.modules())
+            own, slots, float_dtypes, modules = [], [], set(stacked), list(layer.modules())
             for module in modules:
                 for name, p in module._parameters.items():
                     if p is not None and p.is_floating_point():
@@ -1135,6 +1141,7 @@ class ReversibleSequential(nn.Sequential):
             RecomputeState.of(self),
             param_slots=param_slots,
         )
+        plan.stacked = _scan.stacked_views(self)
         if self.target_device is not None:
             plan.offload = self._layer_offload(plan)
         # The fused optimizer built from fused_optimizer= is stepped by the backward walk, one layer at a time;
@@ -1268,12 +1275,8 @@ class ReversibleSequential(nn.Sequential):
                     a, k = plan.args_for(i, arg_tensors)
                     reseed(plan.seed_of(i))
                     copies = self._plain_offload(plan, i)
-                    x0, x1 = (
-                        x1,
-                        _forward_layer(
-                            plan, i, x0, x1, a, k, None if copies is None else plan.offloaded().mapping(i, copies)
-                        ),
-                    )
+                    tensors = _plain_copies(plan, i) if copies is None else plan.offloaded().mapping(i, copies)
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, tensors)
                     if copies is not None:
                         plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
@@ -1360,9 +1363,9 @@ class ReversibleSequential(nn.Sequential):
 
 def _plain_copies(plan: _Plan, i: int) -> dict[str, Tensor] | None:
     """With ``target_device``: layer ``i``'s tensors copied to the device (no streaming), for the inverse and the
-    invertibility check."""
+    invertibility check; with stacked parameters, views of them."""
     if plan.offload is None:
-        return None
+        return None if plan.stacked is None else plan.stacked(i)
     device = plan.offload.streamer.device
     return plan.offload.mapping(i, [offload_tensor(t, device) for t in plan.offload.streamer.units[i]])
 

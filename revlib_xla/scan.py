@@ -14,7 +14,12 @@ MLP branches), :class:`revlib_xla.ReversibleSequential` runs them as two XLA whi
   gradient.
 
 Stacking copies the parameters (and buffers) once per pass: a transient copy of the repeated layers' weights, as
-torch_xla's ``scan_layers`` makes.
+torch_xla's ``scan_layers`` makes, and the stacked gradients are unstacked into each parameter's gradient. Both copies
+go with stacked parameter storage (:func:`stack_layers`, what MaxText's and torchprime's scanned layers hold): the
+repeated layers' parameters live as one ``[iterations, ...]`` parameter per name, which the loops read as they are
+and whose gradient is the backward loop's stacked output, so the step holds the parameters and their gradients
+once. State dicts keep the unstacked keys (hooks translate both ways); without the loops (``scan=False``, cpu,
+cuda) the layers run one by one on views of the stacks, as one autograd node with the same gradients.
 
 What was tried (torch 2.9, torch_xla 2.9): torch_xla's public ``scan`` traces its body with AOTAutograd and saves
 the body's activations per iteration for its own backward (O(depth), and no custom inversion); its forward loop
@@ -41,12 +46,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from . import _tree, backend
+from . import _tree, backend, fsdp
 from ._grad_destination import GradDestination, node_destination
 
 if TYPE_CHECKING:
@@ -54,7 +60,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["ScanUnsupported", "repeat_period"]
+__all__ = ["ScanUnsupported", "layer_parameters", "repeat_period", "stack_layers"]
 
 _SCAN_SEED_HIGH = 2**62  # the bound torch_xla's scan draws its per-iteration seeds below
 
@@ -144,9 +150,8 @@ def repeat_period(layers: Sequence[ReversibleModule], describe: Callable[[int], 
 _MODULE_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
-def _refuse_hooks_and_state(plan: _Plan) -> None:
-    """Module hooks run where the block is called: once per trace of the scan's body, not once per layer; and
-    buffers a module updates in its forward would be updated in the trace's slices only."""
+def _refuse_hooks(plan: _Plan) -> None:
+    """Module hooks run where the block is called: once per trace of the scan's body, not once per layer."""
     from torch.nn.modules import module as module_globals
 
     if any(getattr(module_globals, f"_global{h}", None) for h in _MODULE_HOOKS):
@@ -158,6 +163,13 @@ def _refuse_hooks_and_state(plan: _Plan) -> None:
                     f"{plan.describe(i)} has hooks on its module {name or 'itself'!r} (they would run once for all "
                     f"layers)"
                 )
+
+
+def _refuse_state(plan: _Plan) -> None:
+    """Buffers a module updates in its forward would be updated in the trace's slices only (and the stacked
+    layers' walk does not put them back for the recomputation)."""
+    for i, layer in enumerate(plan.layers):
+        for name, module in layer.block.named_modules():
             if module.training and any(
                 b is not None and key not in module._non_persistent_buffers_set for key, b in module._buffers.items()
             ):
@@ -167,6 +179,260 @@ def _refuse_hooks_and_state(plan: _Plan) -> None:
                     f"{plan.describe(i)}: its module {name or 'itself'!r} is in training mode with buffers (running "
                     f"statistics), which the scan would not update per layer; call .eval() on it or pass scan=False"
                 )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Stacked parameter storage: the repeated layers' parameters as one [iterations, ...] tensor per name
+
+
+@dataclasses.dataclass
+class _Stacks:
+    """How :func:`stack_layers` stores a sequence's parameters: every ``period``-th layer's block from position
+    ``j`` has its parameters in stacks registered on the sequence, one per parameter (``entries[j]``: the
+    attribute, and the names the parameter has in the block, tied names together); ``keys[j]``: the state-dict keys
+    of such a layer before stacking, in order (relative to the layer); ``block``: the block's path in its layer."""
+
+    period: int
+    iterations: int
+    entries: list[list[tuple[str, tuple[str, ...]]]]
+    keys: list[list[str]]
+    block: str
+    opened: int = 0  # layer_parameters contexts open
+
+    def params(self, model: nn.Module) -> list[Tensor]:
+        return [getattr(model, attr) for entries in self.entries for attr, _ in entries]
+
+    def layer_keys(self, j: int) -> dict[str, str]:
+        """Position ``j``'s parameter keys (relative to the layer; tied names each) -> the stack's attribute."""
+        return {f"{self.block}.{name}": attr for attr, names in self.entries[j] for name in names}
+
+
+class _Views:
+    """Each layer's parameters as views of the stacks (``unbind``: one autograd node per stack, whose backward
+    stacks the layers' gradients once), taken at first use: for the paths that call the blocks one by one without
+    the reversible walk (plain autograd, no gradients, the inverse, the invertibility check)."""
+
+    def __init__(self, model: nn.Module, stacks: _Stacks) -> None:
+        self.model, self.stacks = model, stacks
+        self.unbound: dict[str, tuple[Tensor, ...]] | None = None
+
+    def __call__(self, i: int) -> dict[str, Tensor]:
+        stacks = self.stacks
+        if self.unbound is None:
+            self.unbound = {attr: getattr(self.model, attr).unbind(0) for es in stacks.entries for attr, _ in es}
+        j, t = i % stacks.period, i // stacks.period
+        return {name: self.unbound[attr][t] for attr, names in stacks.entries[j] for name in names}
+
+
+def stacks_of(model: nn.Module) -> _Stacks | None:
+    """The stacked storage of a sequence (:func:`stack_layers`), or ``None``."""
+    return getattr(model, "_stacks", None)  # models pickled before stacked storage existed have none
+
+
+def stacked_views(model: nn.Module) -> Callable[[int], dict[str, Tensor]] | None:
+    """``i -> layer i's parameters`` (views of the stacks) for a sequence with stacked storage, else ``None``."""
+    stacks = stacks_of(model)
+    return None if stacks is None else _Views(model, stacks)
+
+
+def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> ReversibleSequential:
+    """Store the parameters of ``model``'s repeating layers stacked: one ``[iterations, ...]`` parameter per
+    parameter name (and per position in a repeating group of layers), registered on ``model``; returns ``model``,
+    whose ``scan`` becomes ``scan`` (default ``None``: scanned on XLA when nothing rules it out, which is why one
+    stacks; ``False``: the layers one by one, on views of the stacks).
+
+    Call it before building the optimizer (as FSDP2's ``fully_shard``): the layers' own parameters are replaced by
+    the stacks, so an optimizer built before would hold the old ones. What it gives: the scanned forward and
+    backward (``scan=None`` or ``True`` on XLA) read the stacks directly and write one stacked gradient per name,
+    so the step holds the parameters and their gradients once (no stacked copy per pass, no unstacking); without
+    the scan (``scan=False``, cpu, cuda) the layers run one by one on views of the stacks, with the same gradients.
+
+    What stays as it was: ``state_dict()`` keys, shapes and order are the unstacked model's (each layer's
+    parameters are views of the stacks: clone them for writers that refuse shared storage, such as
+    ``safetensors.torch.save_file``), and ``load_state_dict`` takes an unstacked checkpoint (or a stacked model's);
+    optimizers, gradient clipping, ``GradScaler``, ``zero_grad``, ``.to()``, ``deepcopy`` and pickling see ordinary
+    parameters. What differs: ``model.parameters()`` yields the stacks (an optimizer's weight-decay rule by
+    ``p.ndim`` sees one more dimension; choose by name instead), a block's parameters exist only inside the
+    sequence's forward (use :func:`layer_parameters` to initialise or load them layer by layer).
+
+    Raises :class:`revlib_xla.ReversibleError` when the layers do not repeat in structure (naming the first that
+    differs), with ``target_device`` or ``fused_optimizer``, FSDP2 units inside the layers, a parameter shared by
+    two layers or used outside its block, hooks on a parameter, or a model stacked already.
+    """
+    from .reversible import ReversibleError, ReversibleSequential
+
+    if not isinstance(model, ReversibleSequential):
+        raise ReversibleError(f"stack_layers expects a ReversibleSequential, got {type(model).__name__}")
+    if stacks_of(model) is not None:
+        raise ReversibleError("stack_layers: the model's layers are stacked already")
+    why = _stacking_refused(model)
+    if why:
+        raise ReversibleError(f"stack_layers: {why}")
+    layers = cast("list[ReversibleModule]", list(model._modules.values()))
+    names = list(model._modules)
+
+    def describe(i: int) -> str:
+        return f"layer {i} ('{names[i]}': {type(layers[i].block).__name__})"
+
+    try:
+        period = repeat_period(layers, describe)
+    except ScanUnsupported as err:
+        raise ReversibleError(f"stack_layers: {err}; only layers that repeat in structure can be stacked") from None
+    owner: dict[int, int] = {}
+    fsdp_type = fsdp.fsdp_module_type()
+    for i, layer in enumerate(layers):
+        block_params = {id(p) for p in layer.block.parameters()}
+        for name, p in layer.named_parameters():
+            if id(p) not in block_params:
+                raise ReversibleError(f"stack_layers: {describe(i)} has parameter '{name}' outside its block")
+            if owner.setdefault(id(p), i) != i:
+                raise ReversibleError(
+                    f"stack_layers: {describe(i)} shares parameter '{name}' with {describe(owner[id(p)])}; a stack "
+                    f"holds each layer's own parameters: untie them or leave the layers unstacked"
+                )
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise ReversibleError(
+                    f"stack_layers: {describe(i)}'s parameter '{name}' has hooks, which the stack replacing it would "
+                    f"not have; register them on the stack (model.parameters()) after stack_layers"
+                )
+        if fsdp_type is not None and any(isinstance(m, fsdp_type) for m in layer.modules()):
+            raise ReversibleError(
+                f"stack_layers: {describe(i)} holds FSDP2 units (fully_shard): stack first, then shard the sequence"
+            )
+    iterations = len(layers) // period
+    block_path = next(n for n, m in layers[0].named_modules() if m is layers[0].block)
+    entries: list[list[tuple[str, tuple[str, ...]]]] = []
+    keys: list[list[str]] = []
+    for j in range(period):
+        block = layers[j].block
+        keys.append(list(layers[j].state_dict(keep_vars=True)))
+        tied: dict[int, list[str]] = {}
+        for name, p in block.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        own = []
+        for aliases in tied.values():
+            attr = f"stacked_{names[j]}_{aliases[0]}".replace(".", "_").replace("-", "_")
+            if hasattr(model, attr):
+                raise ReversibleError(f"stack_layers: the sequence has an attribute '{attr}' already")
+            found = [layers[t * period + j].block.get_parameter(aliases[0]) for t in range(iterations)]
+            with torch.no_grad():
+                stack = nn.Parameter(torch.stack([p.detach() for p in found]), requires_grad=found[0].requires_grad)
+            model.register_parameter(attr, stack)
+            own.append((attr, tuple(aliases)))
+        entries.append(own)
+    for layer in layers:
+        for name, _ in list(layer.block.named_parameters(remove_duplicate=False)):
+            module_name, _, leaf = name.rpartition(".")
+            delattr(layer.block.get_submodule(module_name), leaf)
+    vars(model)["_stacks"] = _Stacks(period, iterations, entries, keys, block_path)  # plain state: copied, pickled
+    model.scan = scan
+    model._register_state_dict_hook(_stacked_state_dict)
+    model._register_load_state_dict_pre_hook(_load_into_stacks, with_module=True)
+    return model
+
+
+def _stacking_refused(model: ReversibleSequential) -> str | None:
+    """What keeps stacked parameters from running (checked by stack_layers and at every forward)."""
+    if model.target_device is not None:
+        return "target_device streams each layer's own parameters to the device; stacked layers have none"
+    if model.fused_optimizer_factory is not None or model._attached_fused_optimizer is not None:
+        return "fused_optimizer steps each layer's parameters inside the backward; stacked layers have none"
+    return None
+
+
+def _stacked_state_dict(model: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """The stacks' entries replaced by each layer's parameters (views), in the unstacked model's order."""
+    stacks = stacks_of(model)
+    if stacks is None:
+        return
+    own = {k: destination.pop(k) for k in [k for k in destination if k.startswith(prefix)]}
+    for i, layer_name in enumerate(model._modules):
+        j, t = i % stacks.period, i // stacks.period
+        params = stacks.layer_keys(j)
+        for key in stacks.keys[j]:
+            full = f"{prefix}{layer_name}.{key}"
+            if key in params:
+                destination[full] = own[prefix + params[key]][t]
+            elif full in own:
+                destination[full] = own.pop(full)
+    for attr, _ in (e for es in stacks.entries for e in es):
+        own.pop(prefix + attr, None)
+    destination.update(own)  # anything else (added after stacking) as it came
+
+
+def _load_into_stacks(
+    model: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Each layer's parameter entries stacked into the stack's entry (a stacked model's own entries, if present,
+    load as they are); missing layers keep their values and are reported by their unstacked keys."""
+    stacks = stacks_of(model)
+    if stacks is None:
+        return
+    layer_names = list(model._modules)
+    for j, own in enumerate(stacks.entries):
+        for attr, aliases in own:
+            if prefix + attr in state_dict:
+                continue
+            stack = getattr(model, attr)
+            slices: dict[int, Any] = {}
+            for t in range(stacks.iterations):
+                keys = [f"{prefix}{layer_names[t * stacks.period + j]}.{stacks.block}.{a}" for a in aliases]
+                values = [state_dict.pop(k) for k in keys if k in state_dict]
+                if not values:
+                    missing_keys.append(keys[0])
+                elif tuple(values[0].shape) != tuple(stack.shape[1:]):
+                    error_msgs.append(
+                        f"size mismatch for {keys[0]}: copying a param with shape {tuple(values[0].shape)} from "
+                        f"checkpoint, the shape in current model is {tuple(stack.shape[1:])}."
+                    )
+                else:
+                    slices[t] = values[0]
+            if len(slices) == stacks.iterations:
+                state_dict[prefix + attr] = torch.stack([slices[t].to(stack.device) for t in range(len(slices))])
+                continue
+            with torch.no_grad():
+                value = stack.detach().clone()
+                for t, v in slices.items():
+                    value[t].copy_(v)
+            state_dict[prefix + attr] = value
+
+
+@contextlib.contextmanager
+def layer_parameters(model: nn.Module) -> Iterator[nn.Module]:
+    """Inside: each stacked layer's block holds its parameters again, as parameters sharing storage with the stacks,
+    so code that initialises or loads weights layer by layer (``block.weight.normal_()``, ``copy_``) writes into
+    the stacks. Outside, the blocks hold none again. For writes only: a forward inside runs on the stacks. Nests;
+    a model without stacked layers (any module) is left as it is."""
+    stacks = stacks_of(model)
+    if stacks is None or stacks.opened:
+        yield model
+        return
+    layers = cast("list[ReversibleModule]", list(model._modules.values()))
+    placed: list[tuple[nn.Module, str]] = []
+    stacks.opened += 1
+    try:
+        for i, layer in enumerate(layers):
+            j, t = i % stacks.period, i // stacks.period
+            for attr, aliases in stacks.entries[j]:
+                stack = getattr(model, attr)
+                view = nn.Parameter(stack.data[t], requires_grad=stack.requires_grad)
+                for name in aliases:
+                    module_name, _, leaf = name.rpartition(".")
+                    module = layer.block.get_submodule(module_name)
+                    module.register_parameter(leaf, view)
+                    placed.append((module, leaf))
+        yield model
+    finally:
+        stacks.opened -= 1
+        for module, leaf in placed:
+            delattr(module, leaf)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -289,17 +555,20 @@ def scanned_forward(
 ) -> tuple[Tensor, Tensor] | None:
     """The reversible forward as a scan (its backward a reverse scan), or ``None`` where the layers run unrolled:
     ``scan=False``, a device that does not trace lazily, or (with ``scan=None``) anything the scan cannot run.
-    With ``scan=True``, what the scan cannot run raises a :class:`revlib_xla.ReversibleError` naming it."""
+    With ``scan=True``, what the scan cannot run raises a :class:`revlib_xla.ReversibleError` naming it. Layers with
+    stacked parameters (:func:`stack_layers`) always run here: scanned, or one by one on views of the stacks."""
     from .reversible import ReversibleError
 
     wanted = getattr(model, "scan", False)  # models pickled before the argument existed: its default
-    if wanted is False or (wanted is None and not backend.is_tracing_lazily(x0)):
+    stacks = stacks_of(model)
+    if stacks is None and (wanted is False or (wanted is None and not backend.is_tracing_lazily(x0))):
         return None  # nothing to compile: the unrolled walk, without checking anything per call
+    if stacks is not None:
+        _check_stacked(model, stacks, plan, arg_tensors)
     try:
-        run = _prepare(model, plan, x0, arg_tensors)
-        if run is None:
-            return None
-        return _ScannedLayers.apply(run, x0, x1, *plan.params)  # type: ignore[no-any-return]
+        run = None if wanted is False else _prepare(model, plan, x0, arg_tensors, stacks)
+        if run is not None:
+            return _ScannedLayers.apply(run, x0, x1, *run.inputs)  # type: ignore[no-any-return]
     except ScanUnsupported as why:
         if wanted:
             raise ReversibleError(
@@ -307,23 +576,53 @@ def scanned_forward(
                 f"types, settings, parameter shapes and dtypes, couplings and argument structure), or pass "
                 f"scan=None (scan when possible) or scan=False (run the layers unrolled)."
             ) from None
+    if stacks is None:
         return None
+    run = _Run(plan, None, list(arg_tensors), None, _stack_positions(model, stacks))
+    return _ScannedLayers.apply(run, x0, x1, *run.inputs)  # type: ignore[no-any-return]
 
 
-def _prepare(model: ReversibleSequential, plan: _Plan, x0: Tensor, arg_tensors: Sequence[Tensor]) -> _Run | None:
+def _check_stacked(model: ReversibleSequential, stacks: _Stacks, plan: _Plan, arg_tensors: Sequence[Tensor]) -> None:
+    """What stacked layers cannot run, as an error naming it (there is no unstacked walk to fall back to)."""
+    from .reversible import ReversibleError
+
+    why = _stacking_refused(model)
+    if why is None and len(plan.layers) != stacks.period * stacks.iterations:
+        why = f"the sequence has {len(plan.layers)} layers, its stacks {stacks.period * stacks.iterations}"
+    if why is None:
+        try:
+            _refuse_state(plan)
+        except ScanUnsupported as err:
+            why = str(err)
+    if why is None and any(t.requires_grad for t in arg_tensors):
+        why = "a tensor argument requires grad (the stacked layers' walk does not differentiate their arguments)"
+    if why is None and plan.fsdp_units is not None:
+        why = "some blocks are FSDP2 units (fully_shard); shard the sequence as a whole instead"
+    if why is not None:
+        raise ReversibleError(f"ReversibleSequential with stacked layers (stack_layers): {why}")
+
+
+def _stack_positions(model: nn.Module, stacks: _Stacks) -> list[list[tuple[Tensor, tuple[str, ...]]]]:
+    return [[(getattr(model, attr), names) for attr, names in entries] for entries in stacks.entries]
+
+
+def _prepare(
+    model: ReversibleSequential, plan: _Plan, x0: Tensor, arg_tensors: Sequence[Tensor], stacks: _Stacks | None
+) -> _Run | None:
     if model.fused_optimizer is not None:
         raise ScanUnsupported("fused_optimizer steps each layer inside the backward walk, which the scan does not run")
     if plan.offload is not None:
         raise ScanUnsupported("target_device streams each layer's parameters, which the scan stacks instead")
-    _refuse_hooks_and_state(plan)
-    period = repeat_period(plan.layers, plan.describe)
+    _refuse_hooks(plan)
+    _refuse_state(plan)
+    period = repeat_period(plan.layers, plan.describe) if stacks is None else stacks.period
     layout = _layout(plan, period, arg_tensors)
     if not backend.is_tracing_lazily(x0):
         return None  # eager devices: the unrolled walk is the same computation, without a compiler to save
     loop = backend.scan_loop(x0.device)
     if loop is None:
         raise ScanUnsupported(f"the {x0.device.type} backend has no compiled loop (Backend.scan_loop)")
-    return _Run(plan, layout, list(arg_tensors), loop)
+    return _Run(plan, layout, list(arg_tensors), loop, None if stacks is None else _stack_positions(model, stacks))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -354,28 +653,56 @@ class _Seeds(TorchFunctionMode):
 
 
 class _Run:
-    """One call's scans: the plan, the layout, the arguments and the loop."""
+    """One call's layers as one autograd node: as two compiled loops (``loop``, with the ``layout`` of what each
+    iteration gets), or, for stacked layers without a loop, one layer after the other on views of the stacks.
 
-    def __init__(self, plan: _Plan, layout: _Layout, arg_tensors: list[Tensor], loop: Callable[..., Any]) -> None:
-        self.plan, self.layout, self.arg_tensors, self.loop = plan, layout, arg_tensors, loop
+    ``stacks``: with stacked storage, per position in the group, each stack and the parameter's names in the block;
+    ``inputs``: the parameters the node differentiates (the stacks, or ``plan.params``)."""
+
+    def __init__(
+        self,
+        plan: _Plan,
+        layout: _Layout | None,
+        arg_tensors: list[Tensor],
+        loop: Callable[..., Any] | None,
+        stacks: list[list[tuple[Tensor, tuple[str, ...]]]] | None = None,
+    ) -> None:
+        self.plan, self.layout, self.arg_tensors, self.loop, self.stacks = plan, layout, arg_tensors, loop, stacks
+        self.inputs: list[Tensor] = list(plan.params) if stacks is None else [s for es in stacks for s, _ in es]
         self.draws = False  # whether the body draws random numbers (found while tracing the forward)
 
-    def _xs(self) -> list[tuple[dict[str, Tensor], list[Tensor]]]:
-        return [
-            (self.layout.tensors(self.plan, j), self.layout.stacked_args(j, self.arg_tensors))
-            for j in range(self.layout.period)
-        ]
+    def _xs(self, layout: _Layout) -> list[tuple[dict[str, Tensor], list[Tensor]]]:
+        xs = []
+        for j in range(layout.period):
+            tensors = layout.tensors(self.plan, j)
+            if self.stacks is not None:  # the stacks themselves: no copy
+                tensors |= {names[0]: stack for stack, names in self.stacks[j]}
+            xs.append((tensors, layout.stacked_args(j, self.arg_tensors)))
+        return xs
+
+    def _named(self, j: int, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``tensors`` with tied names added (a stacked block has no parameters to tie them by itself)."""
+        if self.stacks is None:
+            return tensors
+        return tensors | {name: tensors[names[0]] for _, names in self.stacks[j] for name in names[1:]}
+
+    def _positions(self, j: int) -> Iterator[tuple[int, Tensor, tuple[str, ...]]]:
+        """Position ``j``'s stacks with their index in ``inputs``."""
+        assert self.stacks is not None
+        k = sum(len(es) for es in self.stacks[:j])
+        for n, (stack, names) in enumerate(self.stacks[j]):
+            yield k + n, stack, names
 
     @contextlib.contextmanager
-    def _seeded(self, replay: bool) -> Iterator[_Seeds | None]:
+    def _seeded(self, layout: _Layout, replay: bool) -> Iterator[_Seeds | None]:
         """The layers' seeds for the loop: a fresh device seed for the trace, then one seed per iteration."""
         plan = self.plan
         with plan.call.scope(replay=replay) as reseed:
             reseed(plan.seed_of(0))
-            if plan.call.seed is None or self.layout.period > 1:
+            if plan.call.seed is None or layout.period > 1:
                 yield None
                 return
-            seeds = [plan.seed_of(t) for t in range(self.layout.iterations)]
+            seeds = [plan.seed_of(t) for t in range(layout.iterations)]
             with _Seeds([s for s in seeds if s is not None]) as mode:
                 yield mode
 
@@ -383,6 +710,8 @@ class _Run:
         from .reversible import _forward_layer
 
         plan, layout = self.plan, self.layout
+        if layout is None:
+            return self._walk_forward(x0, x1)
         device = x0.device
 
         def body(carry, xs):
@@ -392,7 +721,7 @@ class _Run:
                 buffers = [tensors[n] for n in layout.buffer_names[j]]
                 versions = [b._version for b in buffers]
                 before = backend.RngState.capture(device).accel
-                a0, a1 = a1, _forward_layer(plan, j, a0, a1, args, kwargs, tensors)
+                a0, a1 = a1, _forward_layer(plan, j, a0, a1, args, kwargs, self._named(j, tensors))
                 if backend.RngState.capture(device).accel != before:
                     self.draws = True
                 if [b._version for b in buffers] != versions:
@@ -404,22 +733,57 @@ class _Run:
                 )
             return (a0, a1), ()
 
-        with torch.no_grad(), plan.call.autocast.replay(), self._seeded(replay=False) as seeds:
-            (y0, y1), _ = self.loop(body, (x0, x1), self._xs())
+        assert self.loop is not None
+        with torch.no_grad(), plan.call.autocast.replay(), self._seeded(layout, replay=False) as seeds:
+            (y0, y1), _ = self.loop(body, (x0, x1), self._xs(layout))
         _check_seeded(seeds, self.draws)
         return y0, y1
+
+    def _slices(self, i: int) -> dict[str, Tensor]:
+        """Layer ``i``'s parameters: views of the stacks."""
+        assert self.stacks is not None
+        j, t = i % len(self.stacks), i // len(self.stacks)
+        return {name: stack[t] for stack, names in self.stacks[j] for name in names}
+
+    def _walk_forward(self, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+        """Stacked layers one by one, each on its slices of the stacks and its own block (hooks and buffers)."""
+        from .reversible import ReversibleError, _forward_layer
+
+        plan = self.plan
+        with torch.no_grad(), plan.call.autocast.replay(), plan.call.scope() as reseed:
+            for i in range(len(plan.layers)):
+                reseed(plan.seed_of(i))
+                args, kwargs = plan.args_for(i, self.arg_tensors)
+                buffers = plan.buffers_of(i, None)
+                versions = [b._version for b in buffers]
+                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, self._slices(i))
+                if [b._version for b in buffers] != versions:
+                    raise ReversibleError(
+                        f"ReversibleSequential with stacked layers: {plan.describe(i)} changes a buffer in its "
+                        f"forward, which the recomputation would change again"
+                    )
+        return x0, x1
 
     def backward(
         self, y0: Tensor, y1: Tensor, dy0: Tensor, dy1: Tensor, trained: list[bool]
     ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
-        """The input gradients, and the gradient of each of ``plan.params`` (``None`` where not ``trained``)."""
+        """The input gradients, and the gradient of each of ``inputs`` (``None`` where not ``trained``)."""
         plan, layout = self.plan, self.layout
         autocast = plan.call.autocast
         layer_autocast = autocast.replay if autocast.differs_from_now() else contextlib.nullcontext
-        wanted = [
-            [n for n in layout.param_names[j] if any(k is not None and trained[k] for k in layout.param_index[j][n])]
-            for j in range(layout.period)
-        ]
+        if layout is None:
+            return self._walk_backward(y0, y1, dy0, dy1, trained, layer_autocast)
+        if self.stacks is None:
+            wanted = [
+                [
+                    n
+                    for n in layout.param_names[j]
+                    if any(k is not None and trained[k] for k in layout.param_index[j][n])
+                ]
+                for j in range(layout.period)
+            ]
+        else:
+            wanted = [[names[0] for k, _, names in self._positions(j) if trained[k]] for j in range(layout.period)]
 
         def body(carry, xs):
             b0, b1, g0, g1 = carry
@@ -430,22 +794,70 @@ class _Run:
                 b0, b1, g0, g1 = backend.optimization_barrier([b0, b1, g0, g1, *tensors.values()])[:4]
                 leaves = {n: t.detach().requires_grad_() if n in wanted[j] else t for n, t in tensors.items()}
                 x0, g0, g1, found = _recompute_vjp(
-                    plan, j, b0, b1, g0, g1, args, kwargs, leaves, wanted[j], layer_autocast
+                    plan, j, b0, b1, g0, g1, args, kwargs, self._named(j, leaves), wanted[j], layer_autocast
                 )
                 grads[j] = {n: found[n] if found[n] is not None else torch.zeros_like(leaves[n]) for n in wanted[j]}
                 b0, b1 = x0, b0
             return (b0, b1, g0, g1), grads
 
-        with torch.no_grad(), self._seeded(replay=True) as seeds:
-            (_, _, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(), reverse=True)
+        assert self.loop is not None
+        with torch.no_grad(), self._seeded(layout, replay=True) as seeds:
+            (_, _, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(layout), reverse=True)
         _check_seeded(seeds, self.draws)
-        grads: list[Tensor | None] = [None] * len(plan.params)
+        grads: list[Tensor | None] = [None] * len(self.inputs)
         for j in range(layout.period):
+            if self.stacks is not None:  # the stacked gradients are the stacks' gradients
+                for k, _, names in self._positions(j):
+                    if trained[k]:
+                        grads[k] = stacked_grads[j][names[0]]
+                continue
             for name, stack in stacked_grads[j].items():
-                for t, k in enumerate(layout.param_index[j][name]):
-                    if k is not None and trained[k]:
-                        grads[k] = stack[t] if grads[k] is None else grads[k] + stack[t]
+                for t, index in enumerate(layout.param_index[j][name]):
+                    if index is not None and trained[index]:
+                        before = grads[index]
+                        grads[index] = stack[t] if before is None else before + stack[t]
         return dx0, dx1, grads
+
+    def _walk_backward(
+        self,
+        y0: Tensor,
+        y1: Tensor,
+        dy0: Tensor,
+        dy1: Tensor,
+        trained: list[bool],
+        layer_autocast: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> tuple[Tensor, Tensor, list[Tensor | None]]:
+        """Stacked layers one by one in reverse, each layer's gradients written into its slice of the stacked ones;
+        a barrier keeps XLA from computing every layer's gradients after the whole walk."""
+        plan = self.plan
+        assert self.stacks is not None
+        grads: list[Tensor | None] = [torch.empty_like(s) if need else None for s, need in zip(self.inputs, trained)]
+        written = [g for g in grads if g is not None]
+        with torch.no_grad(), plan.call.scope(replay=True) as reseed:
+            for i in reversed(range(len(plan.layers))):
+                j, t = i % len(self.stacks), i // len(self.stacks)
+                y0, y1, dy0, dy1 = backend.optimization_barrier([y0, y1, dy0, dy1, *written])[:4]
+                reseed(plan.seed_of(i))
+                args, kwargs = plan.args_for(i, self.arg_tensors)
+                tensors: dict[str, Tensor] = {}
+                wanted: dict[str, int] = {}
+                for k, stack, names in self._positions(j):
+                    leaf = stack[t].detach().requires_grad_() if trained[k] else stack[t]
+                    tensors |= {name: leaf for name in names}
+                    if trained[k]:
+                        wanted[names[0]] = k
+                x0, dy0, dy1, found = _recompute_vjp(
+                    plan, i, y0, y1, dy0, dy1, args, kwargs, tensors, list(wanted), layer_autocast
+                )
+                for name, k in wanted.items():
+                    g, target = found[name], grads[k]
+                    assert target is not None
+                    if g is None:
+                        target[t].zero_()
+                    else:
+                        target[t].copy_(g)
+                y0, y1 = x0, y0
+        return dy0, dy1, grads
 
 
 def _check_seeded(seeds: _Seeds | None, draws: bool) -> None:

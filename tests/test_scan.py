@@ -252,3 +252,245 @@ def test_llama_reversible_form_scans_and_compiles_once():
         compiles.append(0 if data is None else data[0])
     assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stacked parameter storage (scan.stack_layers)
+
+
+def _stacked_pair(blocks, seed=0, scan=None, **options):
+    """The same model twice: unstacked and unrolled (the reference), and stacked (``scan``)."""
+    reference = _model(False, blocks, seed, **options)
+    stacked = revlib.scan.stack_layers(_model(scan, blocks, seed, **options))
+    return reference, stacked
+
+
+def _per_layer(model, tensors):
+    """``tensors`` (one per stack, as ``model.parameters()``) as the unstacked model's parameter names -> tensor."""
+    stacks = model._stacks
+    attrs = [attr for entries in stacks.entries for attr, _ in entries]
+    by_attr = dict(zip(attrs, tensors))
+    out = {}
+    for i, layer_name in enumerate(model._modules):
+        j, t = i % stacks.period, i // stacks.period
+        for attr, names in stacks.entries[j]:
+            out[f"{layer_name}.{stacks.block}.{names[0]}"] = by_attr[attr][t]
+    return out
+
+
+@pytest.mark.slow
+def test_stacked_layers_train_as_the_unstacked_model(device):
+    """Three AdamW steps (weight decay, gradient clipping, dropout): every gradient, the clipped norm and every
+    weight after each step equal the unstacked model's; on XLA the stacked model runs as the two loops."""
+    reference, stacked = _stacked_pair(_same_layers(p=0.3))
+    models = [m.to(device=device, dtype=torch.float64) for m in (reference, stacked)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1) for m in models]
+    x = torch.randn(4, 2 * WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device)
+    scale = (torch.rand(WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) + 0.5).to(device)
+    with torch.no_grad():  # dropout draws: equal gradients mean equal masks
+        assert not torch.equal(stacked(x, scale=scale), stacked.eval()(x, scale=scale))
+    stacked.train()
+    for step in range(3):
+        grads, norms = [], []
+        for model, opt in zip(models, optimizers):
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            torch.manual_seed(10 + step)  # the layers' dropout seeds
+            model(x, scale=scale).sin().sum().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            grads.append([p.grad for p in model.parameters()])
+            if step == 0 and model is stacked and device.type == "xla":
+                assert _whiles(grads[-1]) == 2
+            opt.step()
+        expected = dict(zip((n for n, _ in reference.named_parameters()), grads[0]))
+        found = _per_layer(stacked, grads[1])
+        assert list(found) == list(expected)
+        for name in expected:
+            assert max_rel_err(found[name], expected[name]) < 1e-12, (step, name)
+        assert max_rel_err(norms[1], norms[0]) < 1e-12
+    states = [m.state_dict() for m in models]
+    assert list(states[1]) == list(states[0])
+    for key, value in states[0].items():
+        assert max_rel_err(states[1][key], value) < 1e-12, key
+
+
+def test_stacked_layers_keep_the_unstacked_state_dict():
+    """Keys, order, shapes and values of the unstacked model; loading either model's state into the other; missing
+    and misshapen entries reported by their unstacked keys; copies, pickles, dtype moves and layer-by-layer writes."""
+    import copy
+    import pickle
+
+    reference, stacked = _stacked_pair(_two_kinds())
+    assert [n for n, _ in stacked.named_parameters()][:2] == ["stacked_0_0_net_0_weight", "stacked_0_0_net_0_bias"]
+    assert stacked.stacked_0_1_net_0_weight.shape == (2, 2 * WIDTH, WIDTH)  # two kinds alternate: 2 of each
+    assert sum(p.numel() for p in stacked.parameters()) == sum(p.numel() for p in reference.parameters())
+    expected, found = reference.state_dict(), stacked.state_dict()
+    assert list(found) == list(expected)
+    for key in expected:
+        assert torch.equal(found[key], expected[key]), key
+    fresh = revlib.scan.stack_layers(_model(None, _two_kinds(), seed=1))
+    fresh.load_state_dict(expected)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key])
+    back = _model(False, _two_kinds(), seed=2)
+    back.load_state_dict(_perturbed(stacked.state_dict()))
+    for key, value in back.state_dict().items():
+        assert torch.equal(value, expected[key] + 1)
+    partial = dict(expected)
+    del partial["1-0.wrapped_module.wrapped_module.net.2.weight"]
+    partial["0-1.wrapped_module.wrapped_module.net.0.bias"] = torch.zeros(3)
+    with pytest.raises(RuntimeError) as err:
+        fresh.load_state_dict(partial)
+    assert 'Missing key(s) in state_dict: "1-0.wrapped_module.wrapped_module.net.2.weight"' in str(err.value)
+    assert "size mismatch for 0-1.wrapped_module.wrapped_module.net.0.bias" in str(err.value)
+    del partial["0-1.wrapped_module.wrapped_module.net.0.bias"]
+    fresh = revlib.scan.stack_layers(_model(None, _two_kinds(), seed=1))
+    missing = ["0-1.wrapped_module.wrapped_module.net.0.bias", "1-0.wrapped_module.wrapped_module.net.2.weight"]
+    kept = {key: fresh.state_dict()[key].clone() for key in missing}
+    result = fresh.load_state_dict(_perturbed(partial), strict=False)
+    assert sorted(result.missing_keys) == missing
+    for key, value in fresh.state_dict().items():  # the rest loaded, the missing ones kept
+        assert torch.equal(value, kept[key] if key in kept else partial[key] + 1)
+    for copied in (copy.deepcopy(stacked), pickle.loads(pickle.dumps(stacked))):
+        assert list(copied.state_dict()) == list(expected)
+        x = torch.randn(2, 2 * WIDTH)
+        assert torch.equal(copied(x, scale=torch.ones(WIDTH)), stacked(x, scale=torch.ones(WIDTH)))
+    assert stacked.double().stacked_0_0_net_0_weight.dtype == torch.float64
+    with revlib.scan.layer_parameters(stacked) as model, torch.no_grad():
+        model[2].block.net[0].weight.fill_(7.0)  # layer 2 is the second of the first kind
+    assert stacked[2].block.net[0]._parameters.get("weight") is None
+    assert (stacked.stacked_0_0_net_0_weight[1] == 7).all() and (stacked.stacked_0_0_net_0_weight[0] != 7).all()
+
+
+def test_stacked_layers_compose_with_grad_scaler_and_zero_grad():
+    """GradScaler's unscale_ divides the stacked gradients back to the unscaled ones; zero_grad clears them."""
+    reference, stacked = _stacked_pair(_two_kinds())
+    x = torch.randn(2, 2 * WIDTH, generator=torch.Generator().manual_seed(0))
+    reference(x, scale=torch.ones(WIDTH)).sum().backward()
+    opt = torch.optim.SGD(stacked.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(stacked(x, scale=torch.ones(WIDTH)).sum()).backward()
+    scaler.unscale_(opt)
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in _per_layer(stacked, [p.grad for p in stacked.parameters()]).items():
+        assert max_rel_err(grad, expected[name]) < 1e-6, name
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in stacked.parameters())
+
+
+def test_stacked_layers_without_the_reversible_walk():
+    """Plain autograd (no_savings), no gradients, the inverse and check_invertible run the blocks on views of the
+    stacks: the unstacked model's gradients and outputs."""
+    mode = {"memory_mode": revlib.MemoryModes.no_savings}
+    reference, stacked = _stacked_pair(_two_kinds(), scan=False, **mode)
+    x = torch.randn(2, 2 * WIDTH, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ones = torch.ones(WIDTH, dtype=torch.float64)
+    for model in (reference.double(), stacked.double()):
+        model(x, scale=ones).sin().sum().backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    for name, grad in _per_layer(stacked, [p.grad for p in stacked.parameters()]).items():
+        assert max_rel_err(grad, expected[name]) < 1e-12, name
+    with torch.no_grad():
+        y = stacked(x, scale=ones)
+        assert max_rel_err(y, reference(x, scale=ones)) < 1e-12
+        assert max_rel_err(stacked.inverse(y, scale=ones), x) < 1e-9
+    assert revlib.check_invertible(stacked, x, scale=ones).worst < 1e-9
+
+
+def _perturbed(state):
+    return {k: v + 1 for k, v in state.items()}
+
+
+def test_stacked_layers_refuse_what_they_cannot_run():
+    stack = revlib.scan.stack_layers
+    with pytest.raises(ReversibleError, match=r"stack_layers: the layers are not identical in structure: layer 2"):
+        stack(_model(None, lambda: [Scaled(), Scaled(), Scaled(hidden=16), Scaled()]))
+    with pytest.raises(ReversibleError, match="stack_layers: fused_optimizer"):
+        stack(_model(None, _same_layers(), fused_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
+    shared = Scaled()
+    with pytest.raises(ReversibleError, match=r"layer 1 \('0-1': Scaled\) shares parameter"):
+        stack(_model(None, lambda: [shared, shared]))
+    hooked = _model(None, _same_layers())
+    hooked[1].block.net[0].weight.register_hook(lambda g: g)
+    with pytest.raises(ReversibleError, match=r"layer 1 .*'wrapped_module.wrapped_module.net.0.weight' has hooks"):
+        stack(hooked)
+    model = stack(_model(None, _same_layers()))
+    with pytest.raises(ReversibleError, match="stacked already"):
+        stack(model)
+    with pytest.raises(ReversibleError, match=r"layer 0 \('0-0': Scaled\): its parameters are torch.float32, but"):
+        model(torch.randn(2, 2 * WIDTH, dtype=torch.float64), scale=torch.ones(WIDTH))
+    with pytest.raises(ReversibleError, match="a tensor argument requires grad"):
+        model(torch.randn(2, 2 * WIDTH), scale=torch.ones(WIDTH, requires_grad=True))
+    norm = stack(_model(None, lambda: [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH)) for _ in "ab"]))
+    with pytest.raises(ReversibleError, match=r"stacked layers \(stack_layers\): .*training mode with buffers"):
+        norm(torch.randn(2, 2 * WIDTH))
+    norm.eval()
+    norm(torch.randn(2, 2 * WIDTH)).sum().backward()  # eval mode: running statistics are read, not updated
+
+
+@pytest.mark.slow
+def test_stacked_scan_compiles_once_and_does_not_grow_with_depth():
+    """Period-2 stacks under the scan: the step compiles once (none after the first), and the program of 4 and 8
+    layers is the same program (no per-layer stacking or unstacking: the same number of HLO lines)."""
+    device, torch_xla = _xla()
+    import torch_xla.debug.metrics as met
+
+    lines = []
+    for depth in (4, 8):
+        torch.manual_seed(0)
+        blocks = [Scaled(hidden=WIDTH if i % 2 == 0 else 2 * WIDTH) for i in range(depth)]
+        model = revlib.scan.stack_layers(revlib.ReversibleSequential(*blocks, scan=True)).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiles = []
+        for step in range(3 if depth == 4 else 1):
+            met.clear_all()
+            opt.zero_grad(set_to_none=True)
+            x = torch.randn(4, 2 * WIDTH, generator=torch.Generator().manual_seed(step)).to(device)
+            model(x, scale=torch.ones(WIDTH).to(device)).square().mean().backward()
+            if step == 0:
+                grads = [p.grad for p in model.parameters()]
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+                assert hlo.count(" while(") == 2
+                lines.append(hlo.count("\n"))
+            opt.step()
+            torch_xla.sync()
+            data = met.metric_data("CompileTime")
+            compiles.append(0 if data is None else data[0])
+        if depth == 4:
+            assert compiles[0] >= 1 and compiles[1:] == [0, 0], compiles
+    assert lines[0] == lines[1]
+
+
+def test_llama_with_scan_stacks_its_layers():
+    """``build_llama(..., scan=None)`` stacks the reversible layers: the same weights from the same seed, the same
+    state-dict keys and HF key map, HF weights loaded layer by layer, and the same loss and gradients (cpu)."""
+    from revlib_xla.models.llama import LlamaConfig, build_llama
+
+    config = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
+    plain, stacked = (build_llama(config, "reversible", scan=scan).double() for scan in (False, None))
+    assert stacked.layers.scan is None and next(stacked.layers.named_parameters())[0].startswith("stacked_")
+    for model in (plain, stacked):
+        model.init_weights(seed=3)
+    assert list(stacked.state_dict()) == list(plain.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(stacked.state_dict()[key], value), key
+    assert stacked.hf_key_map() == plain.hf_key_map()
+    hf = {theirs: plain.state_dict()[ours] * 2 for ours, theirs in plain.hf_key_map().items()}
+    for model in (plain, stacked):
+        model.load_hf_state_dict(hf)
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    for key, value in plain.state_dict().items():  # the HF weights went into the stacks
+        assert torch.equal(stacked.state_dict()[key], value), key
+    losses = []
+    for model in (plain, stacked):
+        loss = model.loss(tokens)
+        loss.backward()
+        losses.append(loss.detach())
+    assert max_rel_err(losses[1], losses[0]) < 1e-12
+    found = {
+        f"layers.{k}": g for k, g in _per_layer(stacked.layers, [p.grad for p in stacked.layers.parameters()]).items()
+    }
+    found |= {name: p.grad for name, p in stacked.named_parameters() if not name.startswith("layers.")}
+    for name, param in plain.named_parameters():
+        assert max_rel_err(found[name], param.grad) < 1e-12, name

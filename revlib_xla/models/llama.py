@@ -44,6 +44,7 @@ from torch import nn
 
 from .. import backend, recompute
 from ..reversible import MemoryModes, ReversibleSequential
+from ..scan import layer_parameters, stack_layers
 from ..utils import momentum_net
 from . import registry
 
@@ -483,16 +484,19 @@ class LlamaLM(nn.Module):
             None if config.tie_embeddings else nn.Linear(config.dim, config.vocab_size, bias=False)
         )
         self.init_weights()
+        if form is Form.REVERSIBLE and stack_options.get("scan", False) is not False:  # (momentum: layers differ)
+            stack_layers(cast(ReversibleSequential, self.layers), stack_options["scan"])  # the scan reads them as is
 
     # -- weights ------------------------------------------------------------------------------------------------
     def _in_order(self) -> Iterator[nn.Module]:
         """The weight-holding modules in one order for every form: embedding, blocks, final norm, head."""
-        yield self.embed
-        for block in self.blocks:
-            yield from block.modules()
-        yield self.norm
-        if self.head is not None:
-            yield self.head
+        with layer_parameters(self.layers):  # stacked layers (scan): each layer's parameters, for init
+            yield self.embed
+            for block in self.blocks:
+                yield from block.modules()
+            yield self.norm
+            if self.head is not None:
+                yield self.head
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -524,13 +528,14 @@ class LlamaLM(nn.Module):
     def hf_key_map(self) -> dict[str, str]:
         """This model's state-dict keys -> the keys of HF's ``LlamaForCausalLM`` (``model.layers.{i}.self_attn.
         q_proj.weight``, ...), in any form. Tied models have no ``lm_head.weight`` here."""
-        name_of = {id(p): name for name, p in self.named_parameters(remove_duplicate=False)}
-        mapping = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-        if self.head is not None:
-            mapping["head.weight"] = "lm_head.weight"
-        for i, block in enumerate(self.blocks):
-            for local, param in block.named_parameters():
-                mapping[name_of[id(param)]] = f"model.layers.{i}.{local.split('.', 1)[1]}"
+        with layer_parameters(self.layers):  # stacked layers (scan): named as in the state dict
+            name_of = {id(p): name for name, p in self.named_parameters(remove_duplicate=False)}
+            mapping = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
+            if self.head is not None:
+                mapping["head.weight"] = "lm_head.weight"
+            for i, block in enumerate(self.blocks):
+                for local, param in block.named_parameters():
+                    mapping[name_of[id(param)]] = f"model.layers.{i}.{local.split('.', 1)[1]}"
         return mapping
 
     def load_hf_state_dict(self, state_dict: dict[str, Tensor]) -> None:
@@ -546,8 +551,8 @@ class LlamaLM(nn.Module):
                 f"load_hf_state_dict: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, unexpected "
                 f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''} (does the config match the checkpoint's?)"
             )
-        own = dict(self.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
+        with layer_parameters(self.layers), torch.no_grad():  # stacked layers: written layer by layer
+            own = dict(self.named_parameters(remove_duplicate=False))
             for ours, theirs in mapping.items():
                 if own[ours].shape != state_dict[theirs].shape:
                     raise ValueError(
