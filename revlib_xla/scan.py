@@ -437,8 +437,10 @@ class _Run:
             return (b0, b1, g0, g1), grads
 
         with torch.no_grad(), self._seeded(replay=True) as seeds:
-            (_, _, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(), reverse=True)
+            (x0, x1, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(), reverse=True)
         _check_seeded(seeds, self.draws)
+        if plan.rebuild is not None:  # verify_inverse: the sequence's input, rebuilt
+            plan.rebuild.compare(0, x0, x1)
         grads: list[Tensor | None] = [None] * len(plan.params)
         for j in range(layout.period):
             for name, stack in stacked_grads[j].items():
