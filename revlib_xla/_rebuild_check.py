@@ -94,6 +94,7 @@ class Verdict:
     key: Any
     verified: set[Any]  # the model's checked dtype pairs: the key leaves it when nothing could be measured
     fused: bool  # a fused optimizer stepped the layers with the gradients before the check
+    replays_random: bool  # preserve_rng_state: the recomputation draws the forward's random numbers
 
     def read(self, previous: bool) -> None:
         """Read the error and raise :class:`~revlib_xla.ReversibleError` if it exceeds the tolerance; ``previous``:
@@ -124,6 +125,7 @@ class Verdict:
             f"revlib_xla.Checkpointable). verify_inverse=True runs revlib_xla.check_invertible at the first training "
             f"forward instead, which names the layer (and finds a block that keeps state between calls, e.g. a KV "
             f"cache); verify_inverse=False accepts the error knowingly."
+            + ("" if self.replays_random else " With random ops (dropout), keep preserve_rng_state=True.")
         )
 
 
@@ -149,6 +151,7 @@ class RebuildCheck:
     verified: set[Any]
     pending: list[Verdict]
     fused: bool = False
+    replays_random: bool = True
     first: int = 0  # the layer whose input is kept: the first one the backward rebuilds
     streams: tuple[Tensor, Tensor] | None = None
     versions: tuple[int, int] = (0, 0)
@@ -172,7 +175,7 @@ class RebuildCheck:
             error = torch.where(torch.isfinite(magnitude(x0, x1)), error, torch.full_like(error, -1.0))
         through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
         what = f"{through} ({self.layers} in all; {_dtypes(self.key)})"
-        verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused)
+        verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)
         self.verified.add(self.key)
         if backend.value_ready(error):
             verdict.read(previous=False)

@@ -36,7 +36,7 @@ import enum
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -949,11 +949,17 @@ class ReversibleSequential(nn.Sequential):
         stream_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
         preserve_rng_state: bool = True,
-        verify_inverse: bool | None = None,
+        verify_inverse: bool | Literal["rebuild"] | None = None,
         scan: bool | None = False,
     ):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
+        if verify_inverse not in (None, True, False, "rebuild"):
+            raise ReversibleError(
+                f"ReversibleSequential: verify_inverse={verify_inverse!r}; pass None (the default), True "
+                f"(check_invertible at the first training forward), 'rebuild' (the backward measures its rebuilt "
+                f"input) or False"
+            )
         _check_couplings(coupling_forward, coupling_inverse)
         for name, dtype in (("stream_dtype", stream_dtype), ("compute_dtype", compute_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -1327,14 +1333,21 @@ class ReversibleSequential(nn.Sequential):
         :func:`check_invertible` now, or (the default for additive couplings) the backward's own rebuild of the
         input measured against it (:mod:`revlib_xla._rebuild_check`), armed on the plan."""
         key = (x0.dtype, plan.compute_dtype)
-        if self.verify_inverse is False or key in self._verified or not backend.holds_data(x0):
+        verify = self.verify_inverse
+        if verify is False or key in self._verified or not backend.holds_data(x0):
             return  # fake tensors (sizing a model under FakeTensorMode) have no values to check
-        if self.verify_inverse or not all(
-            is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers
+        if verify is True or (
+            verify is None
+            and not all(
+                is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse)
+                for w in plan.wrappers
+            )
         ):
             self._verified.add(key)
             _check_plan(plan, x0, x1, arg_tensors)
-        elif _rebuild_check.armed():  # measured (and the key added) by the backward
+        # By default not on a lazy device: its first step's graph would get one more output than the next steps'
+        # (one more compilation where the first two steps' graphs are otherwise the same: SGD, no optimizer state).
+        elif (verify == "rebuild" or not backend.is_tracing_lazily(x0)) and _rebuild_check.armed():
             plan.rebuild = _rebuild_check.RebuildCheck(
                 key,
                 _rebuild_check.tolerance(x0.dtype, plan.compute_dtype),
@@ -1342,6 +1355,7 @@ class ReversibleSequential(nn.Sequential):
                 self._verified,
                 self.__dict__.setdefault("_rebuild_pending", []),  # models pickled before it existed: created here
                 fused=self.fused_optimizer is not None,
+                replays_random=plan.call.seed is not None,
             )
             plan.rebuild.keep(0, x0, x1)
 
