@@ -8,15 +8,17 @@ times; the backward already rebuilds every layer's input, down to the first laye
 input costs one subtraction and one maximum over the input, and no block evaluation.
 
 :class:`RebuildCheck`: at the first memory-saving training forward of a :class:`~revlib_xla.ReversibleSequential`
-per pair of stream and compute dtypes that ``check_invertible`` does not run for, the forward keeps the input of
-the first layer the backward rebuilds (a detached alias: no copy, and nothing beyond that one step), and that
-layer's backward compares what it rebuilt with it, by :func:`rebuild_error` and :func:`tolerance`, the rule
-``check_invertible`` applies. Where the value can be read without running pending work (eager devices), it is read
-there and a :class:`~revlib_xla.ReversibleError` raised from the backward; on a lazy device (XLA) reading it would
-run the step's graph in the middle of the step, so the error stays a lazy tensor, computed with the step at the
-user's step cut, and the model's next forward reads it (:func:`settle`) and raises for the previous step. A value
-that is never computed (a step traced and never run) is never read. Trace-only code switches arming off
-(:func:`suspended`): the traced program stays the step's own.
+per pair of stream and compute dtypes that ``check_invertible`` does not run for (``verify_inverse``), the forward
+keeps the input of the first layer the backward rebuilds (a detached alias: no copy, and nothing beyond that one
+step), and that layer's backward compares what it rebuilt with it, by :func:`rebuild_error` and :func:`tolerance`,
+the rule ``check_invertible`` applies. Where the value can be read without running pending work (eager devices), it
+is read there and a :class:`~revlib_xla.ReversibleError` raised from the backward; on a lazy device (XLA) reading it
+would run the step's graph in the middle of the step, so the error stays a lazy tensor, computed with the step at
+the user's step cut, and the model's next forward reads it (:func:`settle`) and raises for the previous step. A
+value that is never computed is never read. There the check is opt-in (``verify_inverse="rebuild"``): its output
+makes the first step's graph differ from the next steps', one more compilation where the first two steps would
+otherwise share a graph. Code that traces a step without running it switches arming off (:func:`suspended`): the
+traced program stays the step's own.
 """
 
 from __future__ import annotations

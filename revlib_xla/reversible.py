@@ -912,14 +912,19 @@ class ReversibleSequential(nn.Sequential):
             numbers (dropout) on cpu, cuda and xla, also while other threads draw from the global generators (see
             :mod:`revlib_xla.recompute`). Both memory modes seed the same way, so ``no_savings`` gives the same
             masks. Costs a few microseconds per layer.
-        verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), run
-            :func:`check_invertible` on the real input: every block replays, every coupling pair inverts, and the
-            input rebuilt through all layers matches it; raise naming the layer (or the depth) otherwise. ``None``
-            (the default) checks when some layer's coupling is not additive (momentum, affine, user pairs), whose
-            inverses can amplify rounding errors with depth; ``True`` always, ``False`` never. Pass ``True`` for an
-            additive stack of large blocks in low precision: it inverts exactly only in exact arithmetic, and eight
-            bfloat16 MLP blocks with large weights gave gradients off by more than 100 %. Once per stream and
-            compute dtype; it costs three block evaluations per layer without autograd.
+        verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), per
+            pair of stream and compute dtypes, make sure the backward rebuilds the input, and raise otherwise.
+            ``True``: run :func:`check_invertible` on the real input (every block replays, every coupling pair
+            inverts, the input rebuilt through all layers matches; it names the layer, and costs three block
+            evaluations per layer without autograd). ``"rebuild"``: the backward compares the input it rebuilt with
+            the forward's (one subtraction and one maximum, no block evaluation; the forward keeps its input until
+            then) and raises from the backward where they differ by more than :func:`check_invertible`'s tolerance;
+            on a lazy device (XLA) the error is a lazy value of the step, read at the next forward once the step has
+            run (a step cut), never forcing it. ``None`` (the default): ``True`` when some coupling is not additive
+            (momentum, affine, user pairs: their inverses can amplify rounding errors with depth), else
+            ``"rebuild"``, except on a lazy device, where it would make the first step's graph differ from the
+            next ones' (one more compilation); an additive coupling inverts exactly only in exact arithmetic, and
+            eight bfloat16 MLP blocks with large weights gave gradients off by more than 100 %. ``False``: never.
         target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
             the host, and run each layer on copies streamed to this device one layer ahead (forward and
             recomputation); gradients accumulate on the host parameters. At most two layers' tensors are on the

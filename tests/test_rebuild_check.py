@@ -105,7 +105,7 @@ def test_float32_streams_pass_with_no_savings_gradients(measured):
 def test_well_conditioned_stack_is_checked_once_per_dtype_pair(measured):
     x = good_input()
     model, reference = good_stack(), good_stack(memory_mode=MemoryModes.no_savings)
-    for step in range(2):
+    for _ in range(2):
         for m in (model, reference):
             m.zero_grad(set_to_none=True)
             (m(x) * x).sum().backward()
@@ -199,7 +199,7 @@ def test_frozen_first_layers_are_measured_above_them(measured):
     with pytest.raises(revlib.ReversibleError, match=REFUSED + r".*input of layer 2, through the layers above"):
         model(BAD_INPUT).float().sum().backward()
     model = good_stack()
-    list(model)[0].requires_grad_(False)
+    model[0].requires_grad_(False)
     model(good_input()).sum().backward()
     assert measured.count == 2
 
