@@ -154,6 +154,7 @@ class RebuildCheck:
     pending: list[Verdict]
     fused: bool = False
     replays_random: bool = True
+    autocast: torch.dtype | None = None  # the dtype the blocks compute in under autocast
     first: int = 0  # the layer whose input is kept: the first one the backward rebuilds
     streams: tuple[Tensor, Tensor] | None = None
     versions: tuple[int, int] = (0, 0)
@@ -176,7 +177,7 @@ class RebuildCheck:
             error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1)
             error = torch.where(torch.isfinite(magnitude(x0, x1)), error, torch.full_like(error, -1.0))
         through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
-        what = f"{through} ({self.layers} in all; {_dtypes(self.key)})"
+        what = f"{through} ({self.layers} in all; {_dtypes(self.key, self.autocast)})"
         verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)
         self.verified.add(self.key)
         if backend.value_ready(error):
@@ -185,10 +186,18 @@ class RebuildCheck:
             self.pending.append(verdict)
 
 
-def _dtypes(key: Any) -> str:
+def _dtypes(key: Any, autocast: torch.dtype | None) -> str:
     stream, compute = key
-    name = str(stream).removeprefix("torch.")
-    return f"{name} streams" + (f", blocks computing in {str(compute).removeprefix('torch.')}" if compute else "")
+    words = [f"{_name(stream)} streams"]
+    if compute:
+        words.append(f"blocks computing in {_name(compute)}")
+    if autocast:
+        words.append(f"under {_name(autocast)} autocast")
+    return ", ".join(words)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def settle(pending: list[Verdict]) -> None:

@@ -1353,14 +1353,19 @@ class ReversibleSequential(nn.Sequential):
         # By default not on a lazy device: its first step's graph would get one more output than the next steps'
         # (one more compilation where the first two steps' graphs are otherwise the same: SGD, no optimizer state).
         elif (verify == "rebuild" or not backend.is_tracing_lazily(x0)) and _rebuild_check.armed():
+            autocast = plan.call.autocast  # the blocks compute in its dtype: the tolerance of the coarsest
+            cast = [
+                d for on, d in ((autocast.enabled, autocast.dtype), (autocast.cpu_enabled, autocast.cpu_dtype)) if on
+            ]
             plan.rebuild = _rebuild_check.RebuildCheck(
                 key,
-                _rebuild_check.tolerance(x0.dtype, plan.compute_dtype),
+                max(_rebuild_check.tolerance(x0.dtype, d) for d in [plan.compute_dtype, *cast]),
                 len(plan.layers),
                 self._verified,
                 self.__dict__.setdefault("_rebuild_pending", []),  # models pickled before it existed: created here
                 fused=self.fused_optimizer is not None,
                 replays_random=plan.call.seed is not None,
+                autocast=cast[0] if cast else None,
             )
             plan.rebuild.keep(0, x0, x1)
 

@@ -355,3 +355,18 @@ def test_traced_steps_have_the_program_of_an_unchecked_step(xla):
         texts.append(memory.step_stablehlo(lambda m, x: m(x).sum().backward(), model, torch.randn(2, 8)))
         assert not model._verified and not model._rebuild_pending
     assert texts[0] == texts[1]
+
+
+def test_under_autocast_the_blocks_dtype_sets_the_tolerance(monkeypatch):
+    """Float32 streams with blocks computing in bfloat16 under autocast: bfloat16's tolerance, as for
+    compute_dtype=torch.bfloat16 (the tolerance check_invertible applies to the coarser of the two)."""
+    armed = []
+    keep = _rebuild_check.RebuildCheck.keep
+    monkeypatch.setattr(_rebuild_check.RebuildCheck, "keep", lambda self, *a: (armed.append(self), keep(self, *a)))
+    x = good_input().float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = good_stack().float()(x).float().sum()
+    loss.backward()
+    plain = good_stack().float()
+    plain(x).sum().backward()
+    assert [c.tolerance for c in armed] == [3e-2, 1e-4] and armed[0].autocast is torch.bfloat16
