@@ -50,6 +50,7 @@ __all__ = [
     "sync",
     "holds_data",
     "is_tracing_lazily",
+    "value_ready",
     "is_host_memory",
     "checkpoint",
     "lazy_stablehlo",
@@ -171,6 +172,12 @@ def is_tracing_lazily(tensor: torch.Tensor) -> bool:
     """True for lazy (XLA) tensors, whose memory is decided by the compiled graph rather than by Python lifetimes
     (and which have no addressable storage)."""
     return backend_for(tensor).lazy
+
+
+def value_ready(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s value can be read without running pending work first (see
+    :meth:`~revlib_xla.backends.base.Backend.value_ready`): on XLA, only after the step cut that computed it."""
+    return backend_for(tensor).value_ready(tensor)
 
 
 def is_host_memory(device: DeviceLike) -> bool:

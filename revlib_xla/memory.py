@@ -47,7 +47,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from . import backend, compile_cache
+from . import _rebuild_check, backend, compile_cache
 from ._tree import map_tensors, tensor_leaves
 from .hlo_liveness import live_peak
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
@@ -801,8 +801,9 @@ def step_stablehlo(
     backend.sync(dev)
     # torch's autograd engine sizes its per-device worker queues at the first backward of the process; after a CPU
     # backward that ran before torch_xla's runtime started, an XLA backward on a worker fails with "INTERNAL ASSERT
-    # FAILED ... engine.cpp". Tracing needs no worker thread: run the backward on this thread.
-    with torch.autograd.set_multithreading_enabled(False):
+    # FAILED ... engine.cpp". Tracing needs no worker thread: run the backward on this thread. The reversible
+    # backward's check of its rebuild adds nothing to the traced program (_rebuild_check.suspended).
+    with torch.autograd.set_multithreading_enabled(False), _rebuild_check.suspended():
         result = step_fn(model, *moved)
     grads = [p.grad for p in params if p.grad is not None]
     if require_grads and not grads and any(p.requires_grad for p in params):

@@ -36,12 +36,12 @@ import enum
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
-from . import _tree, backend, fsdp
+from . import _rebuild_check, _tree, backend, fsdp
 from . import scan as _scan
 from ._grad_destination import GradDestination, node_destination
 from .coupling import (
@@ -373,6 +373,7 @@ class _Plan:
     fsdp_units: list[fsdp.LayerUnits | None] | None = None  # per layer: the FSDP2 units inside its block
     stacked: Callable[[int], dict[str, Tensor]] | None = None  # stacked parameters (scan.stack_layers): layer i's
     # parameters as views of the stacks, for the paths that call the blocks one by one
+    rebuild: _rebuild_check.RebuildCheck | None = None  # verify_inverse's default: the backward measures its rebuild
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -548,6 +549,7 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
     keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams)."""
     device = x0.device
     off = plan.offload
+    check = plan.rebuild
     with plan.call.autocast.replay(), plan.call.scope() as reseed:
         for i in range(len(plan.layers)):
             reseed(plan.seed_of(i))
@@ -557,6 +559,8 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 x0, x1 = _ReversibleLayerFn.apply(plan, i, None, x0, x1, *plan.own_params[i], *own_args)
                 if watch is not None:
                     plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+                if check is not None and check.first == i and not x1.requires_grad:
+                    check.keep(i + 1, x0, x1)  # no autograd node (a frozen layer): the backward stops above it
                 continue
             copies = off.streamer.fetch(i, prefetch=i + 1)
             tensors = off.mapping(i, copies)
@@ -564,6 +568,8 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
             x0, x1 = _ReversibleLayerFn.apply(plan, i, tensors, x0, x1, *plan.own_params[i], *own_args)
             if watch is not None:
                 plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
+            if check is not None and check.first == i and not x1.requires_grad:
+                check.keep(i + 1, x0, x1)
             del tensors
             backend.cut_graph(device)
             off.write_back_buffers(i, copies)
@@ -661,6 +667,8 @@ class _ReversibleLayerFn(torch.autograd.Function):
             x0, y0, dx0, dx1, grads, finished = _layer_backward(
                 ctx, plan, i, y0, y1, dy0, dy1, reseed, saved[len(plan.layer_params[i]) :], want, later
             )
+        if plan.rebuild is not None:
+            plan.rebuild.compare(i, x0, y0)  # the layer's input, rebuilt: the check measures the first one
         if want.previous:
             plan.walk = (x0, y0, finished)
         elif plan.offload is not None:
@@ -906,14 +914,19 @@ class ReversibleSequential(nn.Sequential):
             numbers (dropout) on cpu, cuda and xla, also while other threads draw from the global generators (see
             :mod:`revlib_xla.recompute`). Both memory modes seed the same way, so ``no_savings`` gives the same
             masks. Costs a few microseconds per layer.
-        verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), run
-            :func:`check_invertible` on the real input: every block replays, every coupling pair inverts, and the
-            input rebuilt through all layers matches it; raise naming the layer (or the depth) otherwise. ``None``
-            (the default) checks when some layer's coupling is not additive (momentum, affine, user pairs), whose
-            inverses can amplify rounding errors with depth; ``True`` always, ``False`` never. Pass ``True`` for an
-            additive stack of large blocks in low precision: it inverts exactly only in exact arithmetic, and eight
-            bfloat16 MLP blocks with large weights gave gradients off by more than 100 %. Once per stream and
-            compute dtype; it costs three block evaluations per layer without autograd.
+        verify_inverse: at the first forward whose backward rebuilds (a memory-saving mode, gradients on), per
+            pair of stream and compute dtypes, make sure the backward rebuilds the input, and raise otherwise.
+            ``True``: run :func:`check_invertible` on the real input (every block replays, every coupling pair
+            inverts, the input rebuilt through all layers matches; it names the layer, and costs three block
+            evaluations per layer without autograd). ``"rebuild"``: the backward compares the input it rebuilt with
+            the forward's (one subtraction and one maximum, no block evaluation; the forward keeps its input until
+            then) and raises from the backward where they differ by more than :func:`check_invertible`'s tolerance;
+            on a lazy device (XLA) the error is a lazy value of the step, read at the next forward once the step has
+            run (a step cut), never forcing it. ``None`` (the default): ``True`` when some coupling is not additive
+            (momentum, affine, user pairs: their inverses can amplify rounding errors with depth), else
+            ``"rebuild"``, except on a lazy device, where it would make the first step's graph differ from the
+            next ones' (one more compilation); an additive coupling inverts exactly only in exact arithmetic, and
+            eight bfloat16 MLP blocks with large weights gave gradients off by more than 100 %. ``False``: never.
         target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
             the host, and run each layer on copies streamed to this device one layer ahead (forward and
             recomputation); gradients accumulate on the host parameters. At most two layers' tensors are on the
@@ -946,11 +959,17 @@ class ReversibleSequential(nn.Sequential):
         stream_dtype: torch.dtype | None = None,
         compute_dtype: torch.dtype | None = None,
         preserve_rng_state: bool = True,
-        verify_inverse: bool | None = None,
+        verify_inverse: bool | Literal["rebuild"] | None = None,
         scan: bool | None = False,
     ):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
+        if verify_inverse not in (None, True, False, "rebuild"):
+            raise ReversibleError(
+                f"ReversibleSequential: verify_inverse={verify_inverse!r}; pass None (the default), True "
+                f"(check_invertible at the first training forward), 'rebuild' (the backward measures its rebuilt "
+                f"input) or False"
+            )
         _check_couplings(coupling_forward, coupling_inverse)
         for name, dtype in (("stream_dtype", stream_dtype), ("compute_dtype", compute_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -989,6 +1008,7 @@ class ReversibleSequential(nn.Sequential):
         self.verify_inverse = verify_inverse
         self.scan = scan
         self._verified: set = set()  # (stream dtype, compute dtype) pairs checked by verify_inverse
+        self._rebuild_pending: list[_rebuild_check.Verdict] = []  # measured on a lazy device, read when computed
         self.target_device: torch.device | None = _available_device(target_device) if target_device else None
         if fused_optimizer is not None and not callable(fused_optimizer):
             raise FusedOptimizerError(
@@ -1200,6 +1220,7 @@ class ReversibleSequential(nn.Sequential):
         """Copies and pickles leave the streamer behind (device buffers, cuda streams); it is rebuilt on use."""
         state = super().__getstate__()
         state["_streamer"] = None
+        state["_rebuild_pending"] = []  # lazy values of this process's steps
         return state
 
     @property
@@ -1264,6 +1285,9 @@ class ReversibleSequential(nn.Sequential):
     def forward(  # type: ignore[override]  # RevLib's signature: streams, then the blocks' arguments
         self, inp: Tensor | tuple[Tensor, Tensor], *args, layerwise_args_kwargs: LAYERWISE_ARGS_KWARGS = None, **kwargs
     ):
+        pending = self.__dict__.get("_rebuild_pending")
+        if pending:  # an earlier step's rebuild, measured on a lazy device: read it once computed
+            _rebuild_check.settle(pending)
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
@@ -1282,8 +1306,7 @@ class ReversibleSequential(nn.Sequential):
         else:  # the backward will rebuild every layer's input from the output
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
             plan.fsdp_units = self._fsdp_units(plan)
-            if self._verifies(plan, x0):
-                _check_plan(plan, x0, x1, arg_tensors)
+            self._verify(plan, x0, x1, arg_tensors)
             with plan.state.python_random_check("ReversibleSequential"):
                 scanned = _scan.scanned_forward(self, plan, x0, x1, arg_tensors)
                 x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
@@ -1313,16 +1336,41 @@ class ReversibleSequential(nn.Sequential):
             )
         return units
 
-    def _verifies(self, plan: _Plan, streams: Tensor) -> bool:
-        """Whether this forward runs :func:`check_invertible` first (see ``verify_inverse``): once per pair of
-        stream and compute dtypes."""
-        key = (streams.dtype, plan.compute_dtype)
-        if self.verify_inverse is False or key in self._verified or not backend.holds_data(streams):
-            return False  # fake tensors (sizing a model under FakeTensorMode) have no values to check
-        self._verified.add(key)
-        return bool(self.verify_inverse) or not all(
-            is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse) for w in plan.wrappers
-        )
+    def _verify(self, plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> None:
+        """``verify_inverse`` at a forward whose backward rebuilds, once per pair of stream and compute dtypes:
+        :func:`check_invertible` now, or (the default for additive couplings) the backward's own rebuild of the
+        input measured against it (:mod:`revlib_xla._rebuild_check`), armed on the plan."""
+        key = (x0.dtype, plan.compute_dtype)
+        verify = self.verify_inverse
+        if verify is False or key in self._verified or not backend.holds_data(x0):
+            return  # fake tensors (sizing a model under FakeTensorMode) have no values to check
+        if verify is True or (
+            verify is None
+            and not all(
+                is_additive_forward(w.coupling_forward) and is_additive_inverse(w.coupling_inverse)
+                for w in plan.wrappers
+            )
+        ):
+            self._verified.add(key)
+            _check_plan(plan, x0, x1, arg_tensors)
+        # By default not on a lazy device: its first step's graph would get one more output than the next steps'
+        # (one more compilation where the first two steps' graphs are otherwise the same: SGD, no optimizer state).
+        elif (verify == "rebuild" or not backend.is_tracing_lazily(x0)) and _rebuild_check.armed():
+            autocast = plan.call.autocast  # the blocks compute in its dtype: the tolerance of the coarsest
+            cast = [
+                d for on, d in ((autocast.enabled, autocast.dtype), (autocast.cpu_enabled, autocast.cpu_dtype)) if on
+            ]
+            plan.rebuild = _rebuild_check.RebuildCheck(
+                key,
+                max(_rebuild_check.tolerance(x0.dtype, d) for d in [plan.compute_dtype, *cast]),
+                len(plan.layers),
+                self._verified,
+                self.__dict__.setdefault("_rebuild_pending", []),  # models pickled before it existed: created here
+                fused=self.fused_optimizer is not None,
+                replays_random=plan.call.seed is not None,
+                autocast=cast[0] if cast else None,
+            )
+            plan.rebuild.keep(0, x0, x1)
 
     def _plain_offload(self, plan: _Plan, i: int) -> list[Tensor] | None:
         """``target_device`` under plain autograd (``no_savings``, or no gradients): each tensor is copied
@@ -1398,9 +1446,6 @@ class InvertibilityReport:
         return max(self.errors + [self.end_to_end])
 
 
-_DEFAULT_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
 def check_invertible(
     model: ReversibleSequential,
     sample: Tensor | tuple[Tensor, Tensor],
@@ -1430,26 +1475,13 @@ def check_invertible(
     return _check_plan(plan, x0, x1, arg_tensors, tolerance)
 
 
-def _relative_error(value: Tensor, reference: Tensor, scale: Tensor) -> Tensor:
-    return ((value - reference).abs().max() / scale).float()
-
-
-def _magnitude(*tensors: Tensor) -> Tensor:
-    largest = torch.stack([t.abs().max() for t in tensors]).max()
-    return largest.clamp_min(torch.finfo(largest.dtype).tiny)
-
-
 @torch.no_grad()
 def _check_plan(
     plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor], tolerance: float | None = None
 ) -> InvertibilityReport:
     """:func:`check_invertible` on prepared streams; every error is read back at once (one device sync)."""
     n = len(plan.layers)
-    tol = (
-        tolerance
-        if tolerance is not None
-        else max(_DEFAULT_TOL.get(d, 1e-4) for d in (x0.dtype, plan.compute_dtype or x0.dtype))
-    )
+    tol = tolerance if tolerance is not None else _rebuild_check.tolerance(x0.dtype, plan.compute_dtype)
     replays: list[Any] = []  # relative errors: tensors, then (read back at once) floats
     locals_: list[Any] = []
     active, device = plan.call.seed is not None, x0.device
@@ -1473,17 +1505,16 @@ def _check_plan(
             with as_in_the_forward(i, copies):  # the replay starts from the forward's state, as the backward's
                 fn_out = _call_block(plan, i, _to_compute(a1, plan), args, kwargs, copies)
             wrapper = plan.wrappers[i]
-            scale = _magnitude(a0, y1)
-            replays.append(_relative_error(wrapper.couple(a0, fn_out).to(y1.dtype), y1, scale))
-            locals_.append(_relative_error(wrapper.uncouple(y1, fn_out).to(a0.dtype), a0, scale))
+            scale = _rebuild_check.magnitude(a0, y1)
+            replays.append(_rebuild_check.relative_error(wrapper.couple(a0, fn_out).to(y1.dtype), y1, scale))
+            locals_.append(_rebuild_check.relative_error(wrapper.uncouple(y1, fn_out).to(a0.dtype), a0, scale))
             a0, a1 = a1, y1
         for i in reversed(range(n)):  # as the backward does: from the output alone, through every layer
             args, kwargs = plan.args_for(i, arg_tensors)
             copies = _plain_copies(plan, i)
             with as_in_the_forward(i, copies):
                 a0, a1 = _inverse_layer(plan, i, a0, a1, args, kwargs, copies), a0
-        scale = _magnitude(x0, x1)
-        end = torch.maximum(_relative_error(a0, x0, scale), _relative_error(a1, x1, scale))
+        end = _rebuild_check.rebuild_error(a0, a1, x0, x1)
     finally:
         rewind(generators)  # the blocks' own generators as they were
     values = torch.stack([*replays, *locals_, end]).cpu().tolist()

@@ -802,8 +802,10 @@ class _Run:
 
         assert self.loop is not None
         with torch.no_grad(), self._seeded(layout, replay=True) as seeds:
-            (_, _, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(layout), reverse=True)
+            (x0, x1, dx0, dx1), stacked_grads = self.loop(body, (y0, y1, dy0, dy1), self._xs(layout), reverse=True)
         _check_seeded(seeds, self.draws)
+        if plan.rebuild is not None:  # verify_inverse: the sequence's input, rebuilt
+            plan.rebuild.compare(0, x0, x1)
         grads: list[Tensor | None] = [None] * len(self.inputs)
         for j in range(layout.period):
             if self.stacks is not None:  # the stacked gradients are the stacks' gradients
@@ -857,6 +859,8 @@ class _Run:
                     else:
                         target[t].copy_(g)
                 y0, y1 = x0, y0
+        if plan.rebuild is not None:  # verify_inverse: the sequence's input, rebuilt
+            plan.rebuild.compare(0, y0, y1)
         return dy0, dy1, grads
 
 

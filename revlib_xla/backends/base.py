@@ -222,6 +222,12 @@ class Backend:
             f"device (revlib_xla.memory.step_stablehlo) to read its StableHLO"
         )
 
+    def value_ready(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s value can be read without running pending work first: always on an eager device
+        (a GPU waits for its queue, nothing more); on a lazy one, only once a step cut has computed it (reading it
+        earlier would run its graph, a device sync in the middle of a step)."""
+        return True
+
     # -- tracing for sizing (revlib_xla.fit) ----------------------------------------------------------------
     def zero_copy_device_tensor(self, host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A tensor on ``device`` that uses ``host_tensor``'s memory, without copying it (for tracing a step at

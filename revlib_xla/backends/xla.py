@@ -155,6 +155,15 @@ class XlaBackend(Backend):
             raise ValueError("lazy_stablehlo needs XLA tensors (and only XLA tensors)")
         return str(xla_model().get_stablehlo(tensors))
 
+    def value_ready(self, tensor: torch.Tensor) -> bool:
+        """Whether the tensor holds device data (its graph has run at a step cut), asked of torch_xla
+        (``_check_tensor_need_materialization``, private; a torch_xla without it: never ready, so nothing is read
+        early)."""
+        import torch_xla
+
+        pending = getattr(torch_xla._XLAC, "_check_tensor_need_materialization", None)
+        return pending is not None and not pending([tensor])[0]
+
     def zero_copy_device_tensor(self, host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
         """XLA device data over the host tensor's memory through DLPack (PJRT keeps a reference, nothing is copied
         or read): in a traced program it is an argument like any parameter moved to the device."""

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .. import backend
+from .. import _rebuild_check, backend
 from .._tree import tensor_leaves
 
 __all__ = [
@@ -400,6 +400,7 @@ def _trace(
     # The autograd engine's worker threads are not needed to trace; see memory.step_stablehlo.
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
+        stack.enter_context(_rebuild_check.suspended())  # the program is the step's own (no rebuild check)
         # A host-stepping optimizer's step is traced as its device part: its gradients, sent to the host.
         sent = stack.enter_context(optimizer.device_part_only()) if host_stepping else []  # type: ignore[union-attr]
         # The first step may read small values (the recompute engine compares a unit's buffers with copies once,

@@ -1,0 +1,210 @@
+"""The reversible backward checks its own work: the input it rebuilds against the input the forward was given.
+
+An additive coupling (``y1 = x0 + f(x1)``, undone as ``x0 = y1 - f(y0)``) inverts exactly only in exact arithmetic:
+in low precision, with large blocks, the rounding of each layer's output is left in the rebuilt input and grows over
+the layers, and the gradients computed from rebuilt inputs are as far off (eight bfloat16 MLP blocks with large
+weights: off by more than 100 %). :func:`revlib_xla.check_invertible` measures it by running every block three more
+times; the backward already rebuilds every layer's input, down to the first layer's, so comparing that with the
+input costs one subtraction and one maximum over the input, and no block evaluation.
+
+:class:`RebuildCheck`: at the first memory-saving training forward of a :class:`~revlib_xla.ReversibleSequential`
+per pair of stream and compute dtypes that ``check_invertible`` does not run for (``verify_inverse``), the forward
+keeps the input of the first layer the backward rebuilds (a detached alias: no copy, and nothing beyond that one
+step), and that layer's backward compares what it rebuilt with it, by :func:`rebuild_error` and :func:`tolerance`,
+the rule ``check_invertible`` applies. Where the value can be read without running pending work (eager devices), it
+is read there and a :class:`~revlib_xla.ReversibleError` raised from the backward; on a lazy device (XLA) reading it
+would run the step's graph in the middle of the step, so the error stays a lazy tensor, computed with the step at
+the user's step cut, and the model's next forward reads it (:func:`settle`) and raises for the previous step. A
+value that is never computed is never read. There the check is opt-in (``verify_inverse="rebuild"``): its output
+makes the first step's graph differ from the next steps', one more compilation where the first two steps would
+otherwise share a graph. Code that traces a step without running it switches arming off (:func:`suspended`): the
+traced program stays the step's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import backend
+
+Tensor = torch.Tensor
+
+__all__ = ["RebuildCheck", "Verdict", "rebuild_error", "relative_error", "settle", "suspended", "tolerance"]
+
+#: The relative error (max abs error / max abs value) a rebuilt input may have, by the dtype of the streams or the
+#: blocks (the coarser counts).
+DEFAULT_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def tolerance(stream_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> float:
+    """The default tolerance of streams in ``stream_dtype`` fed to blocks computing in ``compute_dtype``
+    (``None``: the streams' dtype)."""
+    return max(DEFAULT_TOLERANCE.get(d, 1e-4) for d in (stream_dtype, compute_dtype or stream_dtype))
+
+
+def relative_error(value: Tensor, reference: Tensor, scale: Tensor) -> Tensor:
+    return ((value - reference).abs().max() / scale).float()
+
+
+def magnitude(*tensors: Tensor) -> Tensor:
+    """The largest absolute value in ``tensors`` (at least the dtype's smallest normal number)."""
+    largest = torch.stack([t.abs().max() for t in tensors]).max()
+    return largest.clamp_min(torch.finfo(largest.dtype).tiny)
+
+
+def rebuild_error(rebuilt0: Tensor, rebuilt1: Tensor, x0: Tensor, x1: Tensor) -> Tensor:
+    """How far two rebuilt streams are from the real ones ``(x0, x1)``: the larger max abs error, over the largest
+    absolute value of the real streams (a 0-dim float32 tensor, computed where the streams are)."""
+    scale = magnitude(x0, x1)
+    return torch.maximum(relative_error(rebuilt0, x0, scale), relative_error(rebuilt1, x1, scale))
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Within the block (this thread), no forward keeps its input for the check: for code that traces a step
+    without running it (:func:`revlib_xla.memory.step_stablehlo`, :mod:`revlib_xla.fit`), whose program must be the
+    step's own, and whose lazy values must never be computed."""
+    depth = getattr(_LOCAL, "depth", 0)
+    _LOCAL.depth = depth + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth = depth
+
+
+def armed() -> bool:
+    """Whether a forward in this thread may keep its input for the check (not within :func:`suspended`)."""
+    return not getattr(_LOCAL, "depth", 0)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """A measured rebuild error, read when its value is ready (see :func:`settle`)."""
+
+    error: Tensor  # 0-dim float32; negative: the input was not finite, nothing measured
+    tolerance: float
+    what: str  # the streams' and blocks' dtypes, and the layers walked, in words
+    key: Any
+    verified: set[Any]  # the model's checked dtype pairs: the key leaves it when nothing could be measured
+    fused: bool  # a fused optimizer stepped the layers with the gradients before the check
+    replays_random: bool  # preserve_rng_state: the recomputation draws the forward's random numbers
+
+    def read(self, previous: bool) -> None:
+        """Read the error and raise :class:`~revlib_xla.ReversibleError` if it exceeds the tolerance; ``previous``:
+        the backward that measured it belongs to an earlier step (lazy devices)."""
+        from .reversible import ReversibleError
+
+        value = float(self.error)
+        if value < 0:  # a non-finite input (the loss says so): measure again at the next training forward
+            self.verified.discard(self.key)
+            return
+        if value <= self.tolerance:
+            return
+        when = (
+            "The previous training step's backward (the first of this model with these dtypes; on a lazy device "
+            "the measurement is read once the step has run, at this forward)"
+            if previous
+            else "This backward (the first of this model with these dtypes)"
+        )
+        wrong = "that step's gradients were" if previous else "the gradients it computed are"
+        stepped = " A fused optimizer has already stepped the layers with them." if self.fused else ""
+        raise ReversibleError(
+            f"ReversibleSequential does not rebuild its input: {when} rebuilt the input {self.what} with a relative "
+            f"error of {value:.3g} (max abs error / max abs value; tolerance {self.tolerance:.1g}): an additive "
+            f"coupling inverts exactly only in exact arithmetic, and the rounding of the blocks' outputs grew over the "
+            f"layers (large blocks or weights, low precision). So {wrong} wrong by about as much: do not step an "
+            f"optimizer with them.{stepped} {_wider_streams(self.key[0])}use fewer or smaller layers per reversible "
+            f"sequence (or smaller weights), or use memory_mode=MemoryModes.no_savings (or planned checkpointing, "
+            f"revlib_xla.Checkpointable). verify_inverse=True runs revlib_xla.check_invertible at the first training "
+            f"forward instead, which names the layer (and finds a block that keeps state between calls, e.g. a KV "
+            f"cache); verify_inverse=False accepts the error knowingly."
+            + ("" if self.replays_random else " With random ops (dropout), keep preserve_rng_state=True.")
+        )
+
+
+def _wider_streams(streams: torch.dtype) -> str:
+    """The advice to keep the streams in a wider dtype than ``streams``, if there is one."""
+    if streams.itemsize < 4:
+        return (
+            "Keep the streams in float32 (stream_dtype=torch.float32, the blocks still compute in the input's dtype), "
+        )
+    if streams.itemsize == 4:
+        return "Keep the streams in float64 (stream_dtype=torch.float64), "
+    return "Use "
+
+
+@dataclasses.dataclass
+class RebuildCheck:
+    """One forward's check: the input of layer ``first`` kept for the backward, which compares its rebuild with it
+    (:meth:`compare`) and leaves its :class:`Verdict` in ``pending`` when the value is not ready."""
+
+    key: Any  # (stream dtype, compute dtype)
+    tolerance: float
+    layers: int
+    verified: set[Any]
+    pending: list[Verdict]
+    fused: bool = False
+    replays_random: bool = True
+    autocast: torch.dtype | None = None  # the dtype the blocks compute in under autocast
+    first: int = 0  # the layer whose input is kept: the first one the backward rebuilds
+    streams: tuple[Tensor, Tensor] | None = None
+    versions: tuple[int, int] = (0, 0)
+
+    def keep(self, first: int, x0: Tensor, x1: Tensor) -> None:
+        """Keep ``(x0, x1)``, the input of layer ``first``, as detached aliases (their versions are checked)."""
+        self.first, self.streams = first, (x0.detach(), x1.detach())
+        self.versions = (x0._version, x1._version)
+
+    def compare(self, layer: int, rebuilt0: Tensor, rebuilt1: Tensor) -> None:
+        """Layer ``layer``'s backward rebuilt its input as ``(rebuilt0, rebuilt1)``: measure it against the kept
+        input if that is this layer's, and judge it now or when it is ready."""
+        if layer != self.first or self.streams is None:
+            return
+        x0, x1 = self.streams
+        self.streams = None  # measured once, also when the graph is kept for another backward
+        if (x0._version, x1._version) != self.versions:
+            return  # the input was changed in place after the forward: nothing to compare with (checked next time)
+        with torch.no_grad():
+            error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1)
+            error = torch.where(torch.isfinite(magnitude(x0, x1)), error, torch.full_like(error, -1.0))
+        through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
+        what = f"{through} ({self.layers} in all; {_dtypes(self.key, self.autocast)})"
+        verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)
+        self.verified.add(self.key)
+        if backend.value_ready(error):
+            verdict.read(previous=False)
+        else:
+            self.pending.append(verdict)
+
+
+def _dtypes(key: Any, autocast: torch.dtype | None) -> str:
+    stream, compute = key
+    words = [f"{_name(stream)} streams"]
+    if compute:
+        words.append(f"blocks computing in {_name(compute)}")
+    if autocast:
+        words.append(f"under {_name(autocast)} autocast")
+    return ", ".join(words)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def settle(pending: list[Verdict]) -> None:
+    """Read the verdicts whose values are ready (computed at a step cut since), raising for a failed one; the rest
+    wait. Nothing is run to compute them."""
+    ready = [v for v in pending if backend.value_ready(v.error)]
+    for verdict in ready:
+        pending.remove(verdict)
+    for verdict in ready:
+        verdict.read(previous=True)
