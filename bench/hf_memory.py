@@ -101,13 +101,15 @@ def plan_at(
     model = memory_efficient(copy.deepcopy(reference), "plan")
     step(model, ids)
     cp = model.revlib_xla_conversion.checkpointable
-    low, high = cp.min_memory(), cp.no_checkpoint_memory()
+    # The budget counts activations only, the measured peak parameters too: a budget above the target's bytes
+    # cannot fit it, so the bisection starts below it (8 probes: ~1/256 of the bracket).
+    low, high = cp.min_memory(), min(cp.no_checkpoint_memory(), target if target is not None else 0.0)
     best: tuple[float, memory.EagerPeak] | None = None
-    for _ in range(probes if target is not None else 0):
-        budget = high if best is None and low >= high else (low + high) / 2
+    for _ in range(probes if high > low else 0):
+        budget = (low + high) / 2
         cp.compute_sequence(budget)
         got = memory.eager_peak(step, model, ids)
-        if got.total <= target:
+        if target is not None and got.total <= target:
             best, low = (budget, got), budget
         else:
             high = budget
@@ -140,7 +142,15 @@ def load() -> str:
 
 
 def run(
-    models: list[str], depths: list[int], batch: int, seq: int, hidden: int, repeats: int, probes: int, log: Path
+    models: list[str],
+    depths: list[int],
+    batch: int,
+    seq: int,
+    hidden: int,
+    repeats: int,
+    probes: int,
+    log: Path,
+    timed_depths: list[int],
 ) -> list[dict[str, Any]]:
     rows = []
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
@@ -159,7 +169,7 @@ def run(
             )
             models["plan-min"], peaks["plan-min"], budgets["plan-min"] = plan_at(base, ids, None, 0)
             load_before = load()
-            times = timed(models, ids, repeats) if repeats else {}
+            times = timed(models, ids, repeats) if repeats and depth in timed_depths else {}
             weights = param_bytes(base)
             recompute = {"plain": 0, "hf-checkpointing": depth, "reversible": depth}
             for variant in VARIANTS:
@@ -274,7 +284,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
                 ax.plot(depths, [r[key] / 2**20 for r in mine], marker="o", label=variant)
                 ax.set_ylabel(label)
             if timed:
-                row_axes[2].plot(depths, [r["step_ratio_hf"] for r in mine], marker="o", label=variant)
+                row_axes[2].plot(depths, [r["step_ratio_hf"] or float("nan") for r in mine], marker="o", label=variant)
                 row_axes[2].set_ylabel("step time / hf-checkpointing's")
         for ax in row_axes:
             ax.set_title(f"tiny {model_name}")
@@ -302,9 +312,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--depths", default="32,16,8,4")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--probes", type=int, default=6, help="plan@hf: budgets tried in the bisection")
+    parser.add_argument("--probes", type=int, default=8, help="plan@hf: budgets tried in the bisection")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: llama,gpt2")
+    parser.add_argument("--timed-depths", default="", help="comma-separated: time only these depths (default all)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    parser.add_argument(
+        "--report", nargs="+", metavar="JSONL", help="write the report of rows already measured (runs' .partial.jsonl)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out_dir)
@@ -315,12 +329,18 @@ def main() -> None:
     hidden = 64 if args.quick else args.hidden
     stem = out / ("hf_memory-cpu-quick" if args.quick else f"hf_memory-cpu-h{hidden}-b{batch}x{seq}")
     log = stem.with_suffix(".partial.jsonl")
-    log.unlink(missing_ok=True)
+    if not args.report:
+        log.unlink(missing_ok=True)
     load_before = load()
     warnings.filterwarnings("ignore")
     import transformers
 
-    rows = run(args.models.split(","), depths, batch, seq, hidden, args.repeats, args.probes, log)
+    timed_depths = [int(d) for d in args.timed_depths.split(",") if d] or depths
+    if args.report:
+        rows = [json.loads(line) for f in args.report for line in Path(f).read_text().splitlines() if line.strip()]
+        rows.sort(key=lambda r: (list(MODELS).index(r["model"]), -r["depth"], VARIANTS.index(r["variant"])))
+    else:
+        rows = run(args.models.split(","), depths, batch, seq, hidden, args.repeats, args.probes, log, timed_depths)
     meta = {
         "date": datetime.date.today().isoformat(),
         "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
@@ -335,7 +355,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     write(rows, meta, stem)
-    log.unlink()
+    log.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
