@@ -173,7 +173,7 @@ def _checkpoint_on_any_device(model: nn.Module) -> None:
                 return _own(fn, *args, **kwargs)
             return backend.checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args)
 
-        module._gradient_checkpointing_func = checkpointed
+        module.__dict__["_gradient_checkpointing_func"] = checkpointed
 
 
 class HFCausalLM(nn.Module):
