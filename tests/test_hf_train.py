@@ -142,7 +142,7 @@ def test_cli_memory_sizes_a_transformers_config_as_tpu_memory_does(capsys):
     out = capsys.readouterr().out
     assert out.startswith("llama-tiny, seq_len 32, precision fp32, on one v5e")
     totals = {
-        line.split()[0]: line.split()[-4:-2]
+        line.split()[0]: line.split()[-5:-3]
         for line in out.splitlines()
         if line.split()[:1] in (["none"], ["checkpoint"])
     }
