@@ -45,17 +45,25 @@ from revlib_xla import memory
 from revlib_xla.hf import memory_efficient, model_from_config
 
 MODELS = {"llama": "llama-tiny", "gpt2": "gpt2-tiny"}
-SHAPES = {  # config overrides: the layer structure at a size where per-layer activations dominate
-    "llama": {"hidden_size": 256, "intermediate_size": 640, "num_attention_heads": 4, "num_key_value_heads": 2},
-    "gpt2": {"n_embd": 256, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-}
 POSITIONS = {"llama": "max_position_embeddings", "gpt2": "n_positions"}
-VARIANTS = ("plain", "hf-checkpointing", "reversible", "plan@hf")
+VARIANTS = ("plain", "hf-checkpointing", "reversible", "plan@hf", "plan-min")
 
 
-def build(model: str, depth: int, seq: int) -> torch.nn.Module:
+def shape(model: str, hidden: int) -> dict[str, Any]:
+    """Config overrides: the layer structure at ``hidden`` (4 heads; Llama's MLP 2.5 x hidden, GPT-2's 4 x)."""
+    if model == "llama":
+        return {
+            "hidden_size": hidden,
+            "intermediate_size": 5 * hidden // 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    return {"n_embd": hidden, "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def build(model: str, depth: int, seq: int, hidden: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    fields = {**SHAPES[model], POSITIONS[model]: seq}
+    fields = {**shape(model, hidden), POSITIONS[model]: seq}
     return model_from_config(MODELS[model], num_hidden_layers=depth, **fields).train()
 
 
@@ -78,31 +86,43 @@ def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def recomputed(model: torch.nn.Module) -> int:
+    """Layer forwards a plan runs beyond one per layer (its ``Fn``/``CF`` operations: checkpointed recomputation)."""
+    cp = model.revlib_xla_conversion.checkpointable
+    counts = cp.sequence.counts()
+    return counts.get("Fn", 0) + counts.get("CF", 0) + counts.get("Fe", 0) - cp.chain.length
+
+
 def plan_at(
-    reference: torch.nn.Module, ids: torch.Tensor, target: int, probes: int
-) -> tuple[torch.nn.Module, int, float]:
-    """The plan converted model with the largest budget found whose peak is within ``target`` bytes."""
+    reference: torch.nn.Module, ids: torch.Tensor, target: int | None, probes: int
+) -> tuple[torch.nn.Module, memory.EagerPeak, float]:
+    """The plan converted model with the largest budget found whose measured peak is within ``target`` bytes (the
+    smallest plan when ``target`` is None or nothing larger fits), its peak and its budget."""
     model = memory_efficient(copy.deepcopy(reference), "plan")
     step(model, ids)
     cp = model.revlib_xla_conversion.checkpointable
-    low, high = cp.min_memory(), cp.no_checkpoint_memory()
-    best: tuple[float, int] | None = None
-    for _ in range(probes):
-        budget = high if best is None and low >= high else (low + high) / 2
+    # The budget counts activations only, the measured peak parameters too: a budget above the target's bytes
+    # cannot fit it, so the bisection starts below it (7 probes: 1/128 of the bracket).
+    low, high = cp.min_memory(), min(cp.no_checkpoint_memory(), target if target is not None else 0.0)
+    best: tuple[float, memory.EagerPeak] | None = None
+    for _ in range(probes if high > low else 0):
+        budget = (low + high) / 2
         cp.compute_sequence(budget)
-        got = memory.eager_peak(step, model, ids).total
-        if got <= target:
+        got = memory.eager_peak(step, model, ids)
+        if target is not None and got.total <= target:
             best, low = (budget, got), budget
         else:
             high = budget
     if best is None:
         cp.compute_sequence(cp.min_memory())
-        best = (cp.min_memory(), memory.eager_peak(step, model, ids).total)
+        best = (cp.min_memory(), memory.eager_peak(step, model, ids))
     cp.compute_sequence(best[0])
     return model, best[1], best[0]
 
 
-def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, float]:
+def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
+    """Per variant: the median step time and the median of its per-round ratios to hf-checkpointing's (variants
+    interleaved round by round: a load change hits all of them alike)."""
     times: dict[str, list[float]] = {k: [] for k in models}
     for _ in range(repeats):
         for name, model in models.items():
@@ -110,40 +130,80 @@ def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -
             start = time.perf_counter()
             step(model, ids)
             times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    hf = times["hf-checkpointing"]
+    return {
+        k: (statistics.median(v), statistics.median(t / h for t, h in zip(v, hf, strict=True)))
+        for k, v in times.items()
+    }
 
 
-def run(models: list[str], depths: list[int], batch: int, seq: int, repeats: int, probes: int) -> list[dict[str, Any]]:
+def load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run(
+    models: list[str],
+    depths: list[int],
+    batch: int,
+    seq: int,
+    hidden: int,
+    repeats: int,
+    probes: int,
+    log: Path,
+    timed_depths: list[int],
+    skip: frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
     rows = []
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     for model_name in models:
         for depth in depths:
-            base = build(model_name, depth, seq)
+            if f"{model_name}:{depth}" in skip:
+                continue
+            base = build(model_name, depth, seq, hidden)
             models = {
                 "plain": base,
                 "hf-checkpointing": hf_checkpointing(copy.deepcopy(base)),
                 "reversible": memory_efficient(copy.deepcopy(base), "reversible"),
             }
-            peaks = {k: peak(m, ids).total for k, m in models.items()}
-            plan_model, plan_peak, budget = plan_at(base, ids, peaks["hf-checkpointing"], probes)
-            models["plan@hf"] = plan_model
-            peaks["plan@hf"] = plan_peak
-            times = timed(models, ids, repeats)
+            peaks = {k: peak(m, ids) for k, m in models.items()}
+            budgets: dict[str, float | None] = {}
+            models["plan@hf"], peaks["plan@hf"], budgets["plan@hf"] = plan_at(
+                base, ids, peaks["hf-checkpointing"].total, probes
+            )
+            models["plan-min"], peaks["plan-min"], budgets["plan-min"] = plan_at(base, ids, None, 0)
+            load_before = load()
+            # plan-min (hundreds of recomputed layers at depth 32) is not timed: its peak is what it is for
+            clocked = {k: m for k, m in models.items() if k != "plan-min"}
+            times = timed(clocked, ids, repeats) if repeats and depth in timed_depths else {}
             weights = param_bytes(base)
+            recompute = {"plain": 0, "hf-checkpointing": depth, "reversible": depth}
             for variant in VARIANTS:
+                p = peaks[variant]
                 rows.append(
                     {
                         "model": model_name,
                         "depth": depth,
+                        "batch": batch,
+                        "seq": seq,
+                        "hidden": hidden,
                         "variant": variant,
-                        "peak_bytes": peaks[variant],
-                        "activation_bytes": peaks[variant] - 2 * weights,
+                        "peak_bytes": p.total,
+                        "activation_bytes": p.total - 2 * weights,
                         "param_bytes": weights,
-                        "step_s": times[variant],
-                        "plan_budget_bytes": budget if variant == "plan@hf" else None,
+                        "grad_bytes_at_peak": p.gradients,
+                        "non_param_grad_bytes_at_peak": p.total - p.parameters - p.gradients,
+                        "recomputed_layers": recompute.get(variant, None)
+                        if variant in recompute
+                        else recomputed(models[variant]),
+                        "step_s": times[variant][0] if variant in times else None,
+                        "step_ratio_hf": times[variant][1] if variant in times else None,
+                        "plan_budget_bytes": budgets.get(variant),
+                        "load_during_timing": f"{load_before} -> {load()}",
                     }
                 )
                 print(json.dumps(rows[-1]), flush=True)
+                with log.open("a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
     return rows
 
 
@@ -151,45 +211,60 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def ratio(r: dict[str, Any]) -> str:
+    return "-" if r["step_ratio_hf"] is None else f"{r['step_ratio_hf']:.2f}"
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# revlib_xla.hf against transformers' gradient checkpointing (eager peak, CPU)",
         "",
         f"{meta['date']}, {meta['device']}, torch {meta['torch']}, transformers {meta['transformers']}; batch "
-        f"{meta['batch']} x {meta['seq']} tokens, float32, hidden 256, vocabulary 256. Peak: MemTracker's eager "
-        f"peak of one training step (exact). Activations = peak - parameters - gradients. Step: median of "
-        f"{meta['repeats']} interleaved steps (forward + backward, `nice`), relative to hf-checkpointing's; load "
-        f"average {meta['load_before']} before, {meta['load_after']} after the run.",
+        f"{meta['batch']} x {meta['seq']} tokens, hidden {meta['hidden']}, 4 heads, vocabulary 256, float32. Peak: "
+        f"MemTracker's eager peak of one training step (exact, the same every run). Activations = peak - 2 x "
+        f"parameters (the issue's 'peak minus parameters and gradients'); 'non-p/g at peak' = peak - parameters - "
+        f"the gradients that exist at the moment of the peak. Recomputed: layer forwards beyond one per layer. Step "
+        f"ratio: median over {meta['repeats']} rounds of (variant / hf-checkpointing) step time, variants "
+        f"interleaved in one process, `torch.set_num_threads({meta['threads']})`, `nice`; machine load (1/5/15 min) "
+        f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl.",
         "",
-        "| model | depth | variant | peak MiB | activations MiB | act / hf-ckpt | step ms | step / hf-ckpt |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | depth | variant | peak MiB | activations MiB | act / hf-ckpt | non-p/g at peak MiB | recomputed "
+        "| step ms | step / hf-ckpt |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["model"], r["depth"], r["variant"]): r for r in rows}
     for r in rows:
         hf = by[(r["model"], r["depth"], "hf-checkpointing")]
+        step_ms = "-" if r["step_s"] is None else f"{1000 * r['step_s']:.0f}"
         lines.append(
             f"| {r['model']} | {r['depth']} | {r['variant']} | {mib(r['peak_bytes'])} | {mib(r['activation_bytes'])} "
-            f"| {r['activation_bytes'] / hf['activation_bytes']:.2f} | {1000 * r['step_s']:.1f} "
-            f"| {r['step_s'] / hf['step_s']:.2f} |"
+            f"| {r['activation_bytes'] / hf['activation_bytes']:.2f} | {mib(r['non_param_grad_bytes_at_peak'])} "
+            f"| {r['recomputed_layers']} | {step_ms} | {ratio(r)} |"
         )
-    lines += ["", "## Verdicts", ""]
+    lines += ["", "## Verdicts (computed from the rows above)", ""]
     for model_name in sorted({r["model"] for r in rows}, key=list(MODELS).index):
         depths = sorted({r["depth"] for r in rows if r["model"] == model_name})
         deepest = depths[-1]
         rev, hf, plan = (by[(model_name, deepest, v)] for v in ("reversible", "hf-checkpointing", "plan@hf"))
         growth = [by[(model_name, d, "reversible")]["activation_bytes"] for d in depths]
         act_ratio = rev["activation_bytes"] / hf["activation_bytes"]
-        rev_time, plan_time = rev["step_s"] / hf["step_s"], plan["step_s"] / hf["step_s"]
+        timed = rev["step_ratio_hf"] is not None
+        rev_time = (
+            f"at {ratio(rev)}x its step time ({'met' if timed and rev['step_ratio_hf'] <= 1.0 else 'NOT met'}: <= 1)"
+        )
+        fewer = plan["recomputed_layers"] < hf["recomputed_layers"]
+        faster = fewer and (not timed or plan["step_ratio_hf"] < 1.0)
         lines += [
             f"- {model_name}: reversible activations over depths {depths}: {', '.join(mib(g) for g in growth)} MiB "
-            f"(spread {mib(max(growth) - min(growth))} MiB: it grows by parameters and gradients only).",
+            f"(spread {mib(max(growth) - min(growth))} MiB).",
             f"- {model_name}, depth {deepest}: reversible's activations {act_ratio:.2f}x hf-checkpointing's "
-            f"({'met' if act_ratio <= 0.5 else 'NOT met'}: <= 0.5) at {rev_time:.2f}x its step time "
-            f"({'met' if rev_time <= 1.0 else 'NOT met'}: <= 1).",
+            f"({mib(rev['activation_bytes'])} vs {mib(hf['activation_bytes'])} MiB; "
+            f"{'met' if act_ratio <= 0.5 else 'NOT met'}: <= 0.5) " + (rev_time if timed else "(not timed)") + ".",
             f"- {model_name}, depth {deepest}: plan@hf peak {mib(plan['peak_bytes'])} MiB (hf-checkpointing "
-            f"{mib(hf['peak_bytes'])}) at {plan_time:.2f}x its step time "
-            f"({'met' if plan['peak_bytes'] <= hf['peak_bytes'] and plan_time < 1.0 else 'NOT met'}: peak <= hf's, "
-            f"time < 1).",
+            f"{mib(hf['peak_bytes'])}), {plan['recomputed_layers']} recomputed layers (hf-checkpointing "
+            f"{hf['recomputed_layers']}), {ratio(plan)}x its step time "
+            f"({'met' if plan['peak_bytes'] <= hf['peak_bytes'] and faster else 'NOT met'}: peak <= hf's, fewer "
+            f"recomputed layers, time < 1).",
         ]
     return "\n".join(lines) + "\n"
 
@@ -201,23 +276,34 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = sorted({r["model"] for r in rows}, key=list(MODELS).index)
-    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
-    for ax, model_name in zip(axes[0], names):
+    panels = (("peak_bytes", "eager peak, MiB"), ("activation_bytes", "peak - 2 x parameters, MiB"))
+    timed = any(r["step_ratio_hf"] is not None for r in rows)
+    fig, axes = plt.subplots(len(names), 2 + timed, figsize=(5 * (2 + timed), 3.8 * len(names)), squeeze=False)
+    for row_axes, model_name in zip(axes, names):
         for variant in VARIANTS:
-            mine = [r for r in rows if (r["model"], r["variant"]) == (model_name, variant)]
-            pts = sorted((r["depth"], r["peak_bytes"] / 2**20) for r in mine)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
-        ax.set_title(f"tiny {model_name}: eager peak of a training step")
-        ax.set_xlabel("layers")
-        ax.set_ylabel("MiB")
-        ax.set_xscale("log", base=2)
-        ax.legend()
+            mine = sorted(
+                (r for r in rows if (r["model"], r["variant"]) == (model_name, variant)), key=lambda r: r["depth"]
+            )
+            depths = [r["depth"] for r in mine]
+            for ax, (key, label) in zip(row_axes, panels):
+                ax.plot(depths, [r[key] / 2**20 for r in mine], marker="o", label=variant)
+                ax.set_ylabel(label)
+            if timed:
+                row_axes[2].plot(depths, [r["step_ratio_hf"] or float("nan") for r in mine], marker="o", label=variant)
+                row_axes[2].set_ylabel("step time / hf-checkpointing's")
+        row_axes[0].set_yscale("log")  # plain's peak grows tenfold past the others'
+        for ax in row_axes:
+            ax.set_title(f"tiny {model_name}")
+            ax.set_xlabel("layers")
+            ax.set_xscale("log", base=2)
+            ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def write(rows: list[dict[str, Any]], meta: dict[str, Any], stem: Path) -> None:
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stem.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(rows, meta))
     plot(rows, stem.with_suffix(".png"))
     print(stem.with_suffix(".md").read_text())
@@ -226,45 +312,68 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], stem: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="depths 2 and 4, batch 2 x 32 (a smoke test)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per batch (of 256 tokens)")
-    parser.add_argument("--probes", type=int, default=6, help="plan@hf: budgets tried in the bisection")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (0: peaks only)")
+    parser.add_argument("--batch", type=int, default=32, help="sequences per batch")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--depths", default="32,16,8,4")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--probes", type=int, default=7, help="plan@hf: budgets tried in the bisection")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: llama,gpt2")
+    parser.add_argument("--skip", default="", help="comma-separated model:depth pairs not to run (measured before)")
+    parser.add_argument("--timed-depths", default="", help="comma-separated: time only these depths (default all)")
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument(
-        "--merge", nargs="+", metavar="JSON", help="write one report from the .json files of runs with other --models"
+        "--report", nargs="+", metavar="JSONL", help="write the report of rows already measured (runs' .partial.jsonl)"
     )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if args.merge:
-        parts = [json.loads(Path(f).read_text()) for f in args.merge]
-        meta = dict(parts[0]["meta"])
-        meta["load_after"] = parts[-1]["meta"]["load_after"]
-        write([r for part in parts for r in part["rows"]], meta, out / "hf_memory-cpu")
-        return
     # deepest first: the depth the criteria are about is measured first on a slow machine
-    depths, batch, seq = ([4, 2], 2, 32) if args.quick else ([32, 16, 8, 4], args.batch, 256)
-    load_before = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    depths = [4, 2] if args.quick else [int(d) for d in args.depths.split(",")]
+    batch, seq = (2, 32) if args.quick else (args.batch, args.seq)
+    hidden = 64 if args.quick else args.hidden
+    stem = out / ("hf_memory-cpu-quick" if args.quick else f"hf_memory-cpu-h{hidden}-b{batch}x{seq}")
+    log = stem.with_suffix(".partial.jsonl")
+    if not args.report:
+        log.unlink(missing_ok=True)
+    load_before = load()
     warnings.filterwarnings("ignore")
     import transformers
 
-    models = args.models.split(",")
-    rows = run(models, depths, batch, seq, args.repeats, args.probes)
+    timed_depths = [int(d) for d in args.timed_depths.split(",") if d] or depths
+    if args.report:
+        rows = [json.loads(line) for f in args.report for line in Path(f).read_text().splitlines() if line.strip()]
+        rows.sort(key=lambda r: (list(MODELS).index(r["model"]), -r["depth"], VARIANTS.index(r["variant"])))
+    else:
+        rows = run(
+            args.models.split(","),
+            depths,
+            batch,
+            seq,
+            hidden,
+            args.repeats,
+            args.probes,
+            log,
+            timed_depths,
+            frozenset(args.skip.split(",")),
+        )
     meta = {
         "date": datetime.date.today().isoformat(),
-        "device": f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "batch": batch,
         "seq": seq,
+        "hidden": hidden,
         "repeats": args.repeats,
-        "load_before": load_before,
-        "load_after": ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "load_before": "(per depth in the .jsonl)" if args.report else load_before,
+        "load_after": "(per depth in the .jsonl)" if args.report else load(),
         "threads": torch.get_num_threads(),
     }
-    suffix = ("-quick" if args.quick else "") + ("" if models == list(MODELS) else "-" + "-".join(models))
-    write(rows, meta, out / f"hf_memory-cpu{suffix}")
+    write(rows, meta, stem)
+    log.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -152,6 +152,38 @@ def test_reversible_refuses_post_ln_encoders_and_says_why():
         memory_efficient(tiny("bert-tiny"), "reversible")
 
 
+def test_an_unsupported_architecture_names_its_layer_class_and_the_strategies_that_work():
+    """GPT-J (attention and MLP in parallel from one norm: no known two-branch layout): reversible is refused before
+    anything changes, naming GPTJBlock and plan/momentum; both then work: plan equals the original, momentum gives
+    plain autograd's gradients of its function and tends to the original."""
+    torch.manual_seed(0)
+    config = transformers.GPTJConfig(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, bos_token_id=None,
+        eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    ref = transformers.GPTJForCausalLM(config).double().train()
+    model = copy.deepcopy(ref)
+    with pytest.raises(HFConversionError, match=r"could not split GPTJBlock .*'plan' \(exact\) and .*'momentum' work"):
+        memory_efficient(model, "reversible")
+    assert getattr(model, "revlib_xla_conversion", None) is None
+    assert type(model.transformer.h) is torch.nn.ModuleList
+    planned = memory_efficient(model, "plan")
+    step(planned)  # measures and plans
+    out, got = step(tighten(planned))
+    ref_out, want = step(ref)
+    assert max_rel_err(out.logits, ref_out.logits) <= 1e-10
+    assert_same(got, want, 1e-10)
+    # momentum: GPTJBlock returns a tuple, which its stack reads as outputs[0]; the runner returns one alike
+    momentum = memory_efficient(copy.deepcopy(ref), "momentum", beta=0.5)
+    out, got = step(momentum)
+    plain, want = step(momentum, output_hidden_states=True)  # layer by layer, plain autograd
+    assert out.logits.shape == ref_out.logits.shape and max_rel_err(out.logits, plain.logits) <= 1e-12
+    assert_same(got, want, 1e-8)
+    with torch.no_grad():
+        near = memory_efficient(copy.deepcopy(ref), "momentum", beta=0.01).eval()(IDS).logits
+    assert max_rel_err(near, ref.eval()(IDS).logits) <= 1e-2
+
+
 def test_reversible_refuses_a_layer_whose_split_does_not_rebuild_it():
     """A layer with the Llama layout that scales its residual: the first forward finds the split is not it."""
     model = tiny("llama-tiny")

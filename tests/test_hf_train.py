@@ -2,11 +2,13 @@
 them against transformers' own gradient checkpointing (eager peak, measured)."""
 
 import copy
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import to_host
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
@@ -18,7 +20,7 @@ if not transformers.is_torch_available():
 
 from safetensors.torch import load_file  # noqa: E402
 
-from revlib_xla import cli, memory  # noqa: E402
+from revlib_xla import backend, cli, memory  # noqa: E402
 from revlib_xla.hf import memory_efficient, model_from_config  # noqa: E402
 from revlib_xla.train.config import load_config  # noqa: E402
 from revlib_xla.train.strategy import StrategyError, build_model, flops_per_token, param_count  # noqa: E402
@@ -98,3 +100,54 @@ def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     step(hf, ids)
     step(planned, ids)  # warm: the second and later steps allocate nothing of their own
     assert memory.eager_peak(step, planned, ids).total <= memory.eager_peak(step, hf, ids).total
+
+
+needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
+
+
+@pytest.mark.slow
+@needs_xla
+@pytest.mark.parametrize("strategy", ["none", "checkpoint"])
+def test_the_training_step_on_xla_reads_nothing_from_the_device(strategy):
+    """The loop's transformers model on XLA: its tied weights stay tied; forward and backward trace with execution
+    forbidden (transformers' own mask building reads the position ids from the device, a second graph per step and
+    what stopped ``revlib-xla memory`` from tracing: the model is given its causal mask), and its own checkpointing
+    runs there (torch.utils.checkpoint has no ``torch.xla``); loss and gradients equal the CPU's."""
+    cfg = load_config(SMOKE, [*SMALL, "model.hf_config=llama-tiny", "model.overrides={}", f"strategy={strategy}"])
+    dev = backend.device_for("xla")
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    cpu, xla = build_model(cfg, "cpu"), build_model(cfg, dev)
+    assert xla.lm.lm_head.weight is xla.lm.model.embed_tokens.weight  # tied, as on the CPU (.to(xla) unties)
+    want = cpu.loss(ids)
+    want.backward()
+    with backend.execution_forbidden(dev):
+        loss = xla.loss(ids.to(dev))
+        loss.backward()
+    got, grads = to_host((loss.detach(), [q.grad for q in xla.parameters()]))  # one graph, run once
+    assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want))
+    for (name, p), g in zip(cpu.named_parameters(), grads, strict=True):
+        assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
+@needs_xla
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_cli_memory_sizes_a_transformers_config_as_tpu_memory_does(capsys):
+    """``revlib-xla memory`` with ``model.hf_config``: each strategy's total is the TPU compiler's HBM peak of the
+    same traced step (``revlib_xla.memory.tpu_memory``), and transformers' own checkpointing needs less than none."""
+    from revlib_xla.fit.strategies import load, strategy, trace_config
+
+    args = ["data.seq_len=32", "data.batch_size=2", "model.hf_config=llama-tiny", "model.overrides={}"]
+    assert cli.main(["memory", "--config", SMOKE, "--strategies", "none,checkpoint", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("llama-tiny, seq_len 32, precision fp32, on one v5e")
+    totals = {
+        line.split()[0]: line.split()[-5:-3]
+        for line in out.splitlines()
+        if line.split()[:1] in (["none"], ["checkpoint"])
+    }
+    traced = trace_config(load(SMOKE, args, strategy("checkpoint")))
+    want = memory.tpu_memory(traced.stablehlo, "v5e").hbm_peak_bytes
+    assert " ".join(totals["checkpoint"]) == memory.format_bytes(want)
+    none = memory.parse_bytes(" ".join(totals["none"]), "none")
+    assert want < none

@@ -215,9 +215,11 @@ class _Residual(nn.Module):
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer  # registered here, in a stack that the model does not register
+        self.returns_tuple = False  # whether the layer's forward returned a tuple, at the last call
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         out = self.layer.forward(x, *args, **kwargs)
+        self.returns_tuple = isinstance(out, tuple)
         return (out[0] if isinstance(out, tuple) else out) - x
 
 
@@ -232,6 +234,11 @@ class _TwoStream(_Runner):
         self.beta = beta
         self.branches = [Branches.of(layer) for layer in layers] if strategy == "reversible" else []
         self.checked = False
+        # The stack's own convention, returned alike: layers that return a tuple (GPT-J's, and some architectures
+        # in older transformers) are read as ``outputs[0]`` by their stack. Reversible learns it from the split
+        # check's call of the first layer, momentum from each call of a layer's residual branch.
+        self.returns_tuple = False
+        self.residuals = [m for m in net.modules() if isinstance(m, _Residual)]
 
     def merge(self, x0: torch.Tensor, x1: torch.Tensor, k: int) -> torch.Tensor:
         if self.strategy == "reversible":
@@ -246,8 +253,12 @@ class _TwoStream(_Runner):
             args, kwargs = _without_cache(args, kwargs, self.strategy)
             _check_arguments(self.strategy, args, kwargs)
             x0, x1 = self.net((hidden, hidden), *args, **kwargs)
-            return self.merge(x0, x1, len(self.layers))
-        return self._plain(hidden, args, kwargs)
+            out = self.merge(x0, x1, len(self.layers))
+        else:
+            out = self._plain(hidden, args, kwargs)
+        if self.residuals:
+            self.returns_tuple = self.residuals[0].returns_tuple
+        return (out,) if self.returns_tuple else out
 
     @staticmethod
     def _holds_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -268,7 +279,13 @@ class _TwoStream(_Runner):
         k = {key: clean(v) for key, v in kwargs.items()}
         if "use_cache" in k:
             k["use_cache"] = False
-        self.branches[0].check(hidden.detach(), lambda layer, x: layer.forward(x, *a, **k), *a, **k)
+
+        def call(layer: nn.Module, x: torch.Tensor) -> Any:
+            out = layer.forward(x, *a, **k)
+            self.returns_tuple = isinstance(out, tuple)
+            return out
+
+        self.branches[0].check(hidden.detach(), call, *a, **k)
         self.checked = True
 
     def _plain(self, hidden: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

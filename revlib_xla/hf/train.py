@@ -11,11 +11,13 @@ the transformers model as ``.lm`` (what checkpoints save, under its own state-di
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from .. import backend
 from .configs import model_from_config
 from .convert import memory_efficient
 from .layers import HFConversionError, find_layer_stack
@@ -139,6 +141,41 @@ def check_hf_strategy(cfg: Any) -> None:
             )
 
 
+def _causal_mask(lm: nn.Module, tokens: Tensor) -> Tensor | None:
+    """The causal mask of ``tokens`` in the 4-D form ``lm``'s attention takes as given (``sdpa``: boolean, True
+    where a query attends; ``eager``: additive, 0 or the dtype's lowest), or None for other attention kernels.
+
+    Without it, transformers builds the mask itself and on the way reads a value from the device (it looks for
+    packed sequences in the position ids, or for padding in a 2-D mask): on XLA that executes the graph in the
+    middle of the step (two graphs per step), and it stops ``revlib-xla memory`` from tracing the step at all."""
+    kind = getattr(getattr(lm, "config", None), "_attn_implementation", None)
+    if kind not in ("sdpa", "eager"):
+        return None
+    n = tokens.shape[-1]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()[None, None]
+    if kind == "sdpa":
+        return allowed
+    dtype = next(lm.parameters()).dtype
+    return torch.zeros((), dtype=dtype, device=tokens.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _checkpoint_on_any_device(model: nn.Module) -> None:
+    """transformers' per-layer checkpointing function, with XLA tensors sent to :func:`revlib_xla.backend.checkpoint`
+    (``torch.utils.checkpoint``, transformers' own, fails on them in torch 2.9: there is no ``torch.xla``)."""
+    for module in model.modules():
+        own = module.__dict__.get("_gradient_checkpointing_func")
+        if own is None:
+            continue
+
+        def checkpointed(fn: Any, *args: Any, _own: Any = own, **kwargs: Any) -> Any:
+            first = next((a for a in args if isinstance(a, Tensor)), None)
+            if first is None or not backend.is_tracing_lazily(first):
+                return _own(fn, *args, **kwargs)
+            return backend.checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args)
+
+        module.__dict__["_gradient_checkpointing_func"] = checkpointed
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM as the loop runs it: ``forward(tokens)`` the logits (no KV cache), ``loss(tokens)``
     the next-token cross entropy (:func:`revlib_xla.models.llama.next_token_loss`, as for every other model)."""
@@ -148,7 +185,8 @@ class HFCausalLM(nn.Module):
         self.lm = lm
 
     def forward(self, tokens: Tensor) -> Tensor:
-        logits: Tensor = self.lm(input_ids=tokens, use_cache=False).logits
+        mask = _causal_mask(self.lm, tokens) if backend.is_tracing_lazily(tokens) else None
+        logits: Tensor = self.lm(input_ids=tokens, attention_mask=mask, use_cache=False).logits
         return logits
 
     def loss(self, tokens: Tensor) -> Tensor:
@@ -174,10 +212,14 @@ def build_hf_lm(
         model.to(target)
     if dtype is not None:
         model.to(dtype)
+    tie: Any = getattr(model, "tie_weights", None)
+    if tie is not None:  # moving to XLA makes a new Parameter per use of a tied weight: tie them again
+        tie()
     model.train()
     if s.activations == "checkpoint":
         hf: Any = model  # transformers' own, per layer (5.23's name, else 5.15-5.22's)
         (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
+        _checkpoint_on_any_device(model)
     if s.activations in ("plan", "reversible", "momentum"):
         memory_efficient(
             model,
