@@ -90,52 +90,40 @@ def quick_row(model: str, chip: chips.Chip, chosen, overrides: list[str]) -> dic
     }
 
 
-#: Depths and batches compiled to predict a full-depth row (cheap: a layer or two of the full width).
-PREDICT_POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))
+def predict_rows(model: str, chip: chips.Chip, chosen: list, overrides: list[str]) -> list[dict]:
+    """Per strategy, the largest batch predicted from full-size compiles of batches 1 and 2 (full depth, width and
+    sequence): the step's HBM is affine in the batch (the activations and temporaries of each sequence), so the
+    line through the two compiled points gives the per-sequence bytes; all compiled in one compiler process. Not
+    verified: ``--verify --batches auto`` compiles the neighbours of the answer.
 
-
-def predict_rows(model: str, chip: chips.Chip, chosen: list, overrides: list[str], depth: int) -> list[dict]:
-    """Per strategy, the largest batch at full ``depth`` predicted from reduced-depth compiles: HBM is taken as
-    affine in depth L and batch B with an L*B term (activations per layer per sequence), solved exactly through
-    the compiled points :data:`PREDICT_POINTS`; all compiled in one compiler process. Not verified."""
+    (The earlier predictor compiled 1 and 2 layers and extrapolated in depth; it gave negative per-sequence slopes:
+    at one or two layers the compiler's peak is set by the parts outside the layers, the logits and loss and the
+    embedding's gradient, and by where the scheduler puts them, so the per-layer terms do not separate.)"""
     traced, labels, batches = [], [], []
     for s in chosen:
-        for layers, batch in PREDICT_POINTS:
-            cfg = load(None, [*overrides, f"model.overrides.n_layers={layers}"], s, batch)
-            traced.append(trace_config(cfg))
+        for batch in (1, 2):
+            traced.append(trace_config(load(None, overrides, s, batch)))
             labels.append(s.name)
             batches.append(batch)
     reports = compile_steps(traced, chip, labels, batches)
     rows = []
     for i, s in enumerate(chosen):
-        points = dict(zip(PREDICT_POINTS, reports[4 * i : 4 * i + 4]))
-        if any(r.total is None for r in points.values()):
-            rows.append(
-                {
-                    "model": model,
-                    "chip": chip.name,
-                    "strategy": s.name,
-                    "error": f"a reduced-depth compile did not fit or failed: {[r.row() for r in points.values()]}",
-                }
-            )
-            continue
-        h = {k: r.total for k, r in points.items()}
-        d = h[2, 2] - h[2, 1] - h[1, 2] + h[1, 1]  # per layer per batch element
-        b = h[2, 1] - h[1, 1] - d  # per layer
-        c = h[1, 2] - h[1, 1] - d  # per batch element
-        a = h[1, 1] - b - c - d
-        base, slope = a + b * depth, c + d * depth
-        predicted = int((chip.usable_bytes - base) // slope) if slope > 0 else 0
+        one, two = reports[2 * i : 2 * i + 2]
+        slope = two.at_least - one.at_least
+        if one.fits:
+            predicted = 1 + int((chip.usable_bytes - one.total) // slope) if slope > 0 else 1
+        else:
+            predicted = 0
         rows.append(
             {
                 "model": model,
                 "chip": chip.name,
                 "strategy": s.name,
                 "predicted_batch": max(predicted, 0),
-                "predicted_bytes_at_batch_1": base + slope,
+                "predicted_bytes_at_batch_1": one.at_least,
                 "bytes_per_batch_element": slope,
-                "reduced_depth_totals": {f"L{k[0]}B{k[1]}": v for k, v in h.items()},
-                "host_bytes_at_L2": points[2, 1].host,
+                "fits_at_1": one.fits,
+                "host_bytes": one.host,
             }
         )
     return rows
@@ -359,8 +347,6 @@ def write_headline(out: Path) -> None:
 
 
 def predict_or_verify(args: argparse.Namespace) -> int:
-    from revlib_xla.models.llama import LLAMA_SIZES
-
     for model in args.models.split(","):
         for chip_name in args.chips.split(","):
             chip = chips.chip(chip_name, "tpu")
@@ -368,12 +354,16 @@ def predict_or_verify(args: argparse.Namespace) -> int:
             chosen = [STRATEGIES[n] for n in args.strategies.split(",")]
             start = time.perf_counter()
             if args.predict:
-                rows = predict_rows(model, chip, chosen, overrides, LLAMA_SIZES[model].n_layers)
+                rows = predict_rows(model, chip, chosen, overrides)
                 out = Path(args.predict)
             else:
-                batches = [int(b) for b in args.batches.split(",")]
-                traced = [trace_config(load(None, overrides, chosen[0], b)) for b in batches]
-                reports = compile_steps(traced, chip, [chosen[0].name] * len(batches), batches)
+                if args.batches == "auto":  # the search at full size: the answer and both neighbours compiled
+                    [found] = search_strategies(None, overrides, chip, chosen[:1], args.limit)
+                    reports = [found.reports[b] for b in sorted(found.reports)]
+                else:
+                    batches = [int(b) for b in args.batches.split(",")]
+                    traced = [trace_config(load(None, overrides, chosen[0], b)) for b in batches]
+                    reports = compile_steps(traced, chip, [chosen[0].name] * len(batches), batches)
                 rows = [
                     {
                         "model": model,
@@ -431,7 +421,11 @@ def main() -> int:
         metavar="JSONL",
         help="compile --batches at full depth for one --strategies entry and append the reports to JSONL",
     )
-    parser.add_argument("--batches", default="", help="with --verify: the batches to compile, e.g. 7,8")
+    parser.add_argument(
+        "--batches",
+        default="auto",
+        help="with --verify: the batches to compile, e.g. 7,8, or auto: search at full size for the largest that fits",
+    )
     parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
     args = parser.parse_args()
     if args.configs:
