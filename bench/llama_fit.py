@@ -271,13 +271,14 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
         "# Largest batch per strategy, Llama at seq_len 2048 on one TPU chip",
         "",
         f"All figures {COMPILER_SOURCE} (libtpu 0.0.20 via jax 0.7.1): the training step "
-        "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. fp32 weights, AdamW. "
+        "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. AdamW; fp32 weights "
+        "except in `+bf16` rows (bf16 weights and gradients on the chip, fp32 masters on the host); `reversible*` "
+        "rows compute the loss in chunks of 256 positions (strategy.loss_chunk=auto). "
         "Usable HBM: v5e 15.75 GiB, v6e 31.75 GiB.",
         "",
-        "*verified*: compiled at full depth, the batch shown fits and the next one does not. *predicted*: from "
-        "compiles of the same step at full width and sequence but 1 and 2 layers, batches 1 and 2 (HBM taken as "
-        "a + b*layers + c*batch + d*layers*batch through those four points, extrapolated to the full depth); not "
-        "verified by a full-size compile. *does not fit*: not even batch 1 fits; the bytes batch 1 needs at least "
+        "*verified*: compiled at full size, the batch shown fits and the next one does not. *predicted*: on the "
+        "line through full-size compiles of batches 1 and 2 (the step's HBM is affine in the batch), not verified "
+        "at the answer. *does not fit*: not even batch 1 fits; the bytes batch 1 needs at least "
         "(the compiler's out-of-memory figure, or the step's arguments alone when they exceed the chip: then not "
         "compiled).",
         "",
@@ -287,6 +288,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     ]
     for r in rows:
         shown = r.get("shown") or {}
+        how = r["how"] + (f"; {shown['note']}" if shown.get("note") else "")
 
         def b(value: int | None) -> str:
             return "-" if value is None else format_bytes(value)
@@ -303,7 +305,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
             else "-"
         )
         lines.append(
-            f"| {r['model']} | {r['chip']} | {r['strategy']} | {best} | {r['how']} | {total} | "
+            f"| {r['model']} | {r['chip']} | {r['strategy']} | {best} | {how} | {total} | "
             f"{b(shown.get('parameters_bytes'))} | {b(shown.get('optimizer_bytes'))} | {b(shown.get('host_bytes'))} "
             f"| {predicted} |"
         )

@@ -87,6 +87,13 @@ def test_bf16_weights_step_as_fp32_masters_over_a_bf16_forward_and_backward(kind
     opt = build_optimizer(cfg, model)
     assert isinstance(opt, HostOptimizerState)
     step = make_step(cfg, model, opt)
+    inner_step, with_gradients = opt.inner.step, []
+
+    def counting_step():  # the host holds one float32 gradient at a time
+        with_gradients.append(sum(h.grad is not None for h in opt.host))
+        return inner_step()
+
+    opt.inner.step = counting_step
     for i, batch in enumerate(_batches()):
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, i)
@@ -104,6 +111,8 @@ def test_bf16_weights_step_as_fp32_masters_over_a_bf16_forward_and_backward(kind
     hbm_state = sum(p.numel() for p in model.parameters()) * state_bytes_per_param(cfg)
     assert hbm_state == sum(p.numel() * 4 for p in model.parameters())  # bf16 weight + bf16 gradient
     assert opt.host_state_bytes() == 3 * flat.numel() * 4  # float32 master + AdamW's two moments
+    assert with_gradients == [1] * (STEPS * len(pairs))
+    assert opt.host_step_bytes() == 4 * max(p.numel() for p, _ in pairs)
 
 
 @pytest.mark.parametrize(
