@@ -162,12 +162,15 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 CHECK_OVERRIDES = ["model.overrides.n_layers=1"]
 
 
-def record_configs(full: bool) -> None:
-    """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config: the HBM `revlib-xla memory` reports at
-    the reduced depth CI checks (``check``) and, with ``full``, at full depth."""
+def record_configs(full: bool, names: str = "") -> None:
+    """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config (or those ``names`` lists, comma
+    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``) and, with ``full``,
+    at full depth."""
     from revlib_xla.fit.strategies import size_strategies
 
     for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
+        if names and path.stem not in names.split(","):
+            continue
         cfg = load(str(path), [], STRATEGIES["config"])
         if cfg.chip.name not in chips.TPU_CHIPS or path.stem == "cpu-smoke":
             continue
@@ -320,21 +323,31 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
 
 #: Written below the table: what the session could not compile, and the bytes that decide the rest.
 HEADLINE_NOTES = """
-Arithmetic from the parameter counts (fp32, AdamW; not compiler figures): llama-1b has 4.60 GiB of parameters
-(5.58 GiB untied), 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB
-(26.87 GiB untied). `reversible+offload` keeps the parameters and the gradients (outputs of the device program) in
-HBM: llama-1b 9.21 GiB, llama-3b 23.94 GiB before any activation, so llama-3b cannot fit one v5e (15.75 GiB
-usable) that way and may fit one v6e. `reversible+fused` keeps parameters and AdamW state with untied embeddings:
-llama-1b 16.75 GiB (over v5e's 15.75 GiB: does not fit one v5e), llama-3b 40.31 GiB (does not fit one v6e).
-`fused_optimizer` with `offload.optimizer` is refused by the library, and `revlib-xla train` keeps fp32 weights on
-the device (bf16 is autocast), so bf16 device weights with fp32 host master weights (llama-3b: 5.99 + 5.99 GiB of
-weights and gradients) are not a strategy it runs: llama-3b on one v5e is not claimed.
+**llama-3b on one v5e** (`reversible+offload+bf16`, compiled at full size): batch 1 takes 14,690,500,096 bytes
+(13.68 GiB of the 15.75 GiB usable): the bf16 weights (program arguments) 6,425,499,648 bytes (5.98 GiB); the
+compiler's peak beyond the arguments 8,256,589,824 bytes (7.69 GiB), of which the bf16 gradients sent to the host
+(program outputs) are 5.98 GiB and activations and temporaries the other 1.71 GiB; inputs and scalars 8.4 MB.
+Batch 2 needs 17,288,620,544 bytes (16.10 GiB): 2.42 GiB more per sequence (attention's 24 x 2048 x 2048 scores of
+one layer at a time, and its backward, dominate; the loss adds a 256-position chunk of logits at a time, not
+1 GiB of float32 logits per sequence). Plain torch_xla, checkpointing and reversible with float32 weights need
+35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter count, what
+`host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12 bytes per
+weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied embedding:
+1.47 GiB). The v5e's host DRAM is 512 GiB per 8-chip host; a one-chip VM or Colab's TPU v5e-1 gets part of it:
+check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
 
-Not sized in this session (the 2-core machine was shared at load ~25; one full-size compile took ~40 minutes, a
-1-2-layer one ~5): the other rows. Run `bench/llama_fit.py --predict
-bench/results/llama_fit-tpu-deviceless-predicted.jsonl`, then `--verify
-bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches B,B+1` per row, then `--table`, on a larger
-machine.
+Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
+untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
+GiB untied). With the optimizer on the host, the chip holds weights and gradients: float32 (`reversible+offload`)
+llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16 (`reversible+offload+bf16`)
+llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
+embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
+
+Not compiled in this session (a full-size compile took 2 to 25 minutes on the shared 2-core machine, one at a
+time): the other rows. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
+compiles batches 1 and 2 at full size and predicts from the line through them; `--verify
+bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches at full size until both neighbours
+of the answer are compiled; `--table` writes this file.
 """
 
 
@@ -413,6 +426,7 @@ def main() -> int:
         help="record tpu_configs/*.hbm.json (the reduced-depth check CI repeats) instead of the table",
     )
     parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
+    parser.add_argument("--config-names", default="", help="with --configs: only these configs (comma separated)")
     parser.add_argument(
         "--predict",
         metavar="JSONL",
@@ -431,7 +445,7 @@ def main() -> int:
     parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
     args = parser.parse_args()
     if args.configs:
-        record_configs(args.full_configs)
+        record_configs(args.full_configs, args.config_names)
         return 0
     if args.predict or args.verify:
         return predict_or_verify(args)
