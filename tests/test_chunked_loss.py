@@ -61,6 +61,8 @@ def test_loss_chunk_is_on_for_the_reversible_forms_and_refused_where_the_logits_
     tiny = ["model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}"]
     assert loss_chunk(load_config(None, [*tiny, "strategy=reversible"])) == AUTO_LOSS_CHUNK
     assert loss_chunk(load_config(None, [*tiny, "strategy=momentum"])) == AUTO_LOSS_CHUNK
+    assert loss_chunk(load_config(None, [*tiny, "strategy=reversible", "chip.chips=4"])) == 0  # not over a mesh
+    assert loss_chunk(load_config(None, [*tiny, "strategy=reversible"]), sharded=True) == 0
     for baseline in ("none", "checkpoint", "plan"):  # the torch_xla baselines stay as written; plan's logits are whole
         assert loss_chunk(load_config(None, [*tiny, f"strategy={baseline}"])) == 0
     model = build_model(load_config(None, [*tiny, "strategy=checkpoint", "strategy.loss_chunk=8"]), "meta")

@@ -19,8 +19,9 @@
 * ``loss_chunk``: the LM head and cross entropy run over chunks of that many positions, each chunk's logits
   recomputed in the backward pass, so no whole ``(batch, seq, vocab)`` logits tensor is ever alive
   (:func:`revlib_xla.models.llama.chunked_next_token_loss`); ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the
-  reversible and momentum forms, off for the torch_xla baselines (``none``, ``checkpoint``) and where the logits
-  come out of a wrapper (``plan``, ``offload.params``, ``model.hf_config``), which refuse an explicit value.
+  reversible and momentum forms on one chip, off for the torch_xla baselines (``none``, ``checkpoint``), over a
+  mesh of several chips, and where the logits come out of a wrapper (``plan``, ``offload.params``,
+  ``model.hf_config``), which refuse an explicit value.
 
 Combinations the library cannot run correctly raise :class:`StrategyError` naming the keys and what to use instead.
 """
@@ -261,13 +262,15 @@ def state_bytes_per_param(cfg: RunConfig) -> int:
     return held if cfg.strategy.offload.optimizer else held + 8
 
 
-def loss_chunk(cfg: RunConfig) -> int:
-    """Positions per chunk of the LM's loss (``strategy.loss_chunk``; 0 = the whole logits tensor at once)."""
+def loss_chunk(cfg: RunConfig, sharded: bool = False) -> int:
+    """Positions per chunk of the LM's loss (``strategy.loss_chunk``; 0 = the whole logits tensor at once).
+    ``auto`` stays off for a step split over several chips (``chip.chips > 1`` or ``sharded``: an active mesh),
+    where chunking has not been measured yet; an explicit value applies there too."""
     s = cfg.strategy
     if s.loss_chunk != "auto":
         return int(s.loss_chunk)
     chunked = s.activations in ("reversible", "momentum") and not s.offload.params and cfg.model.hf_config is None
-    return AUTO_LOSS_CHUNK if chunked else 0
+    return AUTO_LOSS_CHUNK if chunked and cfg.chip.chips == 1 and not sharded else 0
 
 
 def plan_budget(cfg: RunConfig) -> int:
@@ -358,8 +361,11 @@ def build_model(
                 f"model.name=llama-*"
             )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
+    from ..sharding import active_mesh
+
+    chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
-        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=loss_chunk(cfg))
+        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
