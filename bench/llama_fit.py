@@ -336,6 +336,15 @@ weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the hos
 1.47 GiB). The v5e's host DRAM is 512 GiB per 8-chip host; a one-chip VM or Colab's TPU v5e-1 gets part of it:
 check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
 
+**llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
+full size. `reversible+offload+bf16` compiles at full size to 8,599,953,568 bytes (8.01 GiB) at batch 1 and
+8,594,190,496 bytes (8.00 GiB) at batch 2, of 31.75 GiB usable: at these batches the compiler's peak is set by what
+does not grow with the batch (2.30 GiB of bf16 weights, 2.30 GiB of bf16 gradients, and the largest temporaries),
+so the line through the two says nothing about larger batches, and 23.7 GiB are still free. The goal of 4x plain's
+batch (batch 4) is therefore not verified: batch 2 is (2x); the search's next round (batches 4 and 5) did not finish
+in this session (a full-size compile took 17 to 25 minutes on the shared machine by then). Run `--verify ... --batches
+auto --models llama-1b --chips v6e --strategies reversible+offload+bf16` to finish it.
+
 Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
 untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
 GiB untied). With the optimizer on the host, the chip holds weights and gradients: float32 (`reversible+offload`)
