@@ -337,13 +337,12 @@ weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the hos
 check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
 
 **llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
-full size. `reversible+offload+bf16` compiles at full size to 8,599,953,568 bytes (8.01 GiB) at batch 1 and
-8,594,190,496 bytes (8.00 GiB) at batch 2, of 31.75 GiB usable: at these batches the compiler's peak is set by what
-does not grow with the batch (2.30 GiB of bf16 weights, 2.30 GiB of bf16 gradients, and the largest temporaries),
-so the line through the two says nothing about larger batches, and 23.7 GiB are still free. The goal of 4x plain's
-batch (batch 4) is therefore not verified: batch 2 is (2x); the search's next round (batches 4 and 5) did not finish
-in this session (a full-size compile took 17 to 25 minutes on the shared machine by then). Run `--verify ... --batches
-auto --models llama-1b --chips v6e --strategies reversible+offload+bf16` to finish it.
+full size. `reversible+offload+bf16` compiles at full size to 8.01 GiB at batch 1, 8.00 GiB at batch 2 (at small
+batches the peak is set by what does not grow with the batch: 2.30 GiB of bf16 weights, 2.30 GiB of bf16
+gradients and the largest temporaries), 10.36 GiB at batch 4 and 11.66 GiB at batch 5, of 31.75 GiB usable: batch 5
+fits, 5x plain torch_xla's batch (the issue's goal is 4x). The largest batch is not verified: the line through
+batches 4 and 5 (1.29 GiB per sequence) predicts about 20; the search's next round did not finish in this session
+(a full-size compile took 17 to 25 minutes on the shared machine by then).
 
 Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
 untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
