@@ -90,52 +90,40 @@ def quick_row(model: str, chip: chips.Chip, chosen, overrides: list[str]) -> dic
     }
 
 
-#: Depths and batches compiled to predict a full-depth row (cheap: a layer or two of the full width).
-PREDICT_POINTS = ((1, 1), (1, 2), (2, 1), (2, 2))
+def predict_rows(model: str, chip: chips.Chip, chosen: list, overrides: list[str]) -> list[dict]:
+    """Per strategy, the largest batch predicted from full-size compiles of batches 1 and 2 (full depth, width and
+    sequence): the step's HBM is affine in the batch (the activations and temporaries of each sequence), so the
+    line through the two compiled points gives the per-sequence bytes; all compiled in one compiler process. Not
+    verified: ``--verify --batches auto`` compiles the neighbours of the answer.
 
-
-def predict_rows(model: str, chip: chips.Chip, chosen: list, overrides: list[str], depth: int) -> list[dict]:
-    """Per strategy, the largest batch at full ``depth`` predicted from reduced-depth compiles: HBM is taken as
-    affine in depth L and batch B with an L*B term (activations per layer per sequence), solved exactly through
-    the compiled points :data:`PREDICT_POINTS`; all compiled in one compiler process. Not verified."""
+    (The earlier predictor compiled 1 and 2 layers and extrapolated in depth; it gave negative per-sequence slopes:
+    at one or two layers the compiler's peak is set by the parts outside the layers, the logits and loss and the
+    embedding's gradient, and by where the scheduler puts them, so the per-layer terms do not separate.)"""
     traced, labels, batches = [], [], []
     for s in chosen:
-        for layers, batch in PREDICT_POINTS:
-            cfg = load(None, [*overrides, f"model.overrides.n_layers={layers}"], s, batch)
-            traced.append(trace_config(cfg))
+        for batch in (1, 2):
+            traced.append(trace_config(load(None, overrides, s, batch)))
             labels.append(s.name)
             batches.append(batch)
     reports = compile_steps(traced, chip, labels, batches)
     rows = []
     for i, s in enumerate(chosen):
-        points = dict(zip(PREDICT_POINTS, reports[4 * i : 4 * i + 4]))
-        if any(r.total is None for r in points.values()):
-            rows.append(
-                {
-                    "model": model,
-                    "chip": chip.name,
-                    "strategy": s.name,
-                    "error": f"a reduced-depth compile did not fit or failed: {[r.row() for r in points.values()]}",
-                }
-            )
-            continue
-        h = {k: r.total for k, r in points.items()}
-        d = h[2, 2] - h[2, 1] - h[1, 2] + h[1, 1]  # per layer per batch element
-        b = h[2, 1] - h[1, 1] - d  # per layer
-        c = h[1, 2] - h[1, 1] - d  # per batch element
-        a = h[1, 1] - b - c - d
-        base, slope = a + b * depth, c + d * depth
-        predicted = int((chip.usable_bytes - base) // slope) if slope > 0 else 0
+        one, two = reports[2 * i : 2 * i + 2]
+        slope = two.at_least - one.at_least
+        if one.fits:
+            predicted = 1 + int((chip.usable_bytes - one.total) // slope) if slope > 0 else 1
+        else:
+            predicted = 0
         rows.append(
             {
                 "model": model,
                 "chip": chip.name,
                 "strategy": s.name,
                 "predicted_batch": max(predicted, 0),
-                "predicted_bytes_at_batch_1": base + slope,
+                "predicted_bytes_at_batch_1": one.at_least,
                 "bytes_per_batch_element": slope,
-                "reduced_depth_totals": {f"L{k[0]}B{k[1]}": v for k, v in h.items()},
-                "host_bytes_at_L2": points[2, 1].host,
+                "fits_at_1": one.fits,
+                "host_bytes": one.host,
             }
         )
     return rows
@@ -174,12 +162,15 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 CHECK_OVERRIDES = ["model.overrides.n_layers=1"]
 
 
-def record_configs(full: bool) -> None:
-    """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config: the HBM `revlib-xla memory` reports at
-    the reduced depth CI checks (``check``) and, with ``full``, at full depth."""
+def record_configs(full: bool, names: str = "") -> None:
+    """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config (or those ``names`` lists, comma
+    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``) and, with ``full``,
+    at full depth."""
     from revlib_xla.fit.strategies import size_strategies
 
     for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
+        if names and path.stem not in names.split(","):
+            continue
         cfg = load(str(path), [], STRATEGIES["config"])
         if cfg.chip.name not in chips.TPU_CHIPS or path.stem == "cpu-smoke":
             continue
@@ -283,13 +274,14 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
         "# Largest batch per strategy, Llama at seq_len 2048 on one TPU chip",
         "",
         f"All figures {COMPILER_SOURCE} (libtpu 0.0.20 via jax 0.7.1): the training step "
-        "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. fp32 weights, AdamW. "
+        "`revlib-xla train` runs, traced at full size and compiled deviceless for one chip. AdamW; fp32 weights "
+        "except in `+bf16` rows (bf16 weights and gradients on the chip, fp32 masters on the host); `reversible*` "
+        "rows compute the loss in chunks of 256 positions (strategy.loss_chunk=auto). "
         "Usable HBM: v5e 15.75 GiB, v6e 31.75 GiB.",
         "",
-        "*verified*: compiled at full depth, the batch shown fits and the next one does not. *predicted*: from "
-        "compiles of the same step at full width and sequence but 1 and 2 layers, batches 1 and 2 (HBM taken as "
-        "a + b*layers + c*batch + d*layers*batch through those four points, extrapolated to the full depth); not "
-        "verified by a full-size compile. *does not fit*: not even batch 1 fits; the bytes batch 1 needs at least "
+        "*verified*: compiled at full size, the batch shown fits and the next one does not. *predicted*: on the "
+        "line through full-size compiles of batches 1 and 2 (the step's HBM is affine in the batch), not verified "
+        "at the answer. *does not fit*: not even batch 1 fits; the bytes batch 1 needs at least "
         "(the compiler's out-of-memory figure, or the step's arguments alone when they exceed the chip: then not "
         "compiled).",
         "",
@@ -299,6 +291,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     ]
     for r in rows:
         shown = r.get("shown") or {}
+        how = r["how"] + (f"; {shown['note']}" if shown.get("note") else "")
 
         def b(value: int | None) -> str:
             return "-" if value is None else format_bytes(value)
@@ -315,7 +308,7 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
             else "-"
         )
         lines.append(
-            f"| {r['model']} | {r['chip']} | {r['strategy']} | {best} | {r['how']} | {total} | "
+            f"| {r['model']} | {r['chip']} | {r['strategy']} | {best} | {how} | {total} | "
             f"{b(shown.get('parameters_bytes'))} | {b(shown.get('optimizer_bytes'))} | {b(shown.get('host_bytes'))} "
             f"| {predicted} |"
         )
@@ -330,21 +323,39 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
 
 #: Written below the table: what the session could not compile, and the bytes that decide the rest.
 HEADLINE_NOTES = """
-Arithmetic from the parameter counts (fp32, AdamW; not compiler figures): llama-1b has 4.60 GiB of parameters
-(5.58 GiB untied), 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB
-(26.87 GiB untied). `reversible+offload` keeps the parameters and the gradients (outputs of the device program) in
-HBM: llama-1b 9.21 GiB, llama-3b 23.94 GiB before any activation, so llama-3b cannot fit one v5e (15.75 GiB
-usable) that way and may fit one v6e. `reversible+fused` keeps parameters and AdamW state with untied embeddings:
-llama-1b 16.75 GiB (over v5e's 15.75 GiB: does not fit one v5e), llama-3b 40.31 GiB (does not fit one v6e).
-`fused_optimizer` with `offload.optimizer` is refused by the library, and `revlib-xla train` keeps fp32 weights on
-the device (bf16 is autocast), so bf16 device weights with fp32 host master weights (llama-3b: 5.99 + 5.99 GiB of
-weights and gradients) are not a strategy it runs: llama-3b on one v5e is not claimed.
+**llama-3b on one v5e** (`reversible+offload+bf16`, compiled at full size): batch 1 takes 14,690,500,096 bytes
+(13.68 GiB of the 15.75 GiB usable): the bf16 weights (program arguments) 6,425,499,648 bytes (5.98 GiB); the
+compiler's peak beyond the arguments 8,256,589,824 bytes (7.69 GiB), of which the bf16 gradients sent to the host
+(program outputs) are 5.98 GiB and activations and temporaries the other 1.71 GiB; inputs and scalars 8.4 MB.
+Batch 2 needs 17,288,620,544 bytes (16.10 GiB): 2.42 GiB more per sequence (attention's 24 x 2048 x 2048 scores of
+one layer at a time, and its backward, dominate; the loss adds a 256-position chunk of logits at a time, not
+1 GiB of float32 logits per sequence). Plain torch_xla, checkpointing and reversible with float32 weights need
+35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter count, what
+`host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12 bytes per
+weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied embedding:
+1.47 GiB). The v5e's host DRAM is 512 GiB per 8-chip host; a one-chip VM or Colab's TPU v5e-1 gets part of it:
+check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
 
-Not sized in this session (the 2-core machine was shared at load ~25; one full-size compile took ~40 minutes, a
-1-2-layer one ~5): the other rows. Run `bench/llama_fit.py --predict
-bench/results/llama_fit-tpu-deviceless-predicted.jsonl`, then `--verify
-bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches B,B+1` per row, then `--table`, on a larger
-machine.
+**llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
+full size. `reversible+offload+bf16` compiles at full size to 8.01 GiB at batch 1, 8.00 GiB at batch 2 (at small
+batches the peak is set by what does not grow with the batch: 2.30 GiB of bf16 weights, 2.30 GiB of bf16
+gradients and the largest temporaries), 10.36 GiB at batch 4 and 11.66 GiB at batch 5, of 31.75 GiB usable: batch 5
+fits, 5x plain torch_xla's batch (the issue's goal is 4x). The largest batch is not verified: the line through
+batches 4 and 5 (1.29 GiB per sequence) predicts about 20; the search's next round did not finish in this session
+(a full-size compile took 17 to 25 minutes on the shared machine by then).
+
+Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
+untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
+GiB untied). With the optimizer on the host, the chip holds weights and gradients: float32 (`reversible+offload`)
+llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16 (`reversible+offload+bf16`)
+llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
+embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
+
+Not compiled in this session (a full-size compile took 2 to 25 minutes on the shared 2-core machine, one at a
+time): the other rows. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
+compiles batches 1 and 2 at full size and predicts from the line through them; `--verify
+bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches at full size until both neighbours
+of the answer are compiled; `--table` writes this file.
 """
 
 
@@ -359,8 +370,6 @@ def write_headline(out: Path) -> None:
 
 
 def predict_or_verify(args: argparse.Namespace) -> int:
-    from revlib_xla.models.llama import LLAMA_SIZES
-
     for model in args.models.split(","):
         for chip_name in args.chips.split(","):
             chip = chips.chip(chip_name, "tpu")
@@ -368,12 +377,16 @@ def predict_or_verify(args: argparse.Namespace) -> int:
             chosen = [STRATEGIES[n] for n in args.strategies.split(",")]
             start = time.perf_counter()
             if args.predict:
-                rows = predict_rows(model, chip, chosen, overrides, LLAMA_SIZES[model].n_layers)
+                rows = predict_rows(model, chip, chosen, overrides)
                 out = Path(args.predict)
             else:
-                batches = [int(b) for b in args.batches.split(",")]
-                traced = [trace_config(load(None, overrides, chosen[0], b)) for b in batches]
-                reports = compile_steps(traced, chip, [chosen[0].name] * len(batches), batches)
+                if args.batches == "auto":  # the search at full size: the answer and both neighbours compiled
+                    [found] = search_strategies(None, overrides, chip, chosen[:1], args.limit)
+                    reports = [found.reports[b] for b in sorted(found.reports)]
+                else:
+                    batches = [int(b) for b in args.batches.split(",")]
+                    traced = [trace_config(load(None, overrides, chosen[0], b)) for b in batches]
+                    reports = compile_steps(traced, chip, [chosen[0].name] * len(batches), batches)
                 rows = [
                     {
                         "model": model,
@@ -421,6 +434,7 @@ def main() -> int:
         help="record tpu_configs/*.hbm.json (the reduced-depth check CI repeats) instead of the table",
     )
     parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
+    parser.add_argument("--config-names", default="", help="with --configs: only these configs (comma separated)")
     parser.add_argument(
         "--predict",
         metavar="JSONL",
@@ -431,11 +445,15 @@ def main() -> int:
         metavar="JSONL",
         help="compile --batches at full depth for one --strategies entry and append the reports to JSONL",
     )
-    parser.add_argument("--batches", default="", help="with --verify: the batches to compile, e.g. 7,8")
+    parser.add_argument(
+        "--batches",
+        default="auto",
+        help="with --verify: the batches to compile, e.g. 7,8, or auto: search at full size for the largest that fits",
+    )
     parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
     args = parser.parse_args()
     if args.configs:
-        record_configs(args.full_configs)
+        record_configs(args.full_configs, args.config_names)
         return 0
     if args.predict or args.verify:
         return predict_or_verify(args)

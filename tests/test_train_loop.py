@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from revlib_xla import backend
 from revlib_xla.cli import main
@@ -40,11 +41,17 @@ def _weights(result):
     return {n: t.detach().cpu() for n, t in language_model(result.model).state_dict().items()}
 
 
+BF16_WEIGHTS = ["strategy.param_dtype=bf16", "strategy.precision=bf16", "strategy.offload.optimizer=true"]
+
+
+@pytest.mark.parametrize("strategy", [[], BF16_WEIGHTS], ids=["fp32", "bf16-weights"])
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
-def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind):
+def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind, strategy):
+    """bf16-weights: the checkpoint holds the float32 master weights (not their bfloat16 rounding), so the resumed
+    run continues from the same masters and ends with the same bfloat16 weights and masters."""
     if not backend.device_available(kind):
         pytest.skip(f"no {kind} device")
-    common = [*TINY, "train.steps=6", "train.checkpoint_every=2", f"train.device={kind}"]
+    common = [*TINY, *strategy, "train.steps=6", "train.checkpoint_every=2", f"train.device={kind}"]
     whole = train(load_config(None, [*common, f"train.out_dir={tmp_path / 'whole'}"]))
     resumed_cfg = load_config(None, [*common, f"train.out_dir={tmp_path / 'killed'}"])
     killed = train(resumed_cfg, crash_after=5)  # dies after step 5: the last checkpoint is step 4's
@@ -56,6 +63,17 @@ def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    if strategy:  # the final checkpoints hold the float32 masters, equal, and the weights are their rounding
+        final = [
+            load_file(tmp_path / run / "checkpoints/step_00000006/model.safetensors") for run in ("whole", "killed")
+        ]
+        params = dict(language_model(whole.model).named_parameters())
+        for name in params:
+            master = final[0][name]
+            assert master.dtype == torch.float32 and torch.equal(master, final[1][name]), name
+            assert torch.equal(master.to(torch.bfloat16), a[name]), name
+        flat = torch.cat([final[0][name].flatten() for name in params])
+        assert (flat != flat.to(torch.bfloat16).float()).float().mean() > 0.9  # more precise than bfloat16
     if kind == "xla":
         assert whole.recompilations == 0  # one compiled graph per step after the warm-up steps
     else:

@@ -65,6 +65,17 @@ STRATEGIES: dict[str, Strategy] = {
             "reversible, with AdamW stepping on the host over host master weights and state (ZeRO-Offload style)",
         ),
         Strategy(
+            "reversible+offload+bf16",
+            (
+                "strategy.activations=reversible",
+                "strategy.offload.optimizer=true",
+                "strategy.precision=bf16",
+                "strategy.param_dtype=bf16",
+            ),
+            "reversible with bfloat16 weights and gradients on the device; float32 master weights and AdamW on "
+            "the host (ZeRO-Offload's mixed precision); the loss in chunks (strategy.loss_chunk=auto)",
+        ),
+        Strategy(
             "reversible+fused",
             (
                 "strategy.activations=reversible",
@@ -95,6 +106,7 @@ DEFAULT_COMPARISON = (
     "plan+fewbit",
     "plan+fewbit+offload",
     "reversible+offload",
+    "reversible+offload+bf16",
     "reversible+fused",
 )
 

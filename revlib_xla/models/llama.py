@@ -64,6 +64,8 @@ __all__ = [
     "LlamaBlock",
     "LlamaLM",
     "build_llama",
+    "next_token_loss",
+    "chunked_next_token_loss",
     "num_params",
     "train_flops_per_token",
 ]
@@ -447,10 +449,14 @@ class LlamaLM(nn.Module):
         checkpoint: bool = False,
         beta: float = 0.9,
         memory_mode: MemoryModes | None = None,
+        loss_chunk: int = 0,
         **stack_options: Any,
     ) -> None:
         super().__init__()
         self.config = config
+        if loss_chunk < 0:
+            raise ValueError(f"build_llama: loss_chunk={loss_chunk} must be 0 (off) or a positive number of positions")
+        self.loss_chunk = loss_chunk
         self.form = form = Form.of(form)
         self.beta = beta
         if form is not Form.PLAIN and checkpoint:
@@ -566,6 +572,10 @@ class LlamaLM(nn.Module):
         return OutputHead(self.norm, self.embed if self.head is None else self.head)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        return self._output()(self._trunk(tokens))
+
+    def _trunk(self, tokens: Tensor) -> Tensor:
+        """The residual stream after the last block, before the final norm: ``(B, T, dim)``."""
         _check_tokens(tokens, self.config)
         x = self.embed(tokens)
         cos, sin = self.rotary(x)
@@ -577,12 +587,16 @@ class LlamaLM(nn.Module):
         else:  # MomentumNet: the position stream, rescaled (utils.ReversibleStack's output)
             _, q = self.layers((x, x), cos, sin)
             x = q * self.beta ** (2 * self.config.n_layers)
-        return self._output()(x)
+        return x
 
     def loss(self, tokens: Tensor) -> Tensor:
         """Mean next-token cross entropy in nats (position ``t`` predicts ``tokens[:, t + 1]``), computed in at least
-        float32 (a float64 model gives a float64 loss). ``log(vocab_size)`` is a uniform guess's loss."""
-        return next_token_loss(self(tokens), tokens)
+        float32 (a float64 model gives a float64 loss). ``log(vocab_size)`` is a uniform guess's loss. With
+        ``loss_chunk`` positions per chunk (:func:`chunked_next_token_loss`), the logits are never whole."""
+        if not self.loss_chunk:
+            return next_token_loss(self(tokens), tokens)
+        head = self._output()
+        return chunked_next_token_loss(head.norm(self._trunk(tokens)), head.projection.weight, tokens, self.loss_chunk)
 
     def as_sequential(self) -> nn.Sequential:
         """The plain model as stages with one tensor input each, sharing this model's parameters: a
@@ -616,6 +630,39 @@ def next_token_loss(logits: Tensor, tokens: Tensor) -> Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).to(dtype), tokens[:, 1:].reshape(-1))
 
 
+def _chunk_loss_sum(hidden: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Summed cross entropy of one chunk: its logits ``hidden @ weight.T`` exist only inside this call."""
+    logits = F.linear(hidden, weight)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(dtype), targets.reshape(-1), reduction="sum")
+
+
+def chunked_next_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, chunk: int) -> Tensor:
+    """:func:`next_token_loss` of the logits ``hidden @ weight.T`` without ever holding them whole.
+
+    ``hidden``: ``(B, T, dim)`` features after the final norm; ``weight``: the ``(vocab, dim)`` head (the embedding
+    when tied); ``tokens``: ``(B, T)``. The positions ``0 .. T-2`` are cut into chunks of ``chunk`` along the
+    sequence (the batch dimension stays whole, so a batch split over devices stays split); each chunk's logits and
+    cross entropy are computed under activation checkpointing (:func:`revlib_xla.backend.checkpoint`: on XLA behind
+    optimization barriers, so the compiler cannot merge the recomputation back into the forward), which keeps only
+    the chunk's input and recomputes its logits in the backward pass. The mean is the sum of the chunks' sums over
+    the count: the same function as the unchunked loss, summed in another order.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunked_next_token_loss: chunk={chunk} must be a positive number of positions")
+    features, targets = hidden[:, :-1], tokens[:, 1:]
+    total: Tensor | None = None
+    for start in range(0, features.shape[1], chunk):
+        part = (features[:, start : start + chunk], weight, targets[:, start : start + chunk])
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            loss = backend.checkpoint(_chunk_loss_sum, *part, preserve_rng_state=False)
+        else:
+            loss = _chunk_loss_sum(*part)
+        total = loss if total is None else total + loss
+    assert total is not None, "tokens has a single position: nothing to predict"
+    return total / targets.numel()
+
+
 def build_llama(
     config: LlamaConfig,
     form: str | Form = Form.PLAIN,
@@ -623,6 +670,7 @@ def build_llama(
     checkpoint: bool = False,
     beta: float = 0.9,
     memory_mode: MemoryModes | None = None,
+    loss_chunk: int = 0,
     **stack_options: Any,
 ) -> LlamaLM:
     """The Llama LM of ``config`` in ``form`` (``"plain"``, ``"reversible"``, ``"momentum"``).
@@ -634,8 +682,12 @@ def build_llama(
             memory in depth) or ``MemoryModes.no_savings`` (plain autograd of the same function: the reference).
         stack_options: reversible and momentum forms: further arguments of :class:`revlib_xla.ReversibleSequential`
             (``target_device``, ``fused_optimizer``, ``stream_dtype``, ``verify_inverse``, ...).
+        loss_chunk: positions per chunk of :meth:`LlamaLM.loss` (:func:`chunked_next_token_loss`); 0: the whole
+            ``(B, T, vocab)`` logits tensor at once.
     """
-    return LlamaLM(config, form, checkpoint=checkpoint, beta=beta, memory_mode=memory_mode, **stack_options)
+    return LlamaLM(
+        config, form, checkpoint=checkpoint, beta=beta, memory_mode=memory_mode, loss_chunk=loss_chunk, **stack_options
+    )
 
 
 def _matmul_params(config: LlamaConfig) -> int:
@@ -669,7 +721,9 @@ def train_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
 
 def _factory(name: str) -> registry.Factory:
     def build(form: str = Form.PLAIN, **overrides: Any) -> LlamaLM:
-        options = {key: overrides.pop(key) for key in ("checkpoint", "beta", "memory_mode") if key in overrides}
+        options = {
+            key: overrides.pop(key) for key in ("checkpoint", "beta", "memory_mode", "loss_chunk") if key in overrides
+        }
         return build_llama(llama_config(name, **overrides), form, **options)
 
     build.__doc__ = f"{name}: build_llama(llama_config({name!r}, **overrides), form)"

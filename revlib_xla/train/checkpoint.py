@@ -3,7 +3,9 @@
 A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>/`` holding
 
 * ``model.safetensors``: the weights (each tied tensor stored once; the names it is also known by are in the file's
-  metadata), readable by any safetensors loader;
+  metadata), readable by any safetensors loader; where the optimizer keeps more precise master weights than the
+  device (``strategy.param_dtype=bf16``: float32 masters on the host), the masters, so a resumed run continues
+  from them exactly;
 * ``optimizer.pt``: the optimizer's ``state_dict`` (on the host);
 * ``state.pt``: the step, the data sampler's position, the random states (torch's CPU generator, the device's,
   numpy's, Python's) and the last metrics;
@@ -78,8 +80,19 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The model's parameters and buffers on the host, each tensor once, and the other names of tied ones."""
+def _masters(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
+    """``id(parameter)`` -> the optimizer's master weight of it, where it keeps a more precise one
+    (:meth:`revlib_xla.train.HostOptimizerState.master_weights`)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = getattr(optimizer, "master_weights", list)()
+    return {id(p): master for p, master in pairs}
+
+
+def _weights(
+    model: nn.Module, masters: dict[int, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's parameters and buffers on the host (a parameter's master weight instead, where ``masters`` has
+    one), each tensor once, and the other names of tied ones."""
+    masters = masters or {}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
@@ -89,7 +102,7 @@ def _weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]
             aliases[name] = first[id(tensor)]
             continue
         first[id(tensor)] = name
-        unique[name] = tensor.detach().to("cpu").contiguous()
+        unique[name] = masters.get(id(tensor), tensor).detach().to("cpu").contiguous()
     return unique, aliases
 
 
@@ -117,7 +130,7 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        weights, aliases = _weights(model)
+        weights, aliases = _weights(model, _masters(optimizer))
         metadata = {"format": "pt", "tied": json.dumps(aliases)}
         _write(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=metadata))
         host_optimizer = _tree.map_tensors(lambda t: t.detach().to("cpu"), optimizer.state_dict())
@@ -181,6 +194,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"{unexpected[:5]}); was it written by a run with another model or strategy?"
         )
     tensors = dict(list(model.named_parameters()) + list(model.named_buffers()))
+    exact = {id(tensors[name]): value for name, value in stored.items() if value.dtype != tensors[name].dtype}
     with torch.no_grad():
         for name, value in stored.items():
             target = tensors[name]
@@ -190,5 +204,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                 )
             target.copy_(value.to(target.dtype))
     optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
+    load_masters = getattr(optimizer, "load_master_weights", None)
+    if load_masters is not None and exact:  # saved masters more precise than the device weights: restored exactly
+        load_masters(exact)
     state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
     return Checkpoint(**state)

@@ -86,6 +86,8 @@ class StrategyConfig(_Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     fused_optimizer: bool = False
     precision: Literal["fp32", "bf16"] = "fp32"
+    param_dtype: Literal["fp32", "bf16"] = "fp32"
+    loss_chunk: int | Literal["auto"] = "auto"
     beta: float = 0.9
 
     @field_validator("budget")
@@ -101,6 +103,13 @@ class StrategyConfig(_Section):
     def _fewbit(cls, value: int) -> int:
         if value not in FEWBIT_BITS:
             raise ValueError("must be 0 (off) or 1, 2, 3 or 4 bits")
+        return value
+
+    @field_validator("loss_chunk")
+    @classmethod
+    def _loss_chunk(cls, value: int | str) -> int | str:
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError("must be auto, 0 (off: the whole logits tensor) or a positive number of positions")
         return value
 
     @field_validator("beta")
@@ -222,6 +231,8 @@ class RunConfig(_Section):
                 f"strategy.budget={s.budget!r} is the planner's budget and applies only to strategy.activations=plan "
                 f"(here {s.activations!r}); remove strategy.budget or set strategy.activations=plan"
             )
+        if s.param_dtype == "bf16":
+            _check_bf16_weights(s)
         if s.fused_optimizer and o.grad_accum_steps > 1:
             raise ValueError(
                 f"strategy.fused_optimizer=true steps each parameter inside the backward pass, so gradients cannot "
@@ -244,6 +255,24 @@ class RunConfig(_Section):
         if self.data.kind == "hf" and not self.data.hf_dataset:
             raise ValueError("data.kind=hf needs data.hf_dataset: the dataset's name or local path")
         return self
+
+
+def _check_bf16_weights(s: StrategyConfig) -> None:
+    """``strategy.param_dtype=bf16``: bfloat16 weights on the device need their float32 master copies and AdamW on
+    the host (``offload.optimizer``) and bfloat16 computation (``precision``)."""
+    if not s.offload.optimizer or s.offload.params:
+        raise ValueError(
+            "strategy.param_dtype=bf16 keeps bfloat16 weights on the device and their float32 master weights and "
+            "AdamW state on the host, which is strategy.offload.optimizer=true (with strategy.offload.params=false: "
+            "offloaded parameters are host tensors already); set strategy.offload.optimizer=true, or "
+            "strategy.param_dtype=fp32 (a bfloat16 weight updated in place would lose every update below its "
+            "precision)"
+        )
+    if s.precision != "bf16":
+        raise ValueError(
+            f"strategy.param_dtype=bf16 computes with bfloat16 weights, which needs strategy.precision=bf16 "
+            f"(autocast; here {s.precision!r}); set strategy.precision=bf16 or strategy.param_dtype=fp32"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------

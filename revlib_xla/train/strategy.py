@@ -13,6 +13,15 @@
 * ``fused_optimizer``: each parameter updated inside the backward pass as soon as its gradient is complete
   (:func:`revlib_xla.fuse_optimizer`).
 * ``precision: bf16``: autocast to bfloat16 for the computation, float32 weights, gradients and optimizer state.
+* ``param_dtype: bf16`` (with ``precision: bf16`` and ``offload.optimizer``): the device holds bfloat16 weights
+  and gets bfloat16 gradients; float32 master weights and AdamW's state live in host memory, where the update
+  runs, and the rounded weights go back (mixed precision as in ZeRO-Offload). Checkpoints hold the float32 masters.
+* ``loss_chunk``: the LM head and cross entropy run over chunks of that many positions, each chunk's logits
+  recomputed in the backward pass, so no whole ``(batch, seq, vocab)`` logits tensor is ever alive
+  (:func:`revlib_xla.models.llama.chunked_next_token_loss`); ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the
+  reversible and momentum forms on one chip, off for the torch_xla baselines (``none``, ``checkpoint``), over a
+  mesh of several chips, and where the logits come out of a wrapper (``plan``, ``offload.params``,
+  ``model.hf_config``), which refuse an explicit value.
 
 Combinations the library cannot run correctly raise :class:`StrategyError` naming the keys and what to use instead.
 """
@@ -50,7 +59,14 @@ __all__ = [
     "plan_budget",
     "param_count",
     "flops_per_token",
+    "loss_chunk",
+    "AUTO_LOSS_CHUNK",
 ]
+
+AUTO_LOSS_CHUNK = 256
+"""Positions per chunk of ``strategy.loss_chunk=auto`` where it is on: at Llama's vocabulary (128256) a chunk's
+float32 logits are 125 MiB per sequence, against 1 GiB for 2048 positions; 2048 positions make 8 chunks whatever the
+batch, so the traced graph does not grow with the batch."""
 
 # Chips the run may target, until revlib_xla.fit.chips is merged: (HBM bytes per chip, peak dense bf16 FLOP/s).
 _CHIPS: dict[str, tuple[int, float]] = {
@@ -128,6 +144,27 @@ def check_strategy(cfg: RunConfig) -> None:
             f"cannot be combined with strategy.activations={s.activations}; use activations none or checkpoint with "
             f"it, or keep the parameters on the device (strategy.offload.params=false)"
         )
+    if cfg.model.hf_config is not None and s.param_dtype == "bf16":
+        raise StrategyError(
+            f"strategy.param_dtype=bf16 is not supported for a transformers model (model.hf_config="
+            f"{cfg.model.hf_config}); use strategy.param_dtype=fp32 (with strategy.precision=bf16 for bf16 compute)"
+        )
+    if isinstance(s.loss_chunk, int) and s.loss_chunk > 0:
+        wrapped = [
+            key
+            for key, on in (
+                ("strategy.activations=plan", s.activations == "plan"),
+                ("strategy.offload.params=true", s.offload.params),
+                (f"model.hf_config={cfg.model.hf_config}", cfg.model.hf_config is not None),
+            )
+            if on
+        ]
+        if wrapped:
+            raise StrategyError(
+                f"strategy.loss_chunk={s.loss_chunk}: with {wrapped[0]} the logits come out of the wrapped model "
+                f"whole, so the loss cannot be chunked; set strategy.loss_chunk=0 (or auto), or use "
+                f"strategy.activations=reversible, momentum, checkpoint or none"
+            )
     if s.fused_optimizer:
         if lm.tie_embeddings:
             raise StrategyError(
@@ -219,9 +256,21 @@ def compute_device(model: nn.Module) -> torch.device:
 
 
 def state_bytes_per_param(cfg: RunConfig) -> int:
-    """Device bytes per parameter outside the activations: float32 weight and gradient, and AdamW's two float32
-    moments unless the optimizer state is offloaded."""
-    return 8 if cfg.strategy.offload.optimizer else 16
+    """Device bytes per parameter outside the activations: weight and gradient (float32, or bfloat16 with
+    ``param_dtype=bf16``), and AdamW's two float32 moments unless the optimizer state is offloaded."""
+    held = 4 if cfg.strategy.param_dtype == "bf16" else 8
+    return held if cfg.strategy.offload.optimizer else held + 8
+
+
+def loss_chunk(cfg: RunConfig, sharded: bool = False) -> int:
+    """Positions per chunk of the LM's loss (``strategy.loss_chunk``; 0 = the whole logits tensor at once).
+    ``auto`` stays off for a step split over several chips (``chip.chips > 1`` or ``sharded``: an active mesh),
+    where chunking has not been measured yet; an explicit value applies there too."""
+    s = cfg.strategy
+    if s.loss_chunk != "auto":
+        return int(s.loss_chunk)
+    chunked = s.activations in ("reversible", "momentum") and not s.offload.params and cfg.model.hf_config is None
+    return AUTO_LOSS_CHUNK if chunked and cfg.chip.chips == 1 and not sharded else 0
 
 
 def plan_budget(cfg: RunConfig) -> int:
@@ -312,13 +361,19 @@ def build_model(
                 f"model.name=llama-*"
             )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
+    from ..sharding import active_mesh
+
+    chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
-        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta)
+        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
+    elif s.param_dtype == "bf16":  # the weights only: the rotary tables stay float32
+        for p in lm.parameters():
+            p.data = p.data.to(torch.bfloat16)
     _shard_under_mesh(lm, target)
     if s.fewbit:
         from ..fewbit import convert_activation
@@ -364,10 +419,10 @@ class HostOptimizerState(torch.optim.Optimizer):
 
     * host step (what :func:`build_optimizer` uses on every device, as ZeRO-Offload does): the optimizer runs on the
       CPU over host master copies of the parameters (page-locked where the backend can copy from them
-      asynchronously); each step brings the gradients to the host and the updated weights back. The state never
-      occupies device memory. On a lazy device (XLA) the step first runs the pending graph (forward and backward,
-      :func:`revlib_xla.backend.sync`), so the device program is the forward and backward producing gradients,
-      and the weights come back as new device data.
+      asynchronously); each step brings the gradients to the host and the updated weights back, one weight at a
+      time. The state never occupies device memory. On a lazy device (XLA) the step first runs the pending graph
+      (forward and backward, :func:`revlib_xla.backend.sync`), so the device program is the forward and backward
+      producing gradients, and the weights come back as new device data.
     * ``annotate`` (XLA, by request only): the state stays a graph value annotated to live in host memory between
       steps (:func:`revlib_xla.backend.place_on_host`). The TPU compiler rejects such a step (an output moved to
       host is returned without a host layout), and torch_xla has no host-resident graph arguments, so the state
@@ -418,11 +473,17 @@ class HostOptimizerState(torch.optim.Optimizer):
 
     def host_state_bytes(self) -> int:
         """Host bytes of the master weights and the optimizer state (AdamW: two moments per weight, four with
-        amsgrad's maximum), whether or not a step has created the state yet."""
+        amsgrad's maximum), whether or not a step has created the state yet. The step adds one weight's gradient
+        in the master's dtype at a time (the largest: :meth:`host_step_bytes`)."""
         if self.annotate:
             return 0
         moments = 3 if self.defaults.get("amsgrad") else 2
         return sum(h.numel() * h.element_size() * (1 + moments) for h in self.host)
+
+    def host_step_bytes(self) -> int:
+        """Host bytes the step needs beside :meth:`host_state_bytes`: the largest weight's gradient, brought to the
+        host in the master's dtype (the weights are stepped one at a time)."""
+        return max((h.numel() * h.element_size() for h in getattr(self, "host", [])), default=0)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -439,18 +500,47 @@ class HostOptimizerState(torch.optim.Optimizer):
             backend.sync(self.device_params[0].device)  # one program: forward and backward (and the loss)
         if not self._filled:
             self._copy_from_device()
-        for h, g in zip(self.host, grads):
-            h.grad = None if g is None else backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
-        out = self.inner.step(closure)
-        for h, p in zip(self.host, self.device_params):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # One weight at a time: AdamW steps only the weights that have a gradient, so the host holds one float32
+        # gradient beside the masters and state (llama-3b: 1.5 GiB for the embedding, not 12 GiB for all).
+        for h, p, g in zip(self.host, self.device_params, grads):
+            if g is None:
+                continue
+            h.grad = backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+            self.inner.step()
+            h.grad = None
             p.copy_(h, non_blocking=False)
-        return out
+        return loss
 
     def _copy_from_device(self) -> None:
         with torch.no_grad():
             for h, p in zip(self.host, self.device_params):
                 h.copy_(p)
         self._filled = True
+
+    def master_weights(self) -> list[tuple[Tensor, Tensor]]:
+        """``(device parameter, host master weight)`` pairs whose master is more precise than the device weight
+        (float32 masters of bfloat16 weights), once the masters hold the weights (after the first step or a
+        restore): what a checkpoint saves instead of the rounded device weights."""
+        if self.annotate or not self._filled:
+            return []
+        return [(p, h) for p, h in zip(self.device_params, self.host) if h.dtype != p.dtype]
+
+    def load_master_weights(self, values: dict[int, Tensor]) -> None:
+        """Set the masters of the device parameters in ``values`` (``id(parameter)`` -> the saved float32
+        weight) exactly, and the device weights to their rounding; other masters are copied from the device."""
+        if self.annotate:
+            return
+        if not self._filled:
+            self._copy_from_device()
+        with torch.no_grad():
+            for h, p in zip(self.host, self.device_params):
+                if id(p) in values and h.dtype != p.dtype:
+                    h.copy_(values[id(p)])
+                    p.copy_(h)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.device_params:
@@ -462,6 +552,8 @@ class HostOptimizerState(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.inner.load_state_dict(state_dict)
+        # torch replaces the groups and the state: what set_lr and the tracer reach must be the new ones
+        self.param_groups, self.state = self.inner.param_groups, self.inner.state
         if not self.annotate:  # the master copies follow the restored weights
             self._copy_from_device()
 
@@ -481,8 +573,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
         # Fused into the LM itself: a wrapper's second path to the same weights (the planner's stages) is not a tie.
         return fuse_optimizer(language_model(model), lambda ps: _adamw(cfg, list(ps)))
     if cfg.strategy.offload.optimizer:
-        if backend.is_host_memory(params[0].device):
-            return _adamw(cfg, params)  # the state is in host memory already
+        if backend.is_host_memory(params[0].device) and cfg.strategy.param_dtype == "fp32":
+            return _adamw(cfg, params)  # the state is in host memory already (bf16 weights still need masters)
         return HostOptimizerState(cfg, params, annotate=False)
     return _adamw(cfg, params)
 
