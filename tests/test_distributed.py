@@ -320,7 +320,8 @@ def _lm_weights(out_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_cli_train_under_torchrun_resumes_and_ends_with_one_processs_weights(tmp_path: Path) -> None:
     """Two processes (gloo) resume a one-process checkpoint of step 1 and train steps 2 and 3, each on half of every
-    batch: the weights rank 0 writes equal one process's after 3 steps on the whole batches, and only rank 0 logs and prints."""
+    batch: the weights rank 0 writes equal one process's after 3 steps on the whole batches, and only rank 0 logs and
+    prints."""
     import json
     import os
     import subprocess

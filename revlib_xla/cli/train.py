@@ -43,12 +43,13 @@ def run(args: argparse.Namespace) -> int:
     announce = launched_rank() == 0  # under torchrun, rank 0 speaks for the run
     if announce:
         print(
-            f"revlib-xla train: {cfg.model.hf_config or cfg.model.name} on {device}, strategy activations={s.activations}"
+            f"revlib-xla train: {cfg.model.hf_config or cfg.model.name} on {device}, "
+            f"strategy activations={s.activations}"
             + (f" fewbit={s.fewbit}" if s.fewbit else "")
             + "".join(f" offload.{k}" for k, v in s.offload.model_dump().items() if v)
             + (" fused_optimizer" if s.fused_optimizer else "")
-            + f" precision={s.precision}; {cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens; "
-            f"writing to {cfg.train.out_dir}",
+            + f" precision={s.precision}; {cfg.train.steps} steps of {cfg.data.batch_size} x {cfg.data.seq_len} "
+            f"tokens; writing to {cfg.train.out_dir}",
             flush=True,
         )
     result = train(cfg)
