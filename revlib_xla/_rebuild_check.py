@@ -15,9 +15,9 @@ the rule ``check_invertible`` applies. Where the value can be read without runni
 is read there and a :class:`~revlib_xla.ReversibleError` raised from the backward; on a lazy device (XLA) reading it
 would run the step's graph in the middle of the step, so the error stays a lazy tensor, computed with the step at
 the user's step cut, and the model's next forward reads it (:func:`settle`) and raises for the previous step. A
-value that is never computed is never read. There the check is opt-in (``verify_inverse="rebuild"``): its output
-makes the first step's graph differ from the next steps', one more compilation where the first two steps would
-otherwise share a graph. Code that traces a step without running it switches arming off (:func:`suspended`): the
+value that is never computed is never read. There its output makes the first step's graph differ from the next
+steps': one more compilation where the first two steps would otherwise share a graph (``verify_inverse=False``
+skips the check). Code that traces a step without running it switches arming off (:func:`suspended`): the
 traced program stays the step's own.
 """
 

@@ -924,9 +924,10 @@ class ReversibleSequential(nn.Sequential):
             on a lazy device (XLA) the error is a lazy value of the step, read at the next forward once the step has
             run (a step cut), never forcing it. ``None`` (the default): ``True`` when some coupling is not additive
             (momentum, affine, user pairs: their inverses can amplify rounding errors with depth), else
-            ``"rebuild"``, except on a lazy device, where it would make the first step's graph differ from the
-            next ones' (one more compilation); an additive coupling inverts exactly only in exact arithmetic, and
-            eight bfloat16 MLP blocks with large weights gave gradients off by more than 100 %. ``False``: never.
+            ``"rebuild"`` (an additive coupling inverts exactly only in exact arithmetic: eight bfloat16 MLP blocks
+            with large weights gave gradients off by more than 100 %). On a lazy device the check's output makes the
+            first step's graph differ from the next ones': one more compilation where the first two steps would
+            otherwise share a graph (SGD, or optimizer state restored from a checkpoint). ``False``: never.
         target_device: keep the parameters (and buffers, and so the optimizer state) where they are, normally on
             the host, and run each layer on copies streamed to this device one layer ahead (forward and
             recomputation); gradients accumulate on the host parameters. At most two layers' tensors are on the
@@ -1353,9 +1354,10 @@ class ReversibleSequential(nn.Sequential):
         ):
             self._verified.add(key)
             _check_plan(plan, x0, x1, arg_tensors)
-        # By default not on a lazy device: its first step's graph would get one more output than the next steps'
-        # (one more compilation where the first two steps' graphs are otherwise the same: SGD, no optimizer state).
-        elif (verify == "rebuild" or not backend.is_tracing_lazily(x0)) and _rebuild_check.armed():
+        # Also on a lazy device (XLA): the first step's graph gets one more output than the next steps', which
+        # costs one more compilation where the first two steps' graphs are otherwise the same (SGD, or optimizer
+        # state restored from a checkpoint); a silently wrong gradient costs more. verify_inverse=False skips it.
+        elif _rebuild_check.armed():
             autocast = plan.call.autocast  # the blocks compute in its dtype: the tolerance of the coarsest
             cast = [
                 d for on, d in ((autocast.enabled, autocast.dtype), (autocast.cpu_enabled, autocast.cpu_dtype)) if on
