@@ -442,7 +442,7 @@ def test_stacked_scan_compiles_once_and_does_not_grow_with_depth():
     for depth in (4, 8):
         torch.manual_seed(0)
         blocks = [Scaled(hidden=WIDTH if i % 2 == 0 else 2 * WIDTH) for i in range(depth)]
-        # unchecked: the first step's rebuild check adds an output to that step's graph only (tests/test_rebuild_check.py)
+        # unchecked: the first step's rebuild check adds an output to that step's graph only (test_rebuild_check)
         model = revlib.scan.stack_layers(revlib.ReversibleSequential(*blocks, scan=True, verify_inverse=False))
         model = model.to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
