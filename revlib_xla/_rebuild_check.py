@@ -58,10 +58,11 @@ def magnitude(*tensors: Tensor) -> Tensor:
     return largest.clamp_min(torch.finfo(largest.dtype).tiny)
 
 
-def rebuild_error(rebuilt0: Tensor, rebuilt1: Tensor, x0: Tensor, x1: Tensor) -> Tensor:
+def rebuild_error(rebuilt0: Tensor, rebuilt1: Tensor, x0: Tensor, x1: Tensor, scale: Tensor | None = None) -> Tensor:
     """How far two rebuilt streams are from the real ones ``(x0, x1)``: the larger max abs error, over the largest
-    absolute value of the real streams (a 0-dim float32 tensor, computed where the streams are)."""
-    scale = magnitude(x0, x1)
+    absolute value of the real streams (``scale``, when already computed: :func:`magnitude`; a 0-dim float32
+    tensor, computed where the streams are)."""
+    scale = magnitude(x0, x1) if scale is None else scale
     return torch.maximum(relative_error(rebuilt0, x0, scale), relative_error(rebuilt1, x1, scale))
 
 
@@ -174,8 +175,9 @@ class RebuildCheck:
         if (x0._version, x1._version) != self.versions:
             return  # the input was changed in place after the forward: nothing to compare with (checked next time)
         with torch.no_grad():
-            error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1)
-            error = torch.where(torch.isfinite(magnitude(x0, x1)), error, torch.full_like(error, -1.0))
+            scale = magnitude(x0, x1)
+            error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1, scale)
+            error = torch.where(torch.isfinite(scale), error, torch.full_like(error, -1.0))
         through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
         what = f"{through} ({self.layers} in all; {_dtypes(self.key, self.autocast)})"
         verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)
