@@ -61,6 +61,7 @@ def _reference(cfg, device):
             loss = model.loss(batch.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, o.grad_clip)
+        backend.sync(device)  # one graph for all gradients (on XLA each read would run the backward again)
         for p, m in zip(params, masters):
             m.grad = p.grad.detach().cpu().float()
             p.grad = None
