@@ -686,6 +686,18 @@ class _Run:
             return tensors
         return tensors | {name: tensors[names[0]] for _, names in self.stacks[j] for name in names[1:]}
 
+    def _read_after(self, j: int, tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]:
+        """Position ``j``'s floating-point parameters in a loop body, read through ``token`` (a value of this
+        iteration, :func:`revlib_xla.backend.after`). Why: the TPU compiler runs float32 matrix multiplies on bfloat16
+        operands (DEFAULT precision), and hoists the conversion of a weight the loop only slices out of the loop:
+        a bfloat16 copy of every layer's weights, live through both loops (half the parameter bytes, growing with
+        depth). Read through a value of the iteration, the weight is converted one layer at a time, as the unrolled
+        walk does."""
+        assert self.layout is not None
+        buffers = set(self.layout.buffer_names[j])
+        params = {n: t for n, t in tensors.items() if n not in buffers and t.is_floating_point()}
+        return tensors | backend.after(params, token)
+
     def _positions(self, j: int) -> Iterator[tuple[int, Tensor, tuple[str, ...]]]:
         """Position ``j``'s stacks with their index in ``inputs``."""
         assert self.stacks is not None
@@ -717,6 +729,7 @@ class _Run:
         def body(carry, xs):
             a0, a1 = carry
             for j, (tensors, stacked) in enumerate(xs):
+                tensors = self._read_after(j, tensors, a1)
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 buffers = [tensors[n] for n in layout.buffer_names[j]]
                 versions = [b._version for b in buffers]
@@ -792,6 +805,7 @@ class _Run:
                 tensors, stacked = xs[j]
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 b0, b1, g0, g1 = backend.optimization_barrier([b0, b1, g0, g1, *tensors.values()])[:4]
+                tensors = self._read_after(j, tensors, g1)
                 leaves = {n: t.detach().requires_grad_() if n in wanted[j] else t for n, t in tensors.items()}
                 x0, g0, g1, found = _recompute_vjp(
                     plan, j, b0, b1, g0, g1, args, kwargs, self._named(j, leaves), wanted[j], layer_autocast
