@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["ScanUnsupported", "layer_parameters", "repeat_period", "stack_layers"]
+__all__ = ["ScanUnsupported", "layer_parameters", "layer_shape", "repeat_period", "stack_layers"]
 
 _SCAN_SEED_HIGH = 2**62  # the bound torch_xla's scan draws its per-iteration seeds below
 
@@ -227,6 +227,17 @@ class _Views:
 def stacks_of(model: nn.Module) -> _Stacks | None:
     """The stacked storage of a sequence (:func:`stack_layers`), or ``None``."""
     return getattr(model, "_stacks", None)  # models pickled before stacked storage existed have none
+
+
+def layer_shape(param: Tensor, model: nn.Module) -> torch.Size:
+    """The shape ``param`` has in one layer: a stack of :func:`stack_layers` (a sequence anywhere in ``model``)
+    without its leading layer dimension, any other parameter its own shape. For rules by rank, such as weight decay
+    on matrices only: a stacked norm scale is 2-D, one layer's is 1-D (``len(layer_shape(p, model)) >= 2``)."""
+    for module in model.modules():
+        stacks = stacks_of(module)
+        if stacks is not None and any(p is param for p in stacks.params(module)):
+            return param.shape[1:]
+    return param.shape
 
 
 def stacked_views(model: nn.Module) -> Callable[[int], dict[str, Tensor]] | None:
