@@ -39,6 +39,14 @@ scan, parameter gradients reach autograd together at the end of the sequence's b
 layer.
 
 Devices that do not trace lazily (cpu, cuda) run the layers unrolled, which is the same computation.
+
+Both loops read each layer's floating-point parameters through a value of the iteration (the stream, or the incoming
+gradient: :func:`revlib_xla.backend.after`). The TPU compiler runs float32 matrix products on bfloat16 operands; a
+body that only slices its weights out of the stacks let it convert the whole stacks once, outside both loops, and
+keep that bfloat16 copy through the step (half the float32 parameter bytes, growing with depth).
+
+:class:`ScannedStages` is the same idea for :class:`revlib_xla.Checkpointable` (``scan=True``): a run of identical
+stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time.
 """
 
 from __future__ import annotations
@@ -713,8 +721,7 @@ class _Run:
         walk does."""
         assert self.layout is not None
         buffers = set(self.layout.buffer_names[j])
-        params = {n: t for n, t in tensors.items() if n not in buffers and t.is_floating_point()}
-        return tensors | backend.after(params, token)
+        return tensors | _params_after({n: t for n, t in tensors.items() if n not in buffers}, token)
 
     def _positions(self, j: int) -> Iterator[tuple[int, Tensor, tuple[str, ...]]]:
         """Position ``j``'s stacks with their index in ``inputs``."""
@@ -1202,7 +1209,7 @@ class _RandomOps(TorchDispatchMode):
 
 def _params_after(tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]:
     """A loop body's floating-point tensors read through ``token``, a value of the iteration (see
-    :meth:`_Run._read_after`: no hoisted bfloat16 copy of every layer's weights on TPU)."""
+    :meth:`_Run._read_after`: no hoisted bfloat16 copy of every layer's weights on TPU); the others as they are."""
     floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
     return tensors | backend.after(floating, token)
 

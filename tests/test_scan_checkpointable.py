@@ -10,7 +10,7 @@ from torch import nn
 
 import revlib_xla as revlib
 from revlib_xla import backend
-from revlib_xla.planner import Op, Schedule, simulate
+from revlib_xla.planner import Chain, Op, Schedule, simulate
 from revlib_xla.scan import ScannedStages
 
 WIDTH = 16
@@ -105,28 +105,26 @@ def _xla():
     return backend.device_for("xla"), torch_xla
 
 
-def _planned_on_cpu(depth: int):
-    """The stages of ``Checkpointable(scan=True)`` with the run recomputed in the backward, measured on the CPU (on
-    XLA the measurement compiles every stage several times): :class:`revlib_xla.planner.ScheduleExecutor` runs
-    them."""
+def _executor(depth: int):
+    """The stages of ``Checkpointable(scan=True)`` run with the run recomputed in the backward, by
+    :class:`revlib_xla.planner.ScheduleExecutor` (no measuring: on XLA that compiles every stage several times)."""
     model = _model(depth)
-    checkpointed = revlib.Checkpointable(model, scan=True)
-    checkpointed.measure(_x(torch.float32))
-    return model, revlib.planner.ScheduleExecutor(nn.Sequential(*checkpointed.stages), _recomputed(checkpointed.chain))
+    stages = revlib.Checkpointable(model, scan=True).stages
+    chain = Chain([1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 3, [0.0] * 4)  # the schedule's shape only
+    return model, revlib.planner.ScheduleExecutor(nn.Sequential(*stages), _recomputed(chain))
 
 
 @pytest.mark.slow
 def test_scanned_run_on_xla_compiles_one_layer_and_equals_the_plain_model():
-    """The same loops whatever the depth (the same program at 2 and 4 layers), no compile after the first steps,
-    and the plain model's gradients on XLA, with the run's input checkpointed and its forward recomputed."""
+    """The same loops and matrix products whatever the depth (2 and 4 layers: one layer compiled), no compile after
+    the first steps, and the plain model's gradients on XLA, with the run's forward recomputed in the backward."""
     device, torch_xla = _xla()
     import torch_xla.debug.metrics as met
 
-    lines, compiles = {}, []
+    counts, compiles = {}, []
     for depth in (2, 4):
-        model, executor = _planned_on_cpu(depth)
+        model, executor = _executor(depth)
         model.to(device)
-        reference = _model(depth).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
         for step in range(3 if depth == 4 else 1):
             met.clear_all()
@@ -136,18 +134,20 @@ def test_scanned_run_on_xla_compiles_one_layer_and_equals_the_plain_model():
             grads = [p.grad for p in model.parameters()]
             if step == 0:
                 hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
-                lines[depth] = (hlo.count("\n"), hlo.count(" while("))
+                counts[depth] = (hlo.count(" while("), hlo.count(" dot("))
+            if depth == 2:
+                break  # traced, not run
+            if step == 0:
+                reference = _model(depth).to(device)
                 reference(x).square().sum().backward()
-                expected = [p.grad.cpu() for p in reference.parameters()]
-                found = [g.cpu() for g in grads]
+                # float32, the same operations in another order (a loop body, fused apart): rounding only
+                for g, g_ref in zip(grads, reference.parameters()):
+                    assert max_rel_err(g.cpu(), g_ref.grad.cpu()) < 1e-5
             opt.step()
             torch_xla.sync()
             data = met.metric_data("CompileTime")
             compiles.append(0 if data is None else data[0])
-        # float32: the same operations in another order (a loop body, fused apart): rounding only
-        for g, g_ref in zip(found, expected):
-            assert max_rel_err(g, g_ref) < 1e-5
     # the run's forward without autograd (CF), again keeping its layers' inputs (Fe), its backward: three loops
-    assert lines[2][1] == lines[4][1] == 3
-    assert lines[2][0] == lines[4][0]  # one layer compiled, whatever the depth
-    assert compiles[-1] == 0, compiles
+    assert counts[2][0] == counts[4][0] == 3
+    assert counts[2][1] == counts[4][1] > 0
+    assert compiles[0] >= 1 and compiles[-1] == 0, compiles
