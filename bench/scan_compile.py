@@ -155,6 +155,10 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
         f"backward, one sync. Depth = reversible layers. TPU: v5e, deviceless compile of the same step's StableHLO, "
         f"every buffer in HBM (`hbm_only`): peak = arguments (parameters, input) + outputs (gradients, loss) + live "
         f"temporaries; the TPU pads small dimensions to its tiles, so arguments and outputs exceed the logical bytes.",
+        "checkpointed-*: `Checkpointable(nn.Sequential(*layers), scan=True/False)` over residual layers (pre-norm "
+        f"attention, then pre-norm MLP; stream width {args.width}, input {args.batch}x{args.seq}x{args.width}), run "
+        "with a fixed schedule (every stage's input checkpointed, every stage recomputed once in the backward); depth "
+        "= layers; parameters stacked per pass (no stacked storage).",
         "",
         "| mode | dtype | depth | compile wall (s) | compile CPU (s) | while loops | HLO lines | params (MiB) "
         "| TPU v5e peak (MiB) | TPU live temporaries (MiB) |",
