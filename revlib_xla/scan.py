@@ -1242,6 +1242,11 @@ class _ScannedStagesFn(torch.autograd.Function):
             found = iter(torch.autograd.grad(out, wrt, dy, create_graph=True, allow_unused=True))
             dx = next(found) if wants_x else None
             return (None, dx, *(next(found) if need else None for need in trained))
+        if ctx.inputs is None:
+            raise RuntimeError(
+                f"ScannedStages ({owner.extra_repr()}): a second backward through the same forward; its layers' inputs "
+                f"were freed by the first (Checkpointable runs its forward phase again for a retained graph)"
+            )
         dx, grads = owner._run_backward(ctx.inputs, dy, trained, ctx.autocast)
-        ctx.inputs = None
+        ctx.inputs = None  # the layers' inputs: freed with the backward, as autograd frees saved tensors
         return (None, dx, *grads)
