@@ -46,6 +46,34 @@ MIB = 2**20
 
 
 MODES = {"scan": None, "stacked": None, "unrolled": False}  # mode -> ReversibleSequential(scan=...)
+CHECKPOINTED = {"checkpointed-scan": True, "checkpointed-unrolled": False}  # mode -> Checkpointable(scan=...)
+
+
+class Layer(torch.nn.Module):
+    """A residual transformer layer (pre-norm attention, then pre-norm MLP) for the checkpointed stack."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.attention, self.mlp = Attention(width, heads, 0.0), mlp(width, 0.0)
+
+    def forward(self, x):
+        x = x + self.attention(x)
+        return x + self.mlp(x)
+
+
+def build_checkpointed(depth: int, args, mode: str) -> torch.nn.Module:
+    """``Checkpointable(scan=...)``'s stages run with a fixed schedule (no measuring): every stage's input kept as
+    a checkpoint in the forward, every stage recomputed with autograd in the backward (the scanned run is one
+    stage: its forward loop, then its forward again keeping the layers' inputs, and its backward loop)."""
+    from revlib_xla.planner import Chain, Op, Schedule, ScheduleExecutor, simulate
+
+    layers = torch.nn.Sequential(*[Layer(args.width, args.heads) for _ in range(depth)])
+    stages = revlib.Checkpointable(layers, scan=CHECKPOINTED[mode]).stages
+    n = len(stages)
+    chain = Chain([1.0] * n, [1.0] * (n + 1), [1.0] * (n + 1), [1.0] * (n + 1), [0.0] * n, [0.0] * (n + 1))
+    ops = [Op("CF", i) for i in range(n)] + [Op("L", n)]
+    ops += [op for i in reversed(range(n)) for op in (Op("Fe", i), Op("B", i))]
+    return ScheduleExecutor(torch.nn.Sequential(*stages), Schedule(tuple(ops), *simulate(chain, ops), chain))
 
 
 def build(depth: int, args, mode: str) -> torch.nn.Module:
@@ -61,10 +89,12 @@ def measure(depth: int, mode: str, args) -> dict:
     dev = torch_xla.device()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = build(depth, args, mode).to(dev, dtype)
+    checkpointed = mode in CHECKPOINTED
+    model = (build_checkpointed if checkpointed else build)(depth, args, mode).to(dev, dtype)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev, dtype)
-    target = torch.randn(args.batch, args.seq, 2 * args.width, generator=gen).to(dev, dtype)
+    width = args.width if checkpointed else 2 * args.width  # a residual stream, or the reversible pair
+    x = torch.randn(args.batch, args.seq, width, generator=gen).to(dev, dtype)
+    target = torch.randn(args.batch, args.seq, width, generator=gen).to(dev, dtype)
     torch_xla.sync()
     met.clear_all()
     loss = F.mse_loss(model(x), target)
@@ -125,6 +155,10 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
         f"backward, one sync. Depth = reversible layers. TPU: v5e, deviceless compile of the same step's StableHLO, "
         f"every buffer in HBM (`hbm_only`): peak = arguments (parameters, input) + outputs (gradients, loss) + live "
         f"temporaries; the TPU pads small dimensions to its tiles, so arguments and outputs exceed the logical bytes.",
+        "checkpointed-*: `Checkpointable(nn.Sequential(*layers), scan=True/False)` over residual layers (pre-norm "
+        f"attention, then pre-norm MLP; stream width {args.width}, input {args.batch}x{args.seq}x{args.width}), run "
+        "with a fixed schedule (every stage's input checkpointed, every stage recomputed once in the backward); depth "
+        "= layers; parameters stacked per pass (no stacked storage).",
         "",
         "| mode | dtype | depth | compile wall (s) | compile CPU (s) | while loops | HLO lines | params (MiB) "
         "| TPU v5e peak (MiB) | TPU live temporaries (MiB) |",
@@ -181,10 +215,12 @@ def main() -> None:
     parser.add_argument(
         "--modes",
         nargs="+",
-        choices=list(MODES),
+        choices=list(MODES) + list(CHECKPOINTED),
         default=list(MODES),
         help="scan: scan=None over per-layer parameters (stacked per pass); stacked: scan=None after "
-        "revlib_xla.scan.stack_layers; unrolled: scan=False. Rows of other modes already in the JSON are kept.",
+        "revlib_xla.scan.stack_layers; unrolled: scan=False; checkpointed-scan / checkpointed-unrolled: a residual "
+        "stack under Checkpointable(scan=True/False), every layer recomputed once (a fixed schedule). Rows of other "
+        "modes already in the JSON are kept.",
     )
     args = parser.parse_args()
     load0 = os.getloadavg()[0]

@@ -100,6 +100,12 @@ class Checkpointable(nn.Module):
         options: per-stage alternatives for running with autograd, ``{stage index: [(name, module), ...]}``; each
             module computes the same function as the stage and shares its parameters, e.g. with compressed saved
             activations. The planner measures them and picks per stage.
+        scan: run every run of two or more consecutive stages identical in structure as one stage with
+            rematerialisation inside (:class:`revlib_xla.scan.ScannedStages`): on XLA, one layer compiled in two
+            while loops, whatever the run's length. The planner then decides for the run as a whole (keep the
+            layers' inputs, or checkpoint the run's input and recompute the run's forward in the backward), never
+            per layer inside it; each layer inside is recomputed once in the backward. Raises ``ValueError`` when
+            no run can be scanned (naming why), or with ``options``/``saved_dtypes`` (they name stages by index).
     """
 
     def __init__(
@@ -116,10 +122,14 @@ class Checkpointable(nn.Module):
         options: Mapping[int, Sequence[tuple[str, nn.Module]]] | None = None,
         saved_dtypes: Sequence[torch.dtype] = (),
         tpu_generation: str | None = "v5e",
+        scan: bool = False,
     ) -> None:
         super().__init__()
         self.model = model
         self.stages = flatten_sequential(model)
+        self.scan = scan
+        if scan:
+            self.stages = _scanned(self.stages, options, saved_dtypes)
         for index, stage in enumerate(self.stages):
             check_one_input(index, stage)
         self.mem_limit = None if mem_limit is None else parse_bytes(mem_limit, "Checkpointable: mem_limit")
@@ -345,3 +355,18 @@ class Checkpointable(nn.Module):
             check_schedule(schedule, self._need_chain("forward"))
             self._runnable = schedule
         return schedule
+
+
+def _scanned(stages: list[nn.Module], options: Any, saved_dtypes: Sequence[torch.dtype]) -> list[nn.Module]:
+    """``Checkpointable(scan=True)``'s stages: runs of identical stages as :class:`~revlib_xla.scan.ScannedStages`."""
+    from .scan import ScanUnsupported, scan_runs
+
+    if options or saved_dtypes:
+        raise ValueError(
+            "Checkpointable(scan=True): options and saved_dtypes name stages by index, which scanning regroups; "
+            "pass scan=False to use them"
+        )
+    try:
+        return scan_runs(stages)
+    except ScanUnsupported as why:
+        raise ValueError(f"Checkpointable(scan=True): {why}. Pass scan=False to run the stages one by one") from None

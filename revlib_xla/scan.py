@@ -39,6 +39,14 @@ scan, parameter gradients reach autograd together at the end of the sequence's b
 layer.
 
 Devices that do not trace lazily (cpu, cuda) run the layers unrolled, which is the same computation.
+
+Both loops read each layer's floating-point parameters through a value of the iteration (the stream, or the incoming
+gradient: :func:`revlib_xla.backend.after`). The TPU compiler runs float32 matrix products on bfloat16 operands; a
+body that only slices its weights out of the stacks let it convert the whole stacks once, outside both loops, and
+keep that bfloat16 copy through the step (half the float32 parameter bytes, growing with depth).
+
+:class:`ScannedStages` is the same idea for :class:`revlib_xla.Checkpointable` (``scan=True``): a run of identical
+stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree, backend, fsdp
 from ._grad_destination import GradDestination, node_destination
@@ -60,7 +69,7 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["ScanUnsupported", "layer_parameters", "repeat_period", "stack_layers"]
+__all__ = ["ScanUnsupported", "layer_parameters", "layer_shape", "repeat_period", "stack_layers"]
 
 _SCAN_SEED_HIGH = 2**62  # the bound torch_xla's scan draws its per-iteration seeds below
 
@@ -76,11 +85,17 @@ class ScanUnsupported(Exception):
 def _signature(layer: ReversibleModule) -> list[tuple[str, str, Any]]:
     """What must match between two layers for one traced body to run both: submodule types, settings and hooks,
     parameter and buffer names, shapes, dtypes and ties, and the coupling pair. ``(kind, name, value)`` entries."""
-    wrapper, block = layer.wrapped_module, layer.block
-    sig: list[tuple[str, str, Any]] = [
+    wrapper = layer.wrapped_module
+    return [
         ("coupling_forward", "", wrapper.coupling_forward),
         ("coupling_inverse", "", wrapper.coupling_inverse),
+        *_module_signature(layer.block),
     ]
+
+
+def _module_signature(block: nn.Module) -> list[tuple[str, str, Any]]:
+    """What must match between two modules for one traced body to run both (see :func:`_signature`)."""
+    sig: list[tuple[str, str, Any]] = []
     for name, module in block.named_modules(remove_duplicate=False):
         sig.append(("module", name, (type(module).__qualname__, module.extra_repr(), module.training)))
         for key, value in vars(module).items():
@@ -227,6 +242,17 @@ class _Views:
 def stacks_of(model: nn.Module) -> _Stacks | None:
     """The stacked storage of a sequence (:func:`stack_layers`), or ``None``."""
     return getattr(model, "_stacks", None)  # models pickled before stacked storage existed have none
+
+
+def layer_shape(param: Tensor, model: nn.Module) -> torch.Size:
+    """The shape ``param`` has in one layer: a stack of :func:`stack_layers` (a sequence anywhere in ``model``)
+    without its leading layer dimension, any other parameter its own shape. For rules by rank, such as weight decay
+    on matrices only: a stacked norm scale is 2-D, one layer's is 1-D (``len(layer_shape(p, model)) >= 2``)."""
+    for module in model.modules():
+        stacks = stacks_of(module)
+        if stacks is not None and any(p is param for p in stacks.params(module)):
+            return param.shape[1:]
+    return param.shape
 
 
 def stacked_views(model: nn.Module) -> Callable[[int], dict[str, Tensor]] | None:
@@ -686,6 +712,17 @@ class _Run:
             return tensors
         return tensors | {name: tensors[names[0]] for _, names in self.stacks[j] for name in names[1:]}
 
+    def _read_after(self, j: int, tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]:
+        """Position ``j``'s floating-point parameters in a loop body, read through ``token`` (a value of this
+        iteration, :func:`revlib_xla.backend.after`). Why: the TPU compiler runs float32 matrix multiplies on bfloat16
+        operands (DEFAULT precision), and hoists the conversion of a weight the loop only slices out of the loop:
+        a bfloat16 copy of every layer's weights, live through both loops (half the parameter bytes, growing with
+        depth). Read through a value of the iteration, the weight is converted one layer at a time, as the unrolled
+        walk does."""
+        assert self.layout is not None
+        buffers = set(self.layout.buffer_names[j])
+        return tensors | _params_after({n: t for n, t in tensors.items() if n not in buffers}, token)
+
     def _positions(self, j: int) -> Iterator[tuple[int, Tensor, tuple[str, ...]]]:
         """Position ``j``'s stacks with their index in ``inputs``."""
         assert self.stacks is not None
@@ -717,6 +754,7 @@ class _Run:
         def body(carry, xs):
             a0, a1 = carry
             for j, (tensors, stacked) in enumerate(xs):
+                tensors = self._read_after(j, tensors, a1)
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 buffers = [tensors[n] for n in layout.buffer_names[j]]
                 versions = [b._version for b in buffers]
@@ -792,6 +830,7 @@ class _Run:
                 tensors, stacked = xs[j]
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 b0, b1, g0, g1 = backend.optimization_barrier([b0, b1, g0, g1, *tensors.values()])[:4]
+                tensors = self._read_after(j, tensors, g1)
                 leaves = {n: t.detach().requires_grad_() if n in wanted[j] else t for n, t in tensors.items()}
                 x0, g0, g1, found = _recompute_vjp(
                     plan, j, b0, b1, g0, g1, args, kwargs, self._named(j, leaves), wanted[j], layer_autocast
@@ -955,3 +994,259 @@ class _ScannedLayers(torch.autograd.Function):
         trained = [node_destination(node) is not _UNUSED for node in edges]
         dx0, dx1, grads = run.backward(y0, y1, dy0, dy1, trained)
         return (None, dx0, dx1, *grads)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpointable: a run of identical stages as one scanned stage
+
+
+def _stage_refusal(stage: nn.Module) -> str | None:
+    """What keeps a stage from running inside a scan's body (traced once for every layer), or ``None``."""
+    for name, module in stage.named_modules():
+        where = f"its module {name or 'itself'!r}"
+        if any(getattr(module, h, None) for h in _MODULE_HOOKS):
+            return f"{where} has hooks (they would run once for all layers)"
+        if module.training and any(
+            b is not None and key not in module._non_persistent_buffers_set for key, b in module._buffers.items()
+        ):
+            return f"{where} is in training mode with buffers (running statistics, which the scan would not update)"
+    return None
+
+
+def scan_runs(stages: Sequence[nn.Module]) -> list[nn.Module]:
+    """``stages`` with every run of two or more consecutive stages identical in structure (module types, settings,
+    parameter and buffer names, shapes and dtypes) replaced by one :class:`ScannedStages`; stages that cannot run
+    in a scan's body (hooks, training-mode running statistics, a parameter shared with another stage) stay as they
+    are. Raises :class:`ScanUnsupported` naming why when no run is found."""
+    sigs = [_module_signature(stage) for stage in stages]
+    owners: dict[int, int] = {}
+    shared: set[int] = set()
+    for i, stage in enumerate(stages):
+        for p in stage.parameters():
+            if owners.setdefault(id(p), i) != i:
+                shared |= {i, owners[id(p)]}
+    refused = {i: why for i, stage in enumerate(stages) if (why := _stage_refusal(stage)) is not None}
+    out: list[nn.Module] = []
+    why_not: list[str] = []
+    i = 0
+    while i < len(stages):
+        end = i + 1
+        if i not in refused and i not in shared:
+            while end < len(stages) and end not in refused and end not in shared and sigs[end] == sigs[i]:
+                end += 1
+        if end - i >= 2:
+            out.append(ScannedStages(stages[i:end]))
+        else:
+            out.append(stages[i])
+            if i in refused:
+                why_not.append(f"stage {i} ({type(stages[i]).__name__}): {refused[i]}")
+            elif i in shared:
+                why_not.append(f"stage {i} ({type(stages[i]).__name__}) shares a parameter with another stage")
+            elif end < len(stages) and (how := _difference(sigs[i], sigs[end])) is not None:
+                why_not.append(f"stage {end} ({type(stages[end]).__name__}) differs from stage {i} ({how})")
+        i = end
+    if not any(isinstance(stage, ScannedStages) for stage in out):
+        raise ScanUnsupported(
+            "no two consecutive stages are identical in structure and scannable"
+            + (f": {why_not[0]}" if why_not else "")
+        )
+    return out
+
+
+class ScannedStages(nn.Module):
+    """A run of stages identical in structure, run as one stage with rematerialisation inside (what torch_xla's
+    ``scan_layers`` does with a full-remat partition, on this package's own loops): with autograd, the forward keeps
+    only each layer's input and the backward recomputes one layer at a time with autograd, in reverse, taking its
+    vector-Jacobian product. On XLA both are while loops over the layers' parameters and buffers stacked along a
+    new leading dimension (one layer compiled, whatever the run's length; the stacks and the inputs are transient
+    copies); on eager devices (cpu, cuda) the same steps run layer by layer on the layers' own parameters.
+
+    Each layer maps a tensor to a tensor of the same shape and dtype. Not supported (a clear error at the call):
+    layers that draw random numbers (dropout: one trace would draw the same numbers for every layer), layers that
+    change their buffers. Built by :class:`revlib_xla.Checkpointable` with ``scan=True`` (see :func:`scan_runs`)."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def extra_repr(self) -> str:
+        return f"{len(self.layers)} x {type(self.layers[0]).__name__}, scanned"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"ScannedStages ({self.extra_repr()}): the layers' input must be one tensor (the loop's carry), got "
+                f"{type(x).__name__}; pass scan=False to Checkpointable"
+            )
+        params = [p for layer in self.layers for p in layer.parameters()]
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return cast(Tensor, _ScannedStagesFn.apply(self, x, *params))
+        return self._run_forward(x, keep=False)[0]
+
+    # -- the loops ------------------------------------------------------------------------------------------------
+    def _stacked(self) -> dict[str, Tensor]:
+        """Every layer's parameters and buffers stacked by name (a copy), for the compiled loops."""
+        found = [dict(layer.named_parameters()) | dict(layer.named_buffers()) for layer in self.layers]
+        with torch.no_grad():
+            return {n: torch.stack([f[n] for f in found]) for n in found[0]}
+
+    def _check_carry(self, x: Tensor, y: Any) -> Tensor:
+        if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
+            got = f"{tuple(y.shape)} {y.dtype}" if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ScanUnsupported(
+                f"ScannedStages ({self.extra_repr()}): a layer maps {tuple(x.shape)} {x.dtype} to {got}; a scanned "
+                f"layer must return a tensor of its input's shape and dtype. Pass scan=False to Checkpointable"
+            )
+        return y
+
+    def _refuse_random(self, drawn: bool, before: backend.RngState, device: torch.device) -> None:
+        """Raise if the layers drew random numbers: ``drawn`` (seen operator by operator), or the device's or the
+        CPU's generator moved since ``before``."""
+        after = backend.RngState.capture(device)
+        moved = before.accel != after.accel or (
+            before.cpu is not None and after.cpu is not None and not torch.equal(before.cpu, after.cpu)
+        )
+        if drawn or moved:
+            raise ScanUnsupported(
+                f"ScannedStages ({self.extra_repr()}): the layers draw random numbers (dropout), which a scanned run "
+                f"of Checkpointable stages does not replay per layer; pass scan=False to Checkpointable (or use "
+                f"dropout outside the repeated stages)"
+            )
+
+    def _run_forward(self, x: Tensor, keep: bool) -> tuple[Tensor, Any]:
+        """The layers without autograd: the output, and with ``keep`` each layer's input (stacked on XLA)."""
+        device = x.device
+        before = backend.RngState.capture(device)
+        loop = backend.scan_loop(device) if backend.is_tracing_lazily(x) else None
+        if loop is None:
+            inputs = []
+            with _RandomOps() as seen:  # the stage may draw from generators of its own (Checkpointable's replay)
+                for layer in self.layers:
+                    if keep:
+                        inputs.append(x)
+                    x = self._check_carry(x, layer(x))
+            self._refuse_random(seen.drawn, before, device)
+            return x, inputs
+        template = self.layers[0]
+
+        def body(carry: Tensor, tensors: dict[str, Tensor]) -> tuple[Tensor, Any]:
+            tensors = _params_after(tensors, carry)
+            y = self._check_carry(carry, torch.func.functional_call(template, tensors, (carry,)))
+            return y, (carry if keep else ())
+
+        y, inputs = loop(body, x, self._stacked())
+        self._refuse_random(False, before, device)
+        return y, inputs
+
+    def _run_backward(
+        self, inputs: Any, dy: Tensor, trained: list[bool], autocast: backend.AutocastState
+    ) -> tuple[Tensor | None, list[Tensor | None]]:
+        """The input's gradient and the gradient of each layer's parameters (in ``parameters()`` order; ``None``
+        where not ``trained``), recomputing one layer at a time from its kept input."""
+        from .reversible import _vjp
+
+        per_layer = [list(layer.named_parameters()) for layer in self.layers]
+        count = len(per_layer[0])
+        loop = backend.scan_loop(dy.device) if backend.is_tracing_lazily(dy) else None
+        if loop is None:
+            grads: list[Tensor | None] = [None] * len(trained)
+            for t in reversed(range(len(self.layers))):
+                leaf = inputs[t].detach().requires_grad_()
+                wanted = [k for k in range(count) if trained[t * count + k]]
+                with torch.enable_grad(), autocast.replay():
+                    out = self.layers[t](_non_leaf(leaf))
+                found = _vjp(out, [leaf, *(per_layer[t][k][1] for k in wanted)], dy)
+                dy = found[0] if found[0] is not None else torch.zeros_like(leaf)
+                for k, g in zip(wanted, found[1:]):
+                    grads[t * count + k] = g if g is not None else torch.zeros_like(per_layer[t][k][1])
+            return dy, grads
+        names = [n for n, _ in per_layer[0]]
+        wanted_names = [n for k, n in enumerate(names) if any(trained[t * count + k] for t in range(len(self.layers)))]
+        template = self.layers[0]
+
+        def body(carry: Tensor, xs: tuple[Tensor, dict[str, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
+            x, tensors = xs
+            fenced = backend.optimization_barrier([carry, x, *tensors.values()])
+            g, x = fenced[0], fenced[1]
+            tensors = _params_after(dict(zip(tensors, fenced[2:])), g)
+            leaves = {n: t.detach().requires_grad_() if n in wanted_names else t for n, t in tensors.items()}
+            leaf = x.detach().requires_grad_()
+            with torch.enable_grad(), autocast.replay():
+                out = torch.func.functional_call(template, leaves, (_non_leaf(leaf),))
+            found = _vjp(out, [leaf, *(leaves[n] for n in wanted_names)], g)
+            dx = found[0] if found[0] is not None else torch.zeros_like(leaf)
+            return dx, {n: f if f is not None else torch.zeros_like(leaves[n]) for n, f in zip(wanted_names, found[1:])}
+
+        with torch.no_grad():
+            dx, stacked = loop(body, dy, (inputs, self._stacked()), reverse=True)
+        grads = [None] * len(trained)
+        for t in range(len(self.layers)):
+            for k, name in enumerate(names):
+                if trained[t * count + k]:
+                    grads[t * count + k] = stacked[name][t]
+        return dx, grads
+
+
+def _non_leaf(leaf: Tensor) -> Tensor:
+    """``leaf`` as a view, the input a layer gets in a backward body: module trackers (``MemTracker``, FSDP) put
+    multi-tensor gradient hooks on a module's inputs, which fail on a leaf inside ``torch.autograd.grad``."""
+    with torch.enable_grad():
+        return leaf.view_as(leaf)
+
+
+class _RandomOps(TorchDispatchMode):
+    """Whether an operator that draws random numbers ran (``torch.Tag.nondeterministic_seeded``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.drawn = True
+        return func(*args, **(kwargs or {}))
+
+
+def _params_after(tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]:
+    """A loop body's floating-point tensors read through ``token``, a value of the iteration (see
+    :meth:`_Run._read_after`: no hoisted bfloat16 copy of every layer's weights on TPU); the others as they are."""
+    floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
+    return tensors | backend.after(floating, token)
+
+
+class _ScannedStagesFn(torch.autograd.Function):
+    """A :class:`ScannedStages` run with autograd: the forward keeps each layer's input, the backward recomputes."""
+
+    @staticmethod
+    def forward(ctx, owner: ScannedStages, x: Tensor, *params: Tensor):  # type: ignore[override]
+        ctx.owner = owner
+        ctx.autocast = backend.AutocastState.capture(x.device)
+        with torch.no_grad():
+            y, inputs = owner._run_forward(x, keep=True)
+        ctx.inputs = inputs
+        ctx.save_for_backward(x, *params)  # torch's own error if one is changed in place before the backward
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        owner: ScannedStages = ctx.owner
+        x, *params = ctx.saved_tensors
+        trained = list(ctx.needs_input_grad[2:])
+        if torch.is_grad_enabled():  # create_graph=True: the layers again with autograd, differentiable
+            with torch.enable_grad(), ctx.autocast.replay():
+                out = x
+                for layer in owner.layers:
+                    out = layer(out)
+            wants_x = ctx.needs_input_grad[1]
+            wrt = [x] * wants_x + [p for p, need in zip(params, trained) if need]
+            found = iter(torch.autograd.grad(out, wrt, dy, create_graph=True, allow_unused=True))
+            dx = next(found) if wants_x else None
+            return (None, dx, *(next(found) if need else None for need in trained))
+        if ctx.inputs is None:
+            raise RuntimeError(
+                f"ScannedStages ({owner.extra_repr()}): a second backward through the same forward; its layers' inputs "
+                f"were freed by the first (Checkpointable runs its forward phase again for a retained graph)"
+            )
+        dx, grads = owner._run_backward(ctx.inputs, dy, trained, ctx.autocast)
+        ctx.inputs = None  # the layers' inputs: freed with the backward, as autograd frees saved tensors
+        return (None, dx, *grads)

@@ -324,6 +324,10 @@ def test_stacked_layers_keep_the_unstacked_state_dict():
     reference, stacked = _stacked_pair(_two_kinds())
     assert [n for n, _ in stacked.named_parameters()][:2] == ["stacked_0_0_net_0_weight", "stacked_0_0_net_0_bias"]
     assert stacked.stacked_0_1_net_0_weight.shape == (2, 2 * WIDTH, WIDTH)  # two kinds alternate: 2 of each
+    # one layer's shapes (a weight-decay rule by rank), also from a model holding the sequence
+    holder = nn.Sequential(nn.LayerNorm(WIDTH), stacked)
+    shapes = [tuple(revlib.scan.layer_shape(p, holder)) for p in holder.parameters()]
+    assert shapes == [(WIDTH,), (WIDTH,)] + [tuple(p.shape) for p in reference.parameters()][:8]
     assert sum(p.numel() for p in stacked.parameters()) == sum(p.numel() for p in reference.parameters())
     expected, found = reference.state_dict(), stacked.state_dict()
     assert list(found) == list(expected)

@@ -1,0 +1,160 @@
+"""``Checkpointable(scan=True)``: a run of identical stages runs as one stage with rematerialisation inside
+(revlib_xla.scan.ScannedStages): the plain model's gradients (float64 on cpu, layer by layer; float32 on XLA, two
+while loops, against the unscanned Checkpointable), one layer compiled whatever the depth, one compile per step after
+the first, and clear errors where it cannot apply."""
+
+import pytest
+import torch
+from conftest import max_rel_err
+from torch import nn
+
+import revlib_xla as revlib
+from revlib_xla import backend
+from revlib_xla.planner import Chain, Op, Schedule, simulate
+from revlib_xla.scan import ScannedStages
+
+WIDTH = 16
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP block, as a transformer's."""
+
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up, self.down = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.dropout(self.down(torch.tanh(self.up(self.norm(x)))))
+
+
+def _model(depth: int, seed: int = 0, p: float = 0.0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), *[Block(p) for _ in range(depth)], nn.Linear(WIDTH, 1))
+
+
+def _grads(model, module, x):
+    module(x).square().sum().backward()
+    return [p.grad for p in model.parameters()], x.grad
+
+
+def _x(dtype=torch.float64):
+    return torch.randn(8, 4, WIDTH, dtype=dtype, generator=torch.Generator().manual_seed(1)).requires_grad_()
+
+
+# Stage 1 (the scanned run) checkpointed in the forward and recomputed with autograd in the backward: what the
+# planner picks when keeping the layers' inputs costs more than the budget allows.
+RECOMPUTED = (("Fe", 0), ("CF", 1), ("Fe", 2), ("L", 3), ("B", 2), ("Fe", 1), ("B", 1), ("B", 0))
+
+
+def _recomputed(chain) -> Schedule:
+    ops = [Op(kind, i) for kind, i in RECOMPUTED]
+    return Schedule(tuple(ops), *simulate(chain, ops), chain)
+
+
+def test_scanned_run_equals_the_plain_model_on_cpu():
+    """Scanned stages hold a planned stage's place: whether the run's layers' inputs are kept (the fastest plan) or
+    the run's forward is recomputed from its checkpoint, the gradients are plain autograd's."""
+    reference = _model(5).double()
+    expected, dx_ref = _grads(reference, reference, _x())
+    model = _model(5).double()
+    checkpointed = revlib.Checkpointable(model, scan=True)
+    kinds = [type(s) for s in checkpointed.stages]
+    assert kinds == [nn.Linear, ScannedStages, nn.Linear] and len(checkpointed.stages[1].layers) == 5
+    checkpointed.measure(_x())
+    chain = checkpointed.chain
+    assert chain.cbw[2] == 5 * chain.cw[1]  # what the run keeps with autograd: its layers' inputs
+    for schedule in (checkpointed.compute_sequence(), _recomputed(chain)):
+        checkpointed.sequence = schedule
+        model.zero_grad(set_to_none=True)
+        found, dx = _grads(model, checkpointed, _x())
+        assert max_rel_err(dx, dx_ref) < 1e-12
+        for g, g_ref in zip(found, expected):
+            assert max_rel_err(g, g_ref) < 1e-12
+        # torch.autograd.grad of one parameter, as the plain model gives it
+        (g,) = torch.autograd.grad(checkpointed(_x()).square().sum(), [model[2].up.weight])
+        assert max_rel_err(g, expected[[n for n, _ in model.named_parameters()].index("2.up.weight")]) < 1e-12
+    # a second backward through a retained graph (Checkpointable runs the forward phase again): twice the gradients
+    model.zero_grad(set_to_none=True)
+    out = checkpointed(_x()).square().sum()
+    out.backward(retain_graph=True)
+    out.backward()
+    for p, g_ref in zip(model.parameters(), expected):
+        assert max_rel_err(p.grad, 2 * g_ref) < 1e-12
+
+
+def test_scan_true_errors():
+    with pytest.raises(
+        ValueError,
+        match=r"scan=True\): no two consecutive stages are identical.*stage 1 \(Linear\) differs from stage 0",
+    ):
+        revlib.Checkpointable(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 4)), scan=True)
+    with pytest.raises(ValueError, match=r"options and saved_dtypes name stages by index"):
+        revlib.Checkpointable(_model(2), scan=True, saved_dtypes=[torch.bfloat16])
+    bn = nn.Sequential(*[nn.BatchNorm1d(4) for _ in range(3)])
+    with pytest.raises(ValueError, match=r"stage 0 \(BatchNorm1d\): its module 'itself' is in training mode"):
+        revlib.Checkpointable(bn, scan=True)
+    dropout = revlib.Checkpointable(_model(3, p=0.5), scan=True)
+    with pytest.raises(Exception, match=r"draw random numbers \(dropout\).*pass scan=False"):
+        dropout(_x(torch.float32)).sum().backward()
+    wider = revlib.Checkpointable(nn.Sequential(*[nn.Linear(4, 4) for _ in range(2)], nn.Linear(4, 2)), scan=True)
+    assert type(wider.stages[0]) is ScannedStages
+    with pytest.raises(TypeError, match=r"the layers' input must be one tensor"):
+        wider.stages[0]((torch.ones(4), torch.ones(4)))
+
+
+def _xla():
+    if not backend.xla_available():
+        pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
+    import torch_xla
+
+    return backend.device_for("xla"), torch_xla
+
+
+def _executor(depth: int):
+    """The stages of ``Checkpointable(scan=True)`` run with the run recomputed in the backward, by
+    :class:`revlib_xla.planner.ScheduleExecutor` (no measuring: on XLA that compiles every stage several times)."""
+    model = _model(depth)
+    stages = revlib.Checkpointable(model, scan=True).stages
+    chain = Chain([1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 3, [0.0] * 4)  # the schedule's shape only
+    return model, revlib.planner.ScheduleExecutor(nn.Sequential(*stages), _recomputed(chain))
+
+
+@pytest.mark.slow
+def test_scanned_run_on_xla_compiles_one_layer_and_equals_the_plain_model():
+    """The same loops and matrix products whatever the depth (2 and 4 layers: one layer compiled), no compile after
+    the first steps, and the plain model's gradients on XLA, with the run's forward recomputed in the backward."""
+    device, torch_xla = _xla()
+    import torch_xla.debug.metrics as met
+
+    counts, compiles = {}, []
+    for depth in (2, 4):
+        model, executor = _executor(depth)
+        model.to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for step in range(3 if depth == 4 else 1):
+            met.clear_all()
+            opt.zero_grad(set_to_none=True)
+            x = _x(torch.float32).detach().to(device)
+            executor(x).square().sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            if step == 0:
+                hlo = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+                counts[depth] = (hlo.count(" while("), hlo.count(" dot("))
+            if depth == 2:
+                break  # traced, not run
+            if step == 0:
+                reference = _model(depth).to(device)
+                reference(x).square().sum().backward()
+                # float32, the same operations in another order (a loop body, fused apart): rounding only
+                for g, g_ref in zip(grads, reference.parameters()):
+                    assert max_rel_err(g.cpu(), g_ref.grad.cpu()) < 1e-5
+            opt.step()
+            torch_xla.sync()
+            data = met.metric_data("CompileTime")
+            compiles.append(0 if data is None else data[0])
+    # the run's forward without autograd (CF), again keeping its layers' inputs (Fe), its backward: three loops
+    assert counts[2][0] == counts[4][0] == 3
+    assert counts[2][1] == counts[4][1] > 0
+    assert compiles[0] >= 1 and compiles[-1] == 0, compiles
