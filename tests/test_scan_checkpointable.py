@@ -147,6 +147,7 @@ def test_scanned_run_on_xla_compiles_one_layer_and_equals_the_plain_model():
             if step == 0:
                 reference = _model(depth).to(device)
                 reference(x).square().sum().backward()
+                torch_xla.sync()  # one execution for every gradient (each read alone would run the step again)
                 # float32, the same operations in another order (a loop body, fused apart): rounding only
                 for g, g_ref in zip(grads, reference.parameters()):
                     assert max_rel_err(g.cpu(), g_ref.grad.cpu()) < 1e-5
