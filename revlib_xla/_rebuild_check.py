@@ -19,6 +19,13 @@ value that is never computed is never read. There its output makes the first ste
 steps': one more compilation where the first two steps would otherwise share a graph (``verify_inverse=False``
 skips the check). Code that traces a step without running it switches arming off (:func:`suspended`): the
 traced program stays the step's own.
+
+Under data parallelism (the forward runs inside ``DistributedDataParallel``, or the parameters are FSDP2's
+``DTensor`` s) the processes decide together (:func:`agreeing_group`): every process's measured error is replaced
+by the largest over the group (one all-reduce, in the first step only), so a process whose data cannot be rebuilt
+does not raise alone while the others wait in the next gradient all-reduce until the collective's timeout; all
+raise the same error. On a lazy device the verdict is read at the next forward, after the step: agreeing there
+would need the all-reduce in the step's graph (torch_xla's process group); not done, each process reads its own.
 """
 
 from __future__ import annotations
@@ -26,16 +33,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from . import backend
 
 Tensor = torch.Tensor
 
-__all__ = ["RebuildCheck", "Verdict", "rebuild_error", "relative_error", "settle", "suspended", "tolerance"]
+__all__ = [
+    "RebuildCheck",
+    "Verdict",
+    "agreeing_group",
+    "rebuild_error",
+    "relative_error",
+    "settle",
+    "suspended",
+    "tolerance",
+]
 
 #: The relative error (max abs error / max abs value) a rebuilt input may have, by the dtype of the streams or the
 #: blocks (the coarser counts).
@@ -64,6 +81,32 @@ def rebuild_error(rebuilt0: Tensor, rebuilt1: Tensor, x0: Tensor, x1: Tensor, sc
     tensor, computed where the streams are)."""
     scale = magnitude(x0, x1) if scale is None else scale
     return torch.maximum(relative_error(rebuilt0, x0, scale), relative_error(rebuilt1, x1, scale))
+
+
+def agreeing_group(params: Sequence[Tensor]) -> Any:
+    """The process group whose processes must reach the same verdict, or ``None``: the group of the
+    ``DistributedDataParallel`` whose forward is running, or of the device mesh of parameters that are ``DTensor``
+    (FSDP2; a mesh of several dimensions: all processes, if it spans them), where it has more than one process.
+    Called at the forward (where DDP is known to be running)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group: Any = None
+    ddp = getattr(torch.nn.parallel.DistributedDataParallel, "_active_ddp_module", None)  # set in DDP's forward
+    if ddp is not None:
+        group = ddp.process_group
+    else:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch < 2.5 keeps it private; FSDP2 needs 2.6
+            return None
+        mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        if mesh is None:
+            return None
+        if mesh.ndim == 1:
+            group = mesh.get_group()
+        elif mesh.size() == dist.get_world_size():
+            group = dist.group.WORLD
+    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 _LOCAL = threading.local()
@@ -159,6 +202,7 @@ class RebuildCheck:
     first: int = 0  # the layer whose input is kept: the first one the backward rebuilds
     streams: tuple[Tensor, Tensor] | None = None
     versions: tuple[int, int] = (0, 0)
+    group: Any = None  # the processes that decide together (agreeing_group), or None
 
     def keep(self, first: int, x0: Tensor, x1: Tensor) -> None:
         """Keep ``(x0, x1)``, the input of layer ``first``, as detached aliases (their versions are checked)."""
@@ -172,12 +216,18 @@ class RebuildCheck:
             return
         x0, x1 = self.streams
         self.streams = None  # measured once, also when the graph is kept for another backward
-        if (x0._version, x1._version) != self.versions:
-            return  # the input was changed in place after the forward: nothing to compare with (checked next time)
+        changed = (x0._version, x1._version) != self.versions  # in place after the forward: nothing to compare with
+        if changed and self.group is None:
+            return  # (checked next time)
         with torch.no_grad():
             scale = magnitude(x0, x1)
             error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1, scale)
             error = torch.where(torch.isfinite(scale), error, torch.full_like(error, -1.0))
+            if changed:
+                error = torch.full_like(error, -1.0)
+        if self.group is not None and backend.value_ready(error):
+            # every process raises, or passes, or measures again next step, together (-1: not measured)
+            dist.all_reduce(error, op=dist.ReduceOp.MAX, group=self.group)
         through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
         what = f"{through} ({self.layers} in all; {_dtypes(self.key, self.autocast)})"
         verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)

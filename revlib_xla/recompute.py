@@ -480,6 +480,7 @@ class RecomputeState:
     def __init__(self) -> None:
         self._changing: set = set()
         self._seen: set = set()
+        self._unsure: list[tuple[Any, Tensor]] = []  # (key, lazy "kept its value"): taken as changing until read
         self._random_checked = False
 
     @classmethod
@@ -498,6 +499,8 @@ class RecomputeState:
         :func:`owned_buffers`), or of the device copies ``tensors`` standing for them. ``None`` when it has none."""
         if not buffers:
             return None
+        if self._unsure:
+            self._settle()
         tensors = [b for _, b in buffers] if tensors is None else tensors
         keys = [(id(b), owner.training) for owner, b in buffers]
         fresh = [k not in self._seen for k in keys]
@@ -516,7 +519,7 @@ class RecomputeState:
             key, copy = watch.keys[k], watch.copies[k]
             if watch.fresh[k]:
                 self._seen.add(key)
-                if t._version == watch.versions[k] and copy is not None and torch.equal(t, copy):
+                if t._version == watch.versions[k] and copy is not None and self._kept(key, t, copy):
                     continue
                 self._changing.add(key)
             elif key not in self._changing:
@@ -539,6 +542,29 @@ class RecomputeState:
                 stacklevel=4,
             )
         return SavedBuffers(saved, before) if saved else None
+
+    def _kept(self, key: Any, tensor: Tensor, before: Tensor) -> bool:
+        """Whether a buffer whose version did not move kept its value through the unit's first run, without running
+        pending work: compared where the values are ready (eager devices). On a lazy device (XLA) a buffer that
+        still holds device data was not written (a write makes it a pending value); one that is pending is taken
+        as changing, and compared once the step has run (:meth:`_settle`, at a later call)."""
+        if backend.value_ready(tensor) and backend.value_ready(before):
+            return torch.equal(tensor, before)
+        if backend.value_ready(tensor):
+            return True
+        if tensor.shape == before.shape:
+            with torch.no_grad():
+                self._unsure.append((key, torch.eq(tensor, before).all()))
+        return False
+
+    def _settle(self) -> None:
+        """Read the lazy comparisons of :meth:`_kept` that are computed: a buffer that kept its value is no longer
+        copied."""
+        ready = [(key, same) for key, same in self._unsure if backend.value_ready(same)]
+        self._unsure = [(key, same) for key, same in self._unsure if not backend.value_ready(same)]
+        for key, same in ready:
+            if bool(same):
+                self._changing.discard(key)
 
     def python_random_check(self, where: str) -> Any:
         """A context for an engine's training call: at the first one, report a block that draws from Python's

@@ -1371,6 +1371,7 @@ class ReversibleSequential(nn.Sequential):
                 fused=self.fused_optimizer is not None,
                 replays_random=plan.call.seed is not None,
                 autocast=cast[0] if cast else None,
+                group=_rebuild_check.agreeing_group(plan.params),  # data parallel: the processes decide together
             )
             plan.rebuild.keep(0, x0, x1)
 

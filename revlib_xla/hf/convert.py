@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .. import backend
 from .. import fewbit as _fewbit
 from .._tree import detached, tree_leaves
 from ..checkpointable import Checkpointable, _signature
@@ -96,6 +97,41 @@ def _without_cache(args: tuple[Any, ...], kwargs: dict[str, Any], strategy: str)
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
     return tuple(clean(a) for a in args), kwargs
+
+
+def _takes_causal_mask(model: nn.Module) -> bool:
+    """Whether ``model`` is a decoder-only causal LM of a family :mod:`revlib_xla.hf.configs` knows, attending to
+    all earlier positions (no sliding window): the mask transformers builds without an ``attention_mask`` is then
+    the plain causal one."""
+    from .configs import CONFIGS
+
+    config = getattr(model, "config", None)
+    causal = {model_type for model_type, task, _ in CONFIGS.values() if task == "causal-lm"}
+    return (
+        config is not None
+        and getattr(config, "model_type", None) in causal
+        and not getattr(config, "is_encoder_decoder", False)
+        and not getattr(config, "sliding_window", None)
+        and "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+        and callable(getattr(model, "generate", None))  # a language model, not a classifier on the same layers
+    )
+
+
+def _causal_mask_on_lazy_devices(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """On a lazy device (XLA), a call without ``attention_mask``, ``position_ids`` and KV cache gets the causal mask
+    as a 4-D tensor (what transformers would build): without one, transformers reads the position ids from the
+    device to look for packed sequences, which runs the graph in the middle of every step."""
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(tokens, torch.Tensor) or not backend.is_tracing_lazily(tokens) or args[1:]:
+        return None
+    if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "past_key_values", "inputs_embeds")):
+        return None
+    from .train import _causal_mask
+
+    mask = _causal_mask(model, tokens)
+    return None if mask is None else (args, {**kwargs, "attention_mask": mask})
 
 
 class _Call:
@@ -452,5 +488,7 @@ def memory_efficient(
     setattr(stack.owner, stack.attr, converted)
     stack.owner.register_forward_pre_hook(converted.enter)
     stack.owner.register_forward_hook(converted.leave, always_call=True)
+    if _takes_causal_mask(model):
+        model.register_forward_pre_hook(_causal_mask_on_lazy_devices, with_kwargs=True)
     model.__dict__["revlib_xla_conversion"] = Conversion(strategy, stack.path, type(layers[0]).__name__, runner)
     return model

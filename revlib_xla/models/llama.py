@@ -646,7 +646,8 @@ def chunked_next_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, chun
     cross entropy are computed under activation checkpointing (:func:`revlib_xla.backend.checkpoint`: on XLA behind
     optimization barriers, so the compiler cannot merge the recomputation back into the forward), which keeps only
     the chunk's input and recomputes its logits in the backward pass. The mean is the sum of the chunks' sums over
-    the count: the same function as the unchunked loss, summed in another order.
+    the count of targets that are not ``-100`` (cross entropy's ``ignore_index``, as in the unchunked mean): the same
+    function as the unchunked loss, summed in another order.
     """
     if chunk < 1:
         raise ValueError(f"chunked_next_token_loss: chunk={chunk} must be a positive number of positions")
@@ -660,7 +661,7 @@ def chunked_next_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, chun
             loss = _chunk_loss_sum(*part)
         total = loss if total is None else total + loss
     assert total is not None, "tokens has a single position: nothing to predict"
-    return total / targets.numel()
+    return total / targets.ne(-100).sum()  # the targets F.cross_entropy counts (not its ignore_index)
 
 
 def build_llama(

@@ -437,6 +437,7 @@ class HostOptimizerState(torch.optim.Optimizer):
         self.device_params = params
         self.annotate = annotate
         self._deferred: list[list[Tensor]] = []
+        self._sums: list[Tensor | None] = [None] * len(params)  # float32 sums of micro-batch gradients (host)
         if annotate:
             self.inner = _adamw(cfg, params)
         else:
@@ -485,6 +486,42 @@ class HostOptimizerState(torch.optim.Optimizer):
         host in the master's dtype (the weights are stepped one at a time)."""
         return max((h.numel() * h.element_size() for h in getattr(self, "host", [])), default=0)
 
+    @property
+    def accumulates_on_host(self) -> bool:
+        """Whether micro-batch gradients are summed on the host (:meth:`accumulate`): the device gradients are
+        narrower than the masters (bfloat16), and a sum in their dtype would round at every addition."""
+        return not self.annotate and any(h.dtype != p.dtype for h, p in zip(self.host, self.device_params))
+
+    @torch.no_grad()
+    def accumulate(self) -> None:
+        """Add the device gradients to their float32 sums on the host and free them (after each micro-batch's
+        backward; :meth:`step` steps with the sums). Traced for sizing (:meth:`device_part_only`): nothing."""
+        if self._deferred:
+            return
+        grads = [p.grad for p in self.device_params]
+        if self.device_params and backend.backend_for(self.device_params[0].device).lazy:
+            backend.sync(self.device_params[0].device)
+        for i, (h, p, g) in enumerate(zip(self.host, self.device_params, grads)):
+            if g is not None:
+                grad = backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+                total = self._sums[i]
+                self._sums[i] = grad if total is None else total.add_(grad)
+                p.grad = None
+
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> None:
+        """Clip by the global norm the gradients :meth:`step` will use: the host sums where :meth:`accumulate`
+        made them, else ``params``' device gradients."""
+        if not any(s is not None for s in self._sums):
+            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return
+        for h, total in zip(self.host, self._sums):
+            h.grad = total
+        try:
+            torch.nn.utils.clip_grad_norm_(self.host, max_norm)  # scales the sums in place
+        finally:
+            for h in self.host:
+                h.grad = None
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self.annotate:
@@ -506,10 +543,12 @@ class HostOptimizerState(torch.optim.Optimizer):
                 loss = closure()
         # One weight at a time: AdamW steps only the weights that have a gradient, so the host holds one float32
         # gradient beside the masters and state (llama-3b: 1.5 GiB for the embedding, not 12 GiB for all).
-        for h, p, g in zip(self.host, self.device_params, grads):
-            if g is None:
+        for i, (h, p, g) in enumerate(zip(self.host, self.device_params, grads)):
+            total, self._sums[i] = self._sums[i], None
+            if g is None and total is None:
                 continue
-            h.grad = backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+            grad = None if g is None else backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+            h.grad = total if grad is None else grad if total is None else total.add_(grad)
             self.inner.step()
             h.grad = None
             p.copy_(h, non_blocking=False)
@@ -545,6 +584,7 @@ class HostOptimizerState(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.device_params:
             p.grad = None
+        self._sums = [None] * len(self.device_params)
         self.inner.zero_grad(set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -617,6 +657,8 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     accum = cfg.optim.grad_accum_steps
     clip = cfg.optim.grad_clip
+    # bfloat16 device gradients are summed over micro-batches in float32 on the host, not rounded at each addition
+    host = optimizer if isinstance(optimizer, HostOptimizerState) and optimizer.accumulates_on_host else None
 
     def scope() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -635,9 +677,13 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
             with scope():
                 loss = lm_loss(model, micro) / accum
             loss.backward()
+            if host is not None and accum > 1:
+                host.accumulate()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
-        if clip > 0:
+        if clip > 0 and host is not None:
+            host.clip_grad_norm_(params, clip)
+        elif clip > 0:
             torch.nn.utils.clip_grad_norm_(params, clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
