@@ -14,6 +14,8 @@ The config's ``mesh`` section gives their sizes, one of them ``-1`` for the devi
   output features of ``q/k/v/gate/up_proj``, the embedding and the head; the input features of ``o_proj`` and
   ``down_proj``) and are split over ``fsdp`` along their other dimension; any other matrix is split over
   ``fsdp`` along its largest dimension that divides evenly. Vectors (norm scales, biases) are whole on every device.
+  Scanned layers' stacked parameters (:func:`revlib_xla.scan.stack_layers`) are split as their layers, the layer
+  dimension whole.
 * The token batch (:func:`shard_batch`): split along its first dimension over ``data x fsdp``.
 
 Memory per device of the parameters, gradients and optimizer state is then ``1/(fsdp*tensor)`` of the model's,
@@ -269,7 +271,8 @@ def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
     """The mesh of run config ``cfg`` (its ``mesh`` section) over the devices this process drives, made the active
     one (:func:`shard_batch` splits each step's batch over it, :func:`revlib_xla.train.strategy.build_model` the
     parameters), after checking that the run can use it: the batch (per micro-batch) splits over ``data x fsdp``
-    and the parameters are not streamed from host memory. ``None`` (and no active mesh) on one device.
+    and the parameters are not streamed from host memory. ``None`` (and no active mesh) on one device. The planned
+    strategy (``strategy.activations=plan``) plans for each device's share of the batch (:func:`planning_budget`).
 
     ``device``: where the run goes (default: ``train.device``, ``auto`` = the default device's family). Call it
     before anything is put on that device: SPMD is switched on before the runtime starts."""
