@@ -14,6 +14,8 @@ The config's ``mesh`` section gives their sizes, one of them ``-1`` for the devi
   output features of ``q/k/v/gate/up_proj``, the embedding and the head; the input features of ``o_proj`` and
   ``down_proj``) and are split over ``fsdp`` along their other dimension; any other matrix is split over
   ``fsdp`` along its largest dimension that divides evenly. Vectors (norm scales, biases) are whole on every device.
+  Scanned layers' stacked parameters (:func:`revlib_xla.scan.stack_layers`) are split as their layers, the layer
+  dimension whole.
 * The token batch (:func:`shard_batch`): split along its first dimension over ``data x fsdp``.
 
 Memory per device of the parameters, gradients and optimizer state is then ``1/(fsdp*tensor)`` of the model's,
@@ -54,6 +56,7 @@ __all__ = [
     "make_mesh",
     "apply_mesh",
     "active_mesh",
+    "planning_budget",
     "shard_model",
     "shard_batch",
     "shard_step",
@@ -68,6 +71,9 @@ BATCH_AXES = ("data", "fsdp")
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed", "head")
 #: Modules whose weight is split over ``tensor`` along its input features.
 ROW_PARALLEL = ("o_proj", "down_proj")
+
+#: The prefix of a stacked parameter's attribute (:func:`revlib_xla.scan.stack_layers`).
+STACKED = "stacked_"
 
 #: How a tensor is split: per dimension, the mesh axis (or axes) it is split over, or ``None`` (whole).
 Spec = tuple[str | tuple[str, ...] | None, ...]
@@ -157,8 +163,16 @@ def _divides(ways: int, size: int) -> bool:
 def parameter_spec(name: str, shape: Sequence[int], mesh: MeshShape) -> Spec:
     """How the parameter ``name`` (its qualified name, e.g. ``layers.0.attn.self_attn.q_proj.weight``) of
     ``shape`` is split over ``mesh`` (see the module docstring). An axis is used only where it divides the
-    dimension evenly; a parameter nothing divides stays whole on every device."""
+    dimension evenly; a parameter nothing divides stays whole on every device.
+
+    A stacked parameter (:func:`revlib_xla.scan.stack_layers`: ``<sequence>.stacked_<layer>_<path with dots as
+    underscores>``, one ``[layers, ...]`` tensor for a repeated layer's parameter) gets its layers' rule on the
+    dimensions after the first and keeps the layer dimension whole: split over it, each scan iteration would
+    gather its layer from other devices, and the Megatron split of each layer's matrices would be lost."""
     shape = tuple(int(d) for d in shape)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf.startswith(STACKED) and len(shape) > 1:
+        return (None, *parameter_spec(_layer_name(leaf), shape[1:], mesh))
     spec: list[str | None] = [None] * len(shape)
     if len(shape) < 2:
         return tuple(spec)
@@ -177,6 +191,17 @@ def parameter_spec(name: str, shape: Sequence[int], mesh: MeshShape) -> Spec:
                 spec[dim] = "fsdp"
                 break
     return tuple(spec)
+
+
+def _layer_name(stacked: str) -> str:
+    """A layer's name for its parameter stacked as ``stacked`` (the stack's attribute): ``<owner>.<leaf>`` where
+    the owner is one of the Megatron modules (the stacked name joins the path with underscores), else the
+    attribute without the prefix (the generic rule does not read the name)."""
+    for owner in COLUMN_PARALLEL + ROW_PARALLEL:
+        for leaf in ("weight", "bias"):
+            if stacked.endswith(f"_{owner}_{leaf}"):
+                return f"{owner}.{leaf}"
+    return stacked.removeprefix(STACKED)
 
 
 def batch_spec(ndim: int) -> Spec:
@@ -246,7 +271,8 @@ def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
     """The mesh of run config ``cfg`` (its ``mesh`` section) over the devices this process drives, made the active
     one (:func:`shard_batch` splits each step's batch over it, :func:`revlib_xla.train.strategy.build_model` the
     parameters), after checking that the run can use it: the batch (per micro-batch) splits over ``data x fsdp``
-    and the parameters are not streamed from host memory. ``None`` (and no active mesh) on one device.
+    and the parameters are not streamed from host memory. ``None`` (and no active mesh) on one device. The planned
+    strategy (``strategy.activations=plan``) plans for each device's share of the batch (:func:`planning_budget`).
 
     ``device``: where the run goes (default: ``train.device``, ``auto`` = the default device's family). Call it
     before anything is put on that device: SPMD is switched on before the runtime starts."""
@@ -263,12 +289,6 @@ def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
     micro = cfg.data.batch_size // cfg.optim.grad_accum_steps
     what = "data.batch_size" + (" / optim.grad_accum_steps (a micro-batch)" if cfg.optim.grad_accum_steps > 1 else "")
     check_batch(micro, mesh.shape, what)
-    if cfg.strategy.activations == "plan":
-        raise ShardingError(
-            f"strategy.activations=plan measures its stages through torch_xla's StableHLO export, which crashes the "
-            f"process under SPMD (torch_xla 2.9), so it cannot plan over the mesh ({mesh.shape}); use "
-            f"strategy.activations=reversible or checkpoint under a mesh, or set every mesh axis to 1"
-        )
     if cfg.strategy.offload.params:
         raise ShardingError(
             f"strategy.offload.params=true streams whole layers from host memory to one device and cannot be split "
@@ -276,6 +296,16 @@ def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
             f"device: set strategy.offload.params=false, or every mesh axis to 1"
         )
     return mesh
+
+
+def planning_budget(budget: int, mesh: Mesh | None) -> int:
+    """The budget the planner (``strategy.activations=plan``) solves against, for ``budget`` bytes of activations
+    per device. The planner measures the stages on the whole batch of the step, where each device of ``mesh``
+    holds ``1/(data*fsdp)`` of it; every size it plans with (checkpoints, saved activations, temporaries) grows
+    with the batch, so the whole batch's schedule within ``budget * data * fsdp`` bytes is each device's within
+    ``budget``. (A ``tensor`` axis splits some activations further; the plan counts them whole: it errs towards
+    memory.) Without a mesh: ``budget``."""
+    return budget if mesh is None else budget * mesh.shape.ways(BATCH_AXES)
 
 
 def active_mesh(device: backend.DeviceLike = None) -> Mesh | None:

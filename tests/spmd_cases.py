@@ -16,9 +16,11 @@ import warnings
 import torch
 
 from revlib_xla import backend, sharding
+from revlib_xla.models.llama import build_llama
+from revlib_xla.scan import stacks_of
 from revlib_xla.train.config import load_config
 from revlib_xla.train.loop import train
-from revlib_xla.train.strategy import build_model, build_optimizer, language_model, lr_at, make_step
+from revlib_xla.train.strategy import build_model, build_optimizer, language_model, lr_at, make_step, model_config
 
 TINY = [
     "model.overrides={vocab_size: 256, dim: 64, n_layers: 2, n_heads: 4, n_kv_heads: 2, ffn_dim: 128}",
@@ -26,6 +28,7 @@ TINY = [
     "data.batch_size=8",
     "optim.lr=1e-2",
 ]
+PLAN_BUDGET = 2_400_000  # bytes of activations of the whole batch: the planner must recompute some
 STEPS = 3  # the first creates the optimizer state: the compile count must stay still from the second
 
 
@@ -34,13 +37,38 @@ def batches(n: int) -> list[torch.Tensor]:
     return [torch.randint(0, 256, (8, 12), generator=g) for _ in range(n)]
 
 
-def run_steps(cfg, device) -> dict:
+def stacked_model(cfg, device) -> torch.nn.Module:
+    """The reversible LM of ``cfg`` with its layers stacked (scan), initialised as build_model does, split over the
+    active mesh."""
+    lm = build_llama(model_config(cfg), "reversible", scan=True)
+    lm.to_empty(device=device)
+    lm.init_weights(cfg.train.seed)
+    lm.to(torch.float64)
+    sharding.shard_model(lm, sharding.active_mesh(device))
+    return lm
+
+
+def layer_grads(lm: torch.nn.Module) -> dict:
+    """Every parameter's gradient by its unstacked name (a stack's gradient cut into its layers')."""
+    grads = {n: p.grad.detach().cpu() for n, p in lm.named_parameters()}
+    stacks = stacks_of(lm.layers)
+    if stacks is None:
+        return grads
+    names = list(lm.layers._modules)
+    for j, entries in enumerate(stacks.entries):
+        for attr, aliases in entries:
+            for t, g in enumerate(grads.pop(f"layers.{attr}").unbind(0)):
+                grads[f"layers.{names[t * stacks.period + j]}.{stacks.block}.{aliases[0]}"] = g
+    return grads
+
+
+def run_steps(cfg, device, stacked: bool = False) -> dict:
     """Losses, final weights and gradients of the first step, and the compile count per step, of STEPS steps."""
-    model = build_model(cfg, device, torch.float64)
+    model = stacked_model(cfg, device) if stacked else build_model(cfg, device, torch.float64)
     lm = language_model(model)
     first = model.loss(batches(1)[0].to(device))
     first.backward()
-    grads = {n: p.grad.detach().cpu() for n, p in lm.named_parameters()}
+    grads = layer_grads(lm)
     model.zero_grad(set_to_none=True)
     opt = build_optimizer(cfg, model)
     step = make_step(cfg, model, opt)
@@ -53,7 +81,17 @@ def run_steps(cfg, device) -> dict:
         compiles.append(backend.compilations(device))
         losses.append(float(loss))
     weights = {n: t.detach().cpu() for n, t in lm.state_dict().items()}
-    return {"loss": float(first), "grads": grads, "losses": losses, "weights": weights, "compiles": compiles, "lm": lm}
+    planned = getattr(model, "planned", None)
+    counts = {str(k): n for k, n in planned.sequence.counts().items()} if planned is not None else {}
+    return {
+        "loss": float(first),
+        "grads": grads,
+        "losses": losses,
+        "weights": weights,
+        "compiles": compiles,
+        "lm": lm,
+        "schedule": counts,
+    }
 
 
 def max_rel(a: dict, b: dict) -> float:
@@ -85,30 +123,25 @@ def main(out_dir: str) -> None:
             ["strategy=checkpoint", "strategy.offload.optimizer=true"],
             {"fsdp": -1},
         ),
-        "plan": (["strategy=plan"], {"fsdp": -1}),
+        # the planner measures the whole batch, each device holds a quarter of it: a quarter of the CPU's budget
+        "plan fsdp": (["strategy=plan", f"strategy.budget={PLAN_BUDGET // 4}"], {"fsdp": -1}),
+        "scan fsdp x tensor": (["strategy=reversible", "optim.weight_decay=0"], {"fsdp": 2, "tensor": 2}),
     }
+    reference_overrides = {"plan fsdp": ["strategy=plan", f"strategy.budget={PLAN_BUDGET}"]}
     configs = {}
     for name, (overrides, axes) in cases.items():
         mesh_overrides = [f"mesh.{a}={n}" for a, n in {"data": 1, "fsdp": 1, "tensor": 1, **axes}.items()]
         configs[name] = load_config(None, [*TINY, *overrides, *mesh_overrides])
     # the references first, on the CPU, before any mesh is active
     references = {
-        name: run_steps(load_config(None, [*TINY, *overrides]), "cpu")
+        name: run_steps(load_config(None, [*TINY, *reference_overrides.get(name, overrides)]), "cpu")
         for name, (overrides, _) in cases.items()
-        if name != "plan"
     }
     for name, cfg in configs.items():
-        if name == "plan":  # refused at the point of use
-            try:
-                sharding.apply_mesh(cfg, xla)
-                results["plan"] = "no error"
-            except sharding.ShardingError as exc:
-                results["plan"] = str(exc)
-            continue
         reference = references[name]
         mesh = sharding.apply_mesh(cfg, xla)
         assert mesh is not None
-        got = run_steps(cfg, xla)
+        got = run_steps(cfg, xla, stacked=name.startswith("scan"))
         results["cases"][name] = {
             "mesh": str(mesh.shape),
             "loss": [got["loss"], reference["loss"]],
@@ -118,6 +151,7 @@ def main(out_dir: str) -> None:
             "compiles": got["compiles"],
             "fraction": shard_fraction(got["lm"], family),
             "specs": {n: family_spec(p) for n, p in got["lm"].named_parameters()},
+            "schedule": [got["schedule"], reference["schedule"]],
         }
         summary = {k: v for k, v in results["cases"][name].items() if k != "specs"}
         print(name, f"{time.perf_counter() - start:.1f} s", json.dumps(summary), file=sys.stderr, flush=True)

@@ -301,7 +301,12 @@ class XlaBackend(Backend):
     def sizing_generation(self, device: torch.device, requested: str | None) -> str | None:
         """On a TPU, its own generation (the requested one where the runtime's is not one the compiler is set up
         for); on PJRT CPU, which traces the programs a TPU would run, the requested one; on any other chip
-        (a GPU through PJRT) none: its programs are not a TPU's."""
+        (a GPU through PJRT) none: its programs are not a TPU's. Under SPMD none either: torch_xla 2.9's export of
+        the programs (``get_stablehlo``) crashes the process there (the planner then sizes stages from shapes)."""
+        import torch_xla.runtime as xr
+
+        if xr.is_spmd():
+            return None
         kind = runtime_type()
         if kind == "TPU":
             return self.tpu_generation(device) or requested

@@ -361,7 +361,7 @@ def build_model(
                 f"model.name=llama-*"
             )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
-    from ..sharding import active_mesh
+    from ..sharding import active_mesh, planning_budget
 
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
@@ -388,6 +388,7 @@ def build_model(
         generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
         micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
         sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
+        budget = planning_budget(budget, active_mesh(target))  # measured on the whole batch: see there
         return PlannedLM(lm, budget, generation, sample=None if on_meta else sample)
     return lm
 
