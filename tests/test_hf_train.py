@@ -110,7 +110,7 @@ def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     LM head and loss are the chain's loss stage (logits, float32 log-probabilities and both gradients), held on top
     of whatever the schedule keeps when the loss runs."""
     torch.manual_seed(0)
-    depth, ids = 4, torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    depth, ids = 4, torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     model = model_from_config("llama-tiny", num_hidden_layers=depth).train()
 
     def step(m, ids):
