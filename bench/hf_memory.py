@@ -276,6 +276,13 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"({'met' if plan['peak_bytes'] <= hf['peak_bytes'] and faster else 'NOT met'}: peak <= hf's, fewer "
             f"recomputed layers, time < 1).",
         ]
+        above = by.get((model_name, deepest, "plan@hf+layer"))
+        if above is not None:
+            lines.append(
+                f"- {model_name}, depth {deepest}: plan@hf+layer (target hf-checkpointing's peak + one layer's saved "
+                f"activations, {mib(above['plan_target_bytes'])} MiB): peak {mib(above['peak_bytes'])} MiB, "
+                f"{above['recomputed_layers']} recomputed layers, {ratio(above)}x hf-checkpointing's step time."
+            )
     return "\n".join(lines) + "\n"
 
 
