@@ -103,6 +103,7 @@ def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     assert memory.eager_peak(step, planned, ids).total <= memory.eager_peak(step, hf, ids).total
 
 
+@pytest.mark.slow
 def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     """The planner's sizes of a transformers layer stack bound what the step measures, tightly enough that within
     transformers' checkpointing's measured peak the plan recomputes no more layers than it does: a layer's forward
