@@ -274,7 +274,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{mib(hf['peak_bytes'])}), {plan['recomputed_layers']} recomputed layers (hf-checkpointing "
             f"{hf['recomputed_layers']}), {ratio(plan)}x its step time "
             f"({'met' if plan['peak_bytes'] <= hf['peak_bytes'] and faster else 'NOT met'}: peak <= hf's, fewer "
-            f"recomputed layers, time < 1).",
+            f"recomputed layers, time < 1{'' if timed else '; time not measured'}).",
         ]
         above = by.get((model_name, deepest, "plan@hf+layer"))
         if above is not None:
