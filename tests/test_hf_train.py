@@ -77,6 +77,20 @@ def test_cli_refuses_what_a_transformers_model_cannot_run(capsys):
         build_model(cfg, "cpu")
 
 
+def train_step(m, ids):
+    m(ids, labels=ids, use_cache=False).loss.backward()
+
+
+def hf_checkpointed_and_planned(model, ids):
+    """Copies of ``model`` with transformers' gradient checkpointing and converted to ``plan`` (measured and
+    planned by one step)."""
+    hf = copy.deepcopy(model)
+    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
+    planned = memory_efficient(copy.deepcopy(model), "plan")
+    train_step(planned, ids)
+    return hf, planned
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     """The planner's smallest schedule keeps no more than transformers' per-layer checkpointing at its peak (the
@@ -88,19 +102,13 @@ def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     model = model_from_config(name, num_hidden_layers=4, **fields).train()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
-    def step(m, ids):
-        m(ids, labels=ids, use_cache=False).loss.backward()
-
-    hf = copy.deepcopy(model)
-    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
-    planned = memory_efficient(copy.deepcopy(model), "plan")
-    step(planned, ids)
+    hf, planned = hf_checkpointed_and_planned(model, ids)
     cp = planned.revlib_xla_conversion.checkpointable
     schedule = cp.compute_sequence(cp.min_memory())
     assert sum(op.kind.name == "CF" for op in schedule.ops) > 1  # layers are recomputed, more than once
-    step(hf, ids)
-    step(planned, ids)  # warm: the second and later steps allocate nothing of their own
-    assert memory.eager_peak(step, planned, ids).total <= memory.eager_peak(step, hf, ids).total
+    train_step(hf, ids)
+    train_step(planned, ids)  # warm: the second and later steps allocate nothing of their own
+    assert memory.eager_peak(train_step, planned, ids).total <= memory.eager_peak(train_step, hf, ids).total
 
 
 @pytest.mark.slow
@@ -114,13 +122,7 @@ def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     depth, ids = 4, torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     model = model_from_config("llama-tiny", num_hidden_layers=depth).train()
 
-    def step(m, ids):
-        m(ids, labels=ids, use_cache=False).loss.backward()
-
-    hf = copy.deepcopy(model)
-    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
-    planned = memory_efficient(copy.deepcopy(model), "plan")
-    step(planned, ids)
+    hf, planned = hf_checkpointed_and_planned(model, ids)
     cp = planned.revlib_xla_conversion.checkpointable
     chain = cp.chain
     assert chain.bwd_tmp[-1] == ids.numel() * 256 * (4 + 4 + 4 + 4)  # vocabulary 256, float32
@@ -131,13 +133,13 @@ def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     budget = 1.02 * (simulate(chain, hf_ops)[1] + cp.held_during_backward())  # 2 %: the solver's rounding
     counts = cp.compute_sequence(budget).counts()
     assert counts.get("CF", 0) + counts.get("Fn", 0) + counts.get("Fe", 0) - depth <= depth
-    step(hf, ids)
+    train_step(hf, ids)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = memory.eager_peak(step, planned, ids).total
-    assert peak <= memory.eager_peak(step, hf, ids).total
+    peak = memory.eager_peak(train_step, planned, ids).total
+    assert peak <= memory.eager_peak(train_step, hf, ids).total
     assert peak <= budget + 2 * weights  # the budget bounds all but parameters and their gradients
     cp.compute_sequence(cp.min_memory())
-    assert memory.eager_peak(step, planned, ids).total <= cp.min_memory() + 2 * weights
+    assert memory.eager_peak(train_step, planned, ids).total <= cp.min_memory() + 2 * weights
 
 
 needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")
