@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import max_rel_err, to_host
 
-from revlib_xla import ReversibleError, backend, fewbit
+from revlib_xla import ReversibleError, backend, fewbit, memory
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
@@ -96,6 +96,28 @@ def test_plan_measures_one_layer_and_repeats_it():
     step(model)
     chain = model.revlib_xla_conversion.checkpointable.chain
     assert chain.length == 4 and len(set(chain.fw)) == 1 and len(set(chain.cw)) == 1
+
+
+@pytest.mark.parametrize("strategy", ["plan", "reversible"])
+def test_gpt2s_tanh_gelu_runs_as_one_operation(strategy):
+    """transformers' NewGELUActivation (GPT-2's gelu_new) is seven elementwise operations; converted, the layers run
+    it as one (the same function in float64, its gradient too) and autograd keeps only its input."""
+    from revlib_xla.hf.convert import TanhGELU
+
+    ref = tiny("gpt2-tiny")
+    model = memory_efficient(copy.deepcopy(ref), strategy)
+    fused = [m for m in model.modules() if isinstance(m, TanhGELU)]
+    assert len(fused) == 3 and not [m for m in model.modules() if type(m).__name__ == "NewGELUActivation"]
+    x = torch.randn(2, 12, 256, dtype=torch.float64, requires_grad=True)
+    counted = []
+    for act in (ref.transformer.h[0].mlp.act, fused[0]):
+        with memory.SavedTensorCounter() as counter:
+            y = act(x)
+        (grad,) = torch.autograd.grad(y.square().sum(), x)
+        counted.append((counter.bytes, y, grad))
+    (composed, y0, g0), (one, y1, g1) = counted
+    assert one == x.numel() * 8 and composed >= 4 * one
+    assert max_rel_err(y1, y0) <= 1e-14 and max_rel_err(g1, g0) <= 1e-12
 
 
 # -- reversible ------------------------------------------------------------------------------------------------------

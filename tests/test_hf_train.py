@@ -22,6 +22,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from revlib_xla import backend, cli, memory  # noqa: E402
 from revlib_xla.hf import memory_efficient, model_from_config  # noqa: E402
+from revlib_xla.planner import Op, simulate  # noqa: E402
 from revlib_xla.train.config import load_config  # noqa: E402
 from revlib_xla.train.strategy import StrategyError, build_model, flops_per_token, param_count  # noqa: E402
 
@@ -76,6 +77,20 @@ def test_cli_refuses_what_a_transformers_model_cannot_run(capsys):
         build_model(cfg, "cpu")
 
 
+def train_step(m, ids):
+    m(ids, labels=ids, use_cache=False).loss.backward()
+
+
+def hf_checkpointed_and_planned(model, ids):
+    """Copies of ``model`` with transformers' gradient checkpointing and converted to ``plan`` (measured and
+    planned by one step)."""
+    hf = copy.deepcopy(model)
+    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
+    planned = memory_efficient(copy.deepcopy(model), "plan")
+    train_step(planned, ids)
+    return hf, planned
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
 def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     """The planner's smallest schedule keeps no more than transformers' per-layer checkpointing at its peak (the
@@ -87,19 +102,44 @@ def test_smallest_plan_peaks_no_higher_than_hf_checkpointing(name):
     model = model_from_config(name, num_hidden_layers=4, **fields).train()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
 
-    def step(m, ids):
-        m(ids, labels=ids, use_cache=False).loss.backward()
-
-    hf = copy.deepcopy(model)
-    (getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable)()
-    planned = memory_efficient(copy.deepcopy(model), "plan")
-    step(planned, ids)
+    hf, planned = hf_checkpointed_and_planned(model, ids)
     cp = planned.revlib_xla_conversion.checkpointable
     schedule = cp.compute_sequence(cp.min_memory())
     assert sum(op.kind.name == "CF" for op in schedule.ops) > 1  # layers are recomputed, more than once
-    step(hf, ids)
-    step(planned, ids)  # warm: the second and later steps allocate nothing of their own
-    assert memory.eager_peak(step, planned, ids).total <= memory.eager_peak(step, hf, ids).total
+    train_step(hf, ids)
+    train_step(planned, ids)  # warm: the second and later steps allocate nothing of their own
+    assert memory.eager_peak(train_step, planned, ids).total <= memory.eager_peak(train_step, hf, ids).total
+
+
+@pytest.mark.slow
+def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
+    """The planner's sizes of a transformers layer stack bound what the step measures, tightly enough that within
+    transformers' checkpointing's measured peak the plan recomputes no more layers than it does: a layer's forward
+    with autograd is charged its own transient memory (1 boundary, not the forward without autograd's 7), and the
+    LM head and loss are the chain's loss stage (logits, float32 log-probabilities and both gradients), held on top
+    of whatever the schedule keeps when the loss runs."""
+    torch.manual_seed(0)
+    depth, ids = 4, torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+    model = model_from_config("llama-tiny", num_hidden_layers=depth).train()
+
+    hf, planned = hf_checkpointed_and_planned(model, ids)
+    cp = planned.revlib_xla_conversion.checkpointable
+    chain = cp.chain
+    assert chain.bwd_tmp[-1] == ids.numel() * 256 * (4 + 4 + 4 + 4)  # vocabulary 256, float32
+    assert chain.grad_fwd_tmp is not None and chain.grad_fwd_tmp[0] < chain.fwd_tmp[0] / 4
+    # transformers' schedule in the planner's terms: keep every layer's input, recompute each layer once
+    hf_ops = [Op("CF", i) for i in range(depth)] + [Op("L", depth)]
+    hf_ops += [op for i in reversed(range(depth)) for op in (Op("Fe", i), Op("B", i))]
+    budget = 1.02 * (simulate(chain, hf_ops)[1] + cp.held_during_backward())  # 2 %: the solver's rounding
+    counts = cp.compute_sequence(budget).counts()
+    assert counts.get("CF", 0) + counts.get("Fn", 0) + counts.get("Fe", 0) - depth <= depth
+    train_step(hf, ids)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    peak = memory.eager_peak(train_step, planned, ids).total
+    assert peak <= memory.eager_peak(train_step, hf, ids).total
+    assert peak <= budget + 2 * weights  # the budget bounds all but parameters and their gradients
+    cp.compute_sequence(cp.min_memory())
+    assert memory.eager_peak(train_step, planned, ids).total <= cp.min_memory() + 2 * weights
 
 
 needs_xla = pytest.mark.skipif(not backend.xla_available(), reason="torch_xla is not installed")

@@ -151,6 +151,35 @@ def test_optimal_with_reversible_offload_and_options(length):
     check_against_brute_force(chains, budgets, options=2, extended=True)
 
 
+@pytest.mark.parametrize("length", range(1, 5))
+def test_optimal_when_the_forward_with_autograd_has_its_own_temporaries(length):
+    """``grad_fwd_tmp``: a forward with autograd (``Fe``, ``Br``) keeps what a forward without it (``Fn``, ``CF``)
+    frees as it goes, so its transient memory differs; the program charges each its own: 25 random chains per length
+    1..4 against every persistent schedule."""
+    rng = random.Random(3000 + length)
+    chains = [
+        random_chain(rng, length, extended=True).replace(
+            fwd_tmp=[rng.randint(0, 5) for _ in range(length)], grad_fwd_tmp=[rng.randint(0, 2) for _ in range(length)]
+        )
+        for _ in range(25)
+    ]
+    budgets = []
+    for chain in chains:
+        low, high = int(min_memory(chain)), int(no_checkpoint_memory(chain))
+        budgets.append(rng.randint(max(1, low - 1), high + 1))
+    check_against_brute_force(chains, budgets, extended=True)
+
+
+def test_grad_fwd_tmp_defaults_to_fwd_tmp():
+    chain = homogeneous(3).replace(fwd_tmp=[6, 6, 6])
+    assert chain.grad_fwd_tmp is None and chain.stage_options(1)[0].fwd_tmp == 6
+    lighter = chain.replace(grad_fwd_tmp=[0, 1, 0])
+    assert lighter.stage_options(1)[0].fwd_tmp == 1 and lighter.replace(fw=[2] * 3).grad_fwd_tmp == (0, 1, 0)
+    assert no_checkpoint_memory(lighter) < no_checkpoint_memory(chain)
+    with pytest.raises(ValueError, match="grad_fwd_tmp needs 3 entries"):
+        chain.replace(grad_fwd_tmp=[0])
+
+
 def test_extensions_lower_the_time():
     """Reversible stages need no stored inputs: at a tight budget the hybrid plan rebuilds inputs where rotor
     alone recomputes them from checkpoints, and is faster; at every budget it is at least as fast. Offloading a

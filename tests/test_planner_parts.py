@@ -29,6 +29,7 @@ from revlib_xla.planner import (
     plan,
     solve,
 )
+from revlib_xla.planner.measure import measure_stage
 
 
 class Coupling(nn.Module):
@@ -186,6 +187,19 @@ def test_measure_chain_alone_gives_checkpointables_sizes():
         assert getattr(alone.chain, field) == getattr(chain, field), field
     assert alone.chain.reversible == (False,) * 4 and not alone.lazy and len(alone.measurements) == 4
     assert alone.chain.cw[0] == x.numel() * 8 and alone.chain.cbw[1] > alone.chain.cw[1]
+
+
+def test_measure_stage_tells_the_forward_with_autograd_apart():
+    """The forward without autograd frees its intermediates as it goes (a 64 x 256 hidden layer and its tanh live
+    at once, above the stage's output); with autograd tanh's output is kept (in cbw), and only the linear's output is
+    transient there."""
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(8, 256), nn.Tanh(), nn.Linear(256, 8)).double()
+    m, _ = measure_stage(stage, torch.randn(64, 8, dtype=torch.float64), repeats=1)
+    hidden, out = 64 * 256 * 8, 64 * 8 * 8
+    assert (m.fwd_tmp, m.grad_fwd_tmp) == (2 * hidden - out, hidden - out)
+    chain = measure_chain([stage], torch.randn(64, 8, dtype=torch.float64)).chain
+    assert chain.grad_fwd_tmp == (hidden - out,) and chain.stage_options(0)[0].fwd_tmp == hidden - out
 
 
 def test_schedule_executor_runs_a_given_schedule():

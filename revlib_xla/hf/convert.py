@@ -198,6 +198,7 @@ def _repeated(one: Chain, n: int) -> Chain:
         offload_time=one.offload_time * n,
         options=one.options * n,
         names=one.names * n,
+        grad_fwd_tmp=None if one.grad_fwd_tmp is None else one.grad_fwd_tmp * n,
     )
 
 
@@ -206,11 +207,35 @@ def _same_shapes(layers: list[nn.Module]) -> bool:
     return all(s == shapes[0] for s in shapes)
 
 
+def head_bytes_per_token(model: nn.Module) -> int:
+    """What the model's LM head and loss hold at once, per token, above the stack's output: the logits (kept in
+    the model's output), the float32 log-probabilities the cross entropy saves, their gradient and the logits'
+    gradient. 0 for a model without an output embedding (a bare encoder)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return 0
+    vocab = weight.shape[0]
+    logits = weight.element_size()  # the head's dtype; the loss works in float32 (transformers upcasts)
+    return vocab * (2 * logits + 2 * 4)
+
+
 class _LayerCheckpointable(Checkpointable):
     """A Checkpointable over layers of one class with the same shapes: they cost the same, so the first is
-    measured and its costs repeated (a 32-layer model is measured in the time of one layer)."""
+    measured and its costs repeated (a 32-layer model is measured in the time of one layer).
+
+    ``head_per_token``: the bytes the LM head and loss hold at once per token (:func:`head_bytes_per_token`), the
+    chain's loss stage: the loss runs while the chain holds what its schedule keeps at its end (a last layer's
+    saved activations, say), so a plan that ignored the head would peak above its budget there."""
+
+    def __init__(self, stages: nn.Sequential, mem_limit: float | None, head_per_token: int = 0) -> None:
+        super().__init__(stages, mem_limit=mem_limit)
+        self.head_per_token = head_per_token
 
     def measure(self, sample_input: Any) -> Chain:
+        hidden = sample_input[0]
+        self.loss_tmp_memory_usage = self.head_per_token * (hidden.numel() // max(hidden.shape[-1], 1))
         layers = [cast(_Stage, stage).layer for stage in self.stages]
         if not _same_shapes(layers) or len(self.stages) == 1:
             return super().measure(sample_input)
@@ -229,9 +254,9 @@ class _LayerCheckpointable(Checkpointable):
 class _Planned(_Runner):
     strategy = "plan"
 
-    def __init__(self, layers: list[nn.Module], budget: float | None) -> None:
+    def __init__(self, layers: list[nn.Module], budget: float | None, head_per_token: int = 0) -> None:
         stages = nn.Sequential(*[_Stage(layer) for layer in layers])
-        self.checkpointable = _LayerCheckpointable(stages, mem_limit=budget)
+        self.checkpointable = _LayerCheckpointable(stages, budget, head_per_token)
 
     def takes_over(self, layers: ConvertedLayers) -> bool:
         return layers.training and torch.is_grad_enabled() and not _capturing_outputs()
@@ -423,6 +448,29 @@ def _disable_hf_checkpointing(model: nn.Module, layers: list[nn.Module]) -> None
     disable()
 
 
+class TanhGELU(nn.Module):
+    """GELU's tanh approximation as one operation (``F.gelu(x, approximate="tanh")``): the function of transformers'
+    ``NewGELUActivation`` (GPT-2's ``gelu_new``), which writes the same formula as seven elementwise operations that
+    autograd saves five tensors of the MLP's width for (``x``, ``x ** 3``'s input, the tanh's argument and output,
+    ``0.5 * x``); this saves only ``x``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(x, approximate="tanh")
+
+
+def fuse_layer_activations(layers: list[nn.Module]) -> None:
+    """Replace transformers' elementwise-composed tanh GELU in ``layers`` by :class:`TanhGELU` (same function up to
+    rounding, a fifth of the saved activations)."""
+
+    def fuse(module: nn.Module) -> nn.Module:
+        cls = type(module)
+        composed = cls.__module__ == "transformers.activations" and cls.__name__ == "NewGELUActivation"
+        return TanhGELU() if composed else module
+
+    for layer in layers:
+        _fewbit.map_module(layer, fuse)
+
+
 def convert_layer_activations(layers: list[nn.Module], bits: int) -> None:
     """The MLP activations of ``layers`` (transformers' activation classes included) with few-bit derivatives."""
     for layer in layers:
@@ -450,7 +498,8 @@ def memory_efficient(
         beta: ``momentum`` only: the momentum in (0, 1); smaller is closer to the original model and less exactly
             invertible (checked at the first training forward, which raises if the gradients would be wrong).
         fewbit: bits (1-4) of the few-bit derivative of the MLP activations (transformers' activation classes
-            included); 0 keeps them.
+            included); 0 keeps them (GPT-2's tanh GELU then runs as one operation, :class:`TanhGELU`: the same
+            function, and a fifth of what autograd saves for it).
 
     Train with ``use_cache=False``: a training forward drops an empty KV cache with a warning (the backward
     recomputes the layers) and refuses one that holds tokens. Under ``torch.no_grad()`` the KV cache works as usual.
@@ -472,9 +521,10 @@ def memory_efficient(
     _disable_hf_checkpointing(model, layers)
     if fewbit:
         convert_layer_activations(layers, fewbit)
+    fuse_layer_activations(layers)  # after fewbit, which replaces the activations it knows
     if strategy == "plan":
         limit = None if budget == "auto" else parse_bytes(budget, "memory_efficient: budget")
-        runner = _Planned(layers, limit)
+        runner = _Planned(layers, limit, head_bytes_per_token(model))
     elif strategy == "reversible":
         blocks = [block for b in branches for block in (b.f, b.g)]
         runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None), 1.0)

@@ -13,6 +13,7 @@ field       entries  meaning
 ``cw``      L+1      size of x_i; the gradient of x_i has the same size
 ``cbw``     L+1      size of x̄_i (``cbw[0]`` is not used): what stays alive after stage i-1 ran with autograd
 ``fwd_tmp`` L        transient memory of stage i's forward, above its output
+``grad_fwd_tmp`` L   transient memory of stage i's forward with autograd, above x̄_{i+1} (default: ``fwd_tmp``)
 ``bwd_tmp`` L+1      transient memory of stage i's backward, above its input gradient and x̄_{i+1}
 =========== ======== =========================================================================================
 
@@ -81,6 +82,8 @@ class Chain:
     offload_time: tuple[float | None, ...]
     options: tuple[tuple[StageOption, ...], ...]
     names: tuple[str, ...]
+    #: None: the forward with autograd has ``fwd_tmp`` too (:meth:`stage_options` reads it either way).
+    grad_fwd_tmp: tuple[float, ...] | None
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class Chain:
         offload_time: Sequence[float | None] | None = None,
         options: Sequence[Sequence[StageOption]] | None = None,
         names: Sequence[str] | None = None,
+        grad_fwd_tmp: Sequence[float] | None = None,
     ) -> None:
         length = len(tuple(fw))
         if length < 1:
@@ -139,6 +143,8 @@ class Chain:
         object.__setattr__(self, "offload_time", tuple(off))
         object.__setattr__(self, "options", opts)
         object.__setattr__(self, "names", stage_names)
+        grad_tmp = None if grad_fwd_tmp is None else _floats("grad_fwd_tmp", grad_fwd_tmp, length)
+        object.__setattr__(self, "grad_fwd_tmp", grad_tmp)
         for i in range(length):
             if self.cbw[i + 1] < self.cw[i + 1]:
                 raise ValueError(
@@ -174,6 +180,7 @@ class Chain:
             offload_time=self.offload_time,
             options=self.options,
             names=self.names,
+            grad_fwd_tmp=self.grad_fwd_tmp,
         )
         fields.update(changes)
         return Chain(**fields)
@@ -182,5 +189,6 @@ class Chain:
         """All ways to run stage ``i`` (0..L, the loss included) with autograd, the plain one first."""
         if i == self.length:
             return (StageOption("", 0.0, self.bw[i], 0.0, 0.0, self.bwd_tmp[i]),)
-        plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], self.fwd_tmp[i], self.bwd_tmp[i])
+        grad_tmp = self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
+        plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], grad_tmp, self.bwd_tmp[i])
         return (plain,) + self.options[i]

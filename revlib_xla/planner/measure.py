@@ -59,6 +59,9 @@ class StageMeasurement:
     fwd_tmp: int
     bwd_tmp: int
     inverse_time: float | None
+    #: the transient memory of the forward with autograd alone, above what it keeps (``fwd_tmp`` covers the
+    #: forward without autograd too); None where it is not measured apart (XLA: from the compiled programs)
+    grad_fwd_tmp: int | None = None
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -229,7 +232,9 @@ def measure_stage(
     with torch.no_grad():
         fw = _median_time(lambda: stage(x), device, repeats)
         # The transient memory of a forward without autograd (Fn, CF) differs from that of one with it (Fe):
-        # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both.
+        # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both; grad_fwd_tmp,
+        # what the plan charges a forward with autograd, only the latter (a layer's attention scores and MLP
+        # activations are kept there, counted in cbw, not transient).
         tracker = _tracker()
         tracker.track_external(stage, *tensors)
         with tracker:
@@ -248,7 +253,7 @@ def measure_stage(
         p.grad = torch.zeros_like(p)
     try:
         bw_times = []
-        fwd_tmp = bwd_tmp = cbw = 0
+        fwd_tmp = grad_fwd_tmp = bwd_tmp = cbw = 0
         for _ in range(max(1, repeats)):
             inp = grad_leaves(x)
             saved: list[torch.Tensor] = []
@@ -260,7 +265,8 @@ def measure_stage(
                 end = _total(tracker.get_tracker_snapshot("current"), device)
                 peak = _total(tracker.get_tracker_snapshot("peak"), device)
             cbw = max(end - start, value_bytes(y))
-            fwd_tmp = max(0, peak - end, nograd_tmp)
+            grad_fwd_tmp = max(0, peak - end)
+            fwd_tmp = max(grad_fwd_tmp, nograd_tmp)
             outs = differentiable(y)
             grads = [torch.ones_like(o) for o in outs]
             tracker = _tracker()
@@ -282,4 +288,5 @@ def measure_stage(
     finally:
         for p, g in zip(params, kept_grads):
             p.grad = g
-    return StageMeasurement(fw, statistics.median(bw_times), cw, cbw, fwd_tmp, bwd_tmp, inverse_time), out
+    bw = statistics.median(bw_times)
+    return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp), out

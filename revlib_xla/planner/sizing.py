@@ -101,7 +101,8 @@ def measure_chain(
                 raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}") from exc
             for (name, _), module in zip(options.get(i, []), alternatives):
                 alt, _ = measure_stage(module, x)
-                opts.append(StageOption(name, alt.fw, alt.bw, max(alt.cbw, value_bytes(out)), alt.fwd_tmp, alt.bwd_tmp))
+                cbw = max(alt.cbw, value_bytes(out))
+                opts.append(StageOption(name, alt.fw, alt.bw, cbw, _with_autograd(alt), alt.bwd_tmp))
         stage_options.append(opts)
         measured.append(m)
         out_bytes.append(value_bytes(out))
@@ -124,10 +125,16 @@ def measure_chain(
         inverse_time=[m.inverse_time if m.inverse_time is not None else m.fw for m in measured],
         options=stage_options,
         names=[type(s).__name__ for s in stages],
+        grad_fwd_tmp=[_with_autograd(m) for m in measured],
     )
     if sizing.offload_bandwidth:
         chain = chain.with_bandwidth(sizing.offload_bandwidth, stages=range(1, n))
     return MeasuredChain(chain, measured, lazy)
+
+
+def _with_autograd(m: StageMeasurement) -> float:
+    """The transient memory of a stage's forward with autograd (options run only that way)."""
+    return m.fwd_tmp if m.grad_fwd_tmp is None else m.grad_fwd_tmp
 
 
 _WITHOUT_EXECUTION: list[bool] = [False]

@@ -441,7 +441,7 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
 
 def _grid(chain: Chain) -> int | None:
     """The largest size every size of the chain is a whole multiple of, if they are all whole numbers."""
-    sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *chain.bwd_tmp]
+    sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *(chain.grad_fwd_tmp or ()), *chain.bwd_tmp]
     sizes += [v for opts in chain.options for o in opts for v in (o.cbw, o.fwd_tmp, o.bwd_tmp)]
     if not all(float(v).is_integer() for v in sizes):
         return None
