@@ -50,6 +50,7 @@ def stacked_model(cfg, device) -> torch.nn.Module:
 
 def layer_grads(lm: torch.nn.Module) -> dict:
     """Every parameter's gradient by its unstacked name (a stack's gradient cut into its layers')."""
+    backend.sync(next(lm.parameters()).device)  # one execution for every gradient, not one per read
     grads = {n: p.grad.detach().cpu() for n, p in lm.named_parameters()}
     stacks = stacks_of(lm.layers)
     if stacks is None:
