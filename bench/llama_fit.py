@@ -207,8 +207,11 @@ def base_overrides(model: str, chip: chips.Chip, args: argparse.Namespace) -> li
         f"data.seq_len={args.seq_len}",
         f"strategy.precision={args.precision}",
         f"chip.name={chip.name}",
-    ]
+    ] + (["model.scan=true"] if args.scan else [])
 
+
+#: The note on rows compiled with ``--scan``.
+SCANNED = "scanned layers (model.scan=true)"
 
 PREDICTIONS = OUT.with_name(OUT.name + "-predicted.jsonl")
 VERIFICATIONS = OUT.with_name(OUT.name + "-verified.jsonl")
@@ -409,6 +412,8 @@ def predict_or_verify(args: argparse.Namespace) -> int:
             with out.open("a") as f:
                 for row in rows:
                     row["seconds"] = seconds
+                    if args.scan:
+                        row["note"] = SCANNED
                     f.write(json.dumps(row) + "\n")
                     print(json.dumps(row), flush=True)
     return 0
@@ -451,6 +456,9 @@ def main() -> int:
         help="with --verify: the batches to compile, e.g. 7,8, or auto: search at full size for the largest that fits",
     )
     parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
+    parser.add_argument(
+        "--scan", action="store_true", help="model.scan=true: the reversible layers stacked, compiled as one loop"
+    )
     args = parser.parse_args()
     if args.configs:
         record_configs(args.full_configs, args.config_names)
