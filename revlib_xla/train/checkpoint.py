@@ -101,12 +101,20 @@ def weight_slices(model: nn.Module) -> list[tuple[str, torch.Tensor, int | None]
     (:func:`revlib_xla.scan.stack_layers`: ``state_dict()`` gives each layer a view of the stack), else ``None``."""
     params = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
     slices: list[tuple[str, torch.Tensor, int | None]] = []
+    layers: dict[int, list[int]] = {}  # a stack's views: their positions in ``slices``
     for name, value in model.state_dict(keep_vars=True).items():
         if id(value) in params:
             slices.append((name, value, None))
         elif value._is_view() and id(value._base) in params:
-            stack = params[id(value._base)]
-            slices.append((name, stack, (value.storage_offset() - stack.storage_offset()) // stack.stride(0)))
+            layers.setdefault(id(value._base), []).append(len(slices))
+            slices.append((name, params[id(value._base)], None))
+    # The views come layer by layer, each layer's (tied) names together; storage offsets would say which layer a
+    # view is on cpu, not on every device (XLA tensors have none).
+    for positions in layers.values():
+        name, stack, _ = slices[positions[0]]
+        names_per_layer = len(positions) // stack.shape[0]
+        for n, at in enumerate(positions):
+            slices[at] = (slices[at][0], stack, n // names_per_layer)
     return slices
 
 
@@ -271,7 +279,9 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 def _whole(parts: dict[int | None, torch.Tensor]) -> torch.Tensor:
     """A parameter's value from its saved parts: itself, or a stacked parameter's layers in order."""
-    return parts[None] if None in parts else torch.stack([parts[i] for i in sorted(parts)])  # type: ignore[index]
+    if None in parts:
+        return parts[None]
+    return torch.stack([parts[i] for i in sorted(i for i in parts if i is not None)])
 
 
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
