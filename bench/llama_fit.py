@@ -251,6 +251,14 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
             best = next(r for r in mine if r["batch"] == max(fits))
             how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} predicted not to fit"
             row.update(largest_batch=best["batch"], how=how, shown=best)
+        elif fits and fails and min(fails) > max(fits) and guess is None:
+            best = next(r for r in mine if r["batch"] == max(fits))
+            after = next(r for r in mine if r["batch"] == min(fails))
+            how = (
+                f"fits at batch {best['batch']}, {after['batch']} needs {format_bytes(after['at_least_bytes'])} "
+                f"(full-depth compiles); the batches between not compiled"
+            )
+            row.update(largest_batch=best["batch"], how=how, shown=best, lower_bound=True)
         elif fits and not fails and guess is None:
             best = next(r for r in mine if r["batch"] == max(fits))
             how = f"fits at batch {best['batch']} (full-depth compile); larger batches not compiled"
