@@ -344,8 +344,12 @@ one layer at a time, and its backward, dominate; the loss adds a 256-position ch
 35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter count, what
 `host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12 bytes per
 weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied embedding:
-1.47 GiB). The v5e's host DRAM is 512 GiB per 8-chip host; a one-chip VM or Colab's TPU v5e-1 gets part of it:
-check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
+1.47 GiB): 40,128,933,888 bytes (40.13 GB, 37.37 GiB) in all. The one-chip v5e VM (machine type
+`ct5lp-hightpu-1t`, accelerator type v5litepod-1) has 24 vCPUs and 48 GB of RAM (Cloud TPU docs, "TPU v5e", VM
+types table: https://cloud.google.com/tpu/docs/v5e); that leaves about 7.9 GB for the OS, Python, torch_xla and the
+data pipeline: it fits on paper, tightly (not run on a TPU). The 4-chip VM (`ct5lp-hightpu-4t`, v5litepod-4:
+112 vCPUs, 192 GB) and the 8-chip VM (`ct5lp-hightpu-8t`, v5litepod-8: 224 vCPUs, 384 GB) leave ample room. Colab's
+TPU v5e-1 runtime: its RAM is not stated in the documentation found; check `free -g` (about 40 GB free needed).
 
 **llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
 full size. `reversible+offload+bf16` compiles at full size to 8.01 GiB at batch 1, 8.00 GiB at batch 2 (at small
