@@ -359,6 +359,13 @@ fits, 5x plain torch_xla's batch (the issue's goal is 4x). The largest batch is 
 batches 4 and 5 (1.29 GiB per sequence) predicts about 20; the search's next round did not finish in this session
 (a full-size compile took 17 to 25 minutes on the shared machine by then).
 
+**torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
+one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
+in 29.43 GiB and batch 10 needs 32.16 GiB of the 31.75 GiB usable: 9x plain torch_xla's batch, with float32
+weights and AdamW state in HBM (13.81 GiB). On one v5e its batch 1 cannot fit: the arguments and gradients alone are
+18.41 GiB (arithmetic; the v6e compile's batch-1 peak is 19.01 GiB); not compiled for v5e. llama-3b: its weights
+and AdamW state alone exceed both chips (35.91 GiB).
+
 Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
 untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
 GiB untied). With the optimizer on the host, the chip holds weights and gradients: float32 (`reversible+offload`)
@@ -366,8 +373,10 @@ llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16
 llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
 embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
 
-Not compiled in this session (a full-size compile took 2 to 25 minutes on the shared 2-core machine, one at a
-time): the other rows. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
+Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time):
+`plan` (budget auto) and `plan+fewbit` of either model on either chip (the planner compiles each stage of the
+model to measure it before the step's own full-size compile; not started for lack of time), llama-1b `checkpoint`
+on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
 compiles batches 1 and 2 at full size and predicts from the line through them; `--verify
 bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches at full size until both neighbours
 of the answer are compiled; `--table` writes this file.
