@@ -5,8 +5,10 @@ A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>/`` holding
 * ``model.safetensors``: the weights (each tied tensor stored once; the names it is also known by are in the file's
   metadata), readable by any safetensors loader; where the optimizer keeps more precise master weights than the
   device (``strategy.param_dtype=bf16``: float32 masters on the host), the masters, so a resumed run continues
-  from them exactly;
-* ``optimizer.pt``: the optimizer's ``state_dict`` (on the host);
+  from them exactly. Stacked layers (``model.scan``) are saved under the unstacked model's names, layer by layer,
+  and their optimizer state split the same way, so a scanned run resumes unscanned and back;
+* ``optimizer.pt``: the optimizer's ``state_dict`` (on the host), keyed by the weights' names where the optimizer
+  keeps ``torch.optim``'s per-parameter state;
 * ``state.pt``: the step, the data sampler's position, the random states (torch's CPU generator, the device's,
   numpy's, Python's) and the last metrics;
 * ``config.yaml``: the resolved run configuration.
@@ -147,15 +149,21 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [stands_for.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
 
 
+def _names_of(model: nn.Module) -> dict[int, list[tuple[str, int | None]]]:
+    """``id(parameter)`` -> its ``(name, layer index)`` entries of :func:`weight_slices`."""
+    names: dict[int, list[tuple[str, int | None]]] = {}
+    for name, tensor, index in weight_slices(model):
+        names.setdefault(id(tensor), []).append((name, index))
+    return names
+
+
 def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
     """``optimizer.state_dict()`` keyed by the weights' unstacked names (a stacked parameter's state split per
     layer), so that a scanned run resumes unscanned and back; ``None`` for an optimizer whose state is not
     ``torch.optim``'s per-parameter form (then saved as it is)."""
     saved = optimizer.state_dict()
     params = _optimizer_params(optimizer)
-    names: dict[int, list[tuple[str, int | None]]] = {}
-    for name, tensor, index in weight_slices(model):
-        names.setdefault(id(tensor), []).append((name, index))
+    names = _names_of(model)
     if set(saved) != {"state", "param_groups"} or any(id(p) not in names for p in params):
         return None
     state: dict[str, dict[str, Any]] = {}
@@ -175,9 +183,7 @@ def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> di
 def _optimizer_from_names(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
     """The inverse of :func:`_optimizer_by_name` for this model and optimizer: a ``state_dict`` to load."""
     params = _optimizer_params(optimizer)
-    names: dict[int, list[tuple[str, int | None]]] = {}
-    for name, tensor, index in weight_slices(model):
-        names.setdefault(id(tensor), []).append((name, index))
+    names = _names_of(model)
     group_of = {name: g for g in saved["param_groups"] for name in g["params"]}
     state: dict[int, dict[str, Any]] = {}
     for i, p in enumerate(params):
