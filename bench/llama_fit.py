@@ -359,6 +359,15 @@ fits, 5x plain torch_xla's batch (the issue's goal is 4x). The largest batch is 
 batches 4 and 5 (1.29 GiB per sequence) predicts about 20; the search's next round did not finish in this session
 (a full-size compile took 17 to 25 minutes on the shared machine by then).
 
+**Scanned layers** (`model.scan=true`, row `reversible+offload+bf16+scan`): llama-1b on one v6e at batch 1 compiles
+at full size to 6,873,392,192 bytes (6.40 GiB) against the unrolled walk's 8,599,953,568 (8.01 GiB): 1.61 GiB
+(20%) less, all of it in the compiler's peak beyond the arguments (4.10 GiB against 5.70 GiB; the bf16 weights,
+2.30 GiB, and the host state are the same). Likely cause (not isolated): the loop body holds one layer's
+recomputation and vector-Jacobian product at a time by construction, where the unrolled program lets the scheduler
+overlap neighbouring layers' temporaries. So scanned and unrolled figures are not interchangeable: the scanned rows
+are labelled, and the unrolled rows stay as compiled. The scanned compile took 7.5 minutes of wall time on the
+loaded machine (the unrolled one 17).
+
 **torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
 one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
 in 29.43 GiB and batch 10 needs 32.16 GiB of the 31.75 GiB usable: 9x plain torch_xla's batch, with float32
@@ -376,10 +385,10 @@ embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e)
 Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time):
 `plan` (budget auto) and `plan+fewbit` of either model on either chip (the planner compiles each stage of the
 model to measure it before the step's own full-size compile; not started for lack of time), llama-1b `checkpoint`
-on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
-compiles batches 1 and 2 at full size and predicts from the line through them; `--verify
-bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches at full size until both neighbours
-of the answer are compiled; `--table` writes this file.
+on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict
+bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
+the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
+at full size until both neighbours of the answer are compiled; `--table` writes this file.
 """
 
 
