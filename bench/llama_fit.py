@@ -365,8 +365,10 @@ at full size to 6,873,392,192 bytes (6.40 GiB) against the unrolled walk's 8,599
 2.30 GiB, and the host state are the same). Likely cause (not isolated): the loop body holds one layer's
 recomputation and vector-Jacobian product at a time by construction, where the unrolled program lets the scheduler
 overlap neighbouring layers' temporaries. So scanned and unrolled figures are not interchangeable: the scanned rows
-are labelled, and the unrolled rows stay as compiled. The scanned compile took 7.5 minutes of wall time on the
-loaded machine (the unrolled one 17).
+are labelled, and the unrolled rows stay as compiled. Scanned, batch 20 fits in 32,729,090,112 bytes (30.48 GiB)
+and batch 21 needs 34,117,423,168 (31.77 GiB, over the 31.75 GiB usable), both compiled at full size: **20x plain
+torch_xla's batch** (1.29 GiB per sequence, the slope the unrolled walk showed between batches 4 and 5). A
+scanned compile took 7.5 to 9 minutes of wall time on the loaded machine (the unrolled batch 1: 17).
 
 **torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
 one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
