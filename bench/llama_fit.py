@@ -207,8 +207,11 @@ def base_overrides(model: str, chip: chips.Chip, args: argparse.Namespace) -> li
         f"data.seq_len={args.seq_len}",
         f"strategy.precision={args.precision}",
         f"chip.name={chip.name}",
-    ]
+    ] + (["model.scan=true"] if args.scan else [])
 
+
+#: The note on rows compiled with ``--scan``.
+SCANNED = "scanned layers (model.scan=true)"
 
 PREDICTIONS = OUT.with_name(OUT.name + "-predicted.jsonl")
 VERIFICATIONS = OUT.with_name(OUT.name + "-verified.jsonl")
@@ -248,6 +251,14 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
             best = next(r for r in mine if r["batch"] == max(fits))
             how = f"batch {best['batch']} compiled at full depth; {best['batch'] + 1} predicted not to fit"
             row.update(largest_batch=best["batch"], how=how, shown=best)
+        elif fits and fails and min(fails) > max(fits) and guess is None:
+            best = next(r for r in mine if r["batch"] == max(fits))
+            after = next(r for r in mine if r["batch"] == min(fails))
+            how = (
+                f"fits at batch {best['batch']}, {after['batch']} needs {format_bytes(after['at_least_bytes'])} "
+                f"(full-depth compiles); the batches between not compiled"
+            )
+            row.update(largest_batch=best["batch"], how=how, shown=best, lower_bound=True)
         elif fits and not fails and guess is None:
             best = next(r for r in mine if r["batch"] == max(fits))
             how = f"fits at batch {best['batch']} (full-depth compile); larger batches not compiled"
@@ -333,8 +344,12 @@ one layer at a time, and its backward, dominate; the loss adds a 256-position ch
 35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter count, what
 `host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12 bytes per
 weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied embedding:
-1.47 GiB). The v5e's host DRAM is 512 GiB per 8-chip host; a one-chip VM or Colab's TPU v5e-1 gets part of it:
-check that it has ~40 GiB free beside the data pipeline (`free -g`), or use a v5litepod-4/-8 VM.
+1.47 GiB): 40,128,933,888 bytes (40.13 GB, 37.37 GiB) in all. The one-chip v5e VM (machine type
+`ct5lp-hightpu-1t`, accelerator type v5litepod-1) has 24 vCPUs and 48 GB of RAM (Cloud TPU docs, "TPU v5e", VM
+types table: https://cloud.google.com/tpu/docs/v5e); that leaves about 7.9 GB for the OS, Python, torch_xla and the
+data pipeline: it fits on paper, tightly (not run on a TPU). The 4-chip VM (`ct5lp-hightpu-4t`, v5litepod-4:
+112 vCPUs, 192 GB) and the 8-chip VM (`ct5lp-hightpu-8t`, v5litepod-8: 224 vCPUs, 384 GB) leave ample room. Colab's
+TPU v5e-1 runtime: its RAM is not stated in the documentation found; check `free -g` (about 40 GB free needed).
 
 **llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
 full size. `reversible+offload+bf16` compiles at full size to 8.01 GiB at batch 1, 8.00 GiB at batch 2 (at small
@@ -344,6 +359,24 @@ fits, 5x plain torch_xla's batch (the issue's goal is 4x). The largest batch is 
 batches 4 and 5 (1.29 GiB per sequence) predicts about 20; the search's next round did not finish in this session
 (a full-size compile took 17 to 25 minutes on the shared machine by then).
 
+**Scanned layers** (`model.scan=true`, row `reversible+offload+bf16+scan`): llama-1b on one v6e at batch 1 compiles
+at full size to 6,873,392,192 bytes (6.40 GiB) against the unrolled walk's 8,599,953,568 (8.01 GiB): 1.61 GiB
+(20%) less, all of it in the compiler's peak beyond the arguments (4.10 GiB against 5.70 GiB; the bf16 weights,
+2.30 GiB, and the host state are the same). Likely cause (not isolated): the loop body holds one layer's
+recomputation and vector-Jacobian product at a time by construction, where the unrolled program lets the scheduler
+overlap neighbouring layers' temporaries. So scanned and unrolled figures are not interchangeable: the scanned rows
+are labelled, and the unrolled rows stay as compiled. Scanned, batch 20 fits in 32,729,090,112 bytes (30.48 GiB)
+and batch 21 needs 34,117,423,168 (31.77 GiB, over the 31.75 GiB usable), both compiled at full size: **20x plain
+torch_xla's batch** (1.29 GiB per sequence, the slope the unrolled walk showed between batches 4 and 5). A
+scanned compile took 7.5 to 9 minutes of wall time on the loaded machine (the unrolled batch 1: 17).
+
+**torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
+one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
+in 29.43 GiB and batch 10 needs 32.16 GiB of the 31.75 GiB usable: 9x plain torch_xla's batch, with float32
+weights and AdamW state in HBM (13.81 GiB). On one v5e its batch 1 cannot fit: the arguments and gradients alone are
+18.41 GiB (arithmetic; the v6e compile's batch-1 peak is 19.01 GiB); not compiled for v5e. llama-3b: its weights
+and AdamW state alone exceed both chips (35.91 GiB).
+
 Arithmetic from the parameter counts (not compiler figures): llama-1b has 4.60 GiB of float32 parameters (5.58 GiB
 untied) and 9.21 GiB of AdamW state (11.16 GiB untied); llama-3b 11.97 GiB (13.44 GiB untied) and 23.94 GiB (26.87
 GiB untied). With the optimizer on the host, the chip holds weights and gradients: float32 (`reversible+offload`)
@@ -351,11 +384,13 @@ llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16
 llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
 embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
 
-Not compiled in this session (a full-size compile took 2 to 25 minutes on the shared 2-core machine, one at a
-time): the other rows. `bench/llama_fit.py --predict bench/results/llama_fit-tpu-deviceless-predicted.jsonl`
-compiles batches 1 and 2 at full size and predicts from the line through them; `--verify
-bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches at full size until both neighbours
-of the answer are compiled; `--table` writes this file.
+Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time):
+`plan` (budget auto) and `plan+fewbit` of either model on either chip (the planner compiles each stage of the
+model to measure it before the step's own full-size compile; not started for lack of time), llama-1b `checkpoint`
+on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict
+bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
+the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
+at full size until both neighbours of the answer are compiled; `--table` writes this file.
 """
 
 
@@ -409,6 +444,8 @@ def predict_or_verify(args: argparse.Namespace) -> int:
             with out.open("a") as f:
                 for row in rows:
                     row["seconds"] = seconds
+                    if args.scan:
+                        row["note"] = SCANNED
                     f.write(json.dumps(row) + "\n")
                     print(json.dumps(row), flush=True)
     return 0
@@ -451,6 +488,9 @@ def main() -> int:
         help="with --verify: the batches to compile, e.g. 7,8, or auto: search at full size for the largest that fits",
     )
     parser.add_argument("--table", action="store_true", help="write the headline table from the .jsonl records")
+    parser.add_argument(
+        "--scan", action="store_true", help="model.scan=true: the reversible layers stacked, compiled as one loop"
+    )
     args = parser.parse_args()
     if args.configs:
         record_configs(args.full_configs, args.config_names)

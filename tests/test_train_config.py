@@ -65,6 +65,13 @@ def test_a_dumped_config_loads_back_equal(tmp_path):
         (["model.overrides.dimm=3"], r"model.overrides: .*dimm"),
         (["train.steps"], r"expected key=value"),
         (["train.steps.x=1"], r"train.steps=\{.x.: 1\}: .*integer"),
+        (["model.scan=maybe"], r"model.scan='maybe': .*\(expected bool\)"),
+        (["model.scan=true"], r"model.scan=true .*strategy.activations=none .*Set strategy.activations=reversible"),
+        (["model.scan=true", "strategy=momentum"], r"model.scan=true .*momentum form.*strategy.activations=reversible"),
+        (
+            ["model.scan=true", "strategy=reversible", "strategy.fused_optimizer=true", "optim.grad_clip=0"],
+            r"model.scan=true cannot be combined with strategy.fused_optimizer .*set model.scan=false",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_key(overrides, expected):

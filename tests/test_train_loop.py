@@ -42,13 +42,41 @@ def _weights(result):
 
 
 BF16_WEIGHTS = ["strategy.param_dtype=bf16", "strategy.precision=bf16", "strategy.offload.optimizer=true"]
+SCAN = ["strategy=reversible", "model.scan=true"]
 
 
-@pytest.mark.parametrize("strategy", [[], BF16_WEIGHTS], ids=["fp32", "bf16-weights"])
+def _resumes_unscanned(scanned_dir, common):
+    """The scanned run's step-4 checkpoint loaded into the unscanned model and optimizer, saved again: the same
+    tensors under the same names (weights and every AdamW state tensor), so either layout resumes the other."""
+    from revlib_xla.train.checkpoint import Checkpoint, load_checkpoint, save_checkpoint, weight_slices
+    from revlib_xla.train.strategy import build_model, build_optimizer
+
+    cfg = load_config(None, [c for c in common if c != "model.scan=true"])
+    model = build_model(cfg)
+    optimizer = build_optimizer(cfg, model)
+    source = scanned_dir / "checkpoints/step_00000004"
+    load_checkpoint(source, language_model(model), optimizer)
+    again = save_checkpoint(scanned_dir / "again", language_model(model), optimizer, Checkpoint(4, {}, {}), "")
+    a, b = load_file(source / "model.safetensors"), load_file(again / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(".0-0." in k for k in a) and not any("stacked" in k for k in a)
+    saved, resaved = (torch.load(d / "optimizer.pt", weights_only=False) for d in (source, again))
+    params = {name for name, _, _ in weight_slices(language_model(model))}
+    assert saved["by_name"] and saved["state"].keys() == resaved["state"].keys() == params
+    for name, state in saved["state"].items():
+        assert state.keys() == resaved["state"][name].keys()
+        assert all(torch.equal(v, resaved["state"][name][k]) for k, v in state.items()), name
+    groups = [[(set(g["params"]), g["weight_decay"], g["lr"]) for g in d["param_groups"]] for d in (saved, resaved)]
+    assert groups[0] == groups[1]
+
+
+@pytest.mark.parametrize("strategy", [[], BF16_WEIGHTS, SCAN], ids=["fp32", "bf16-weights", "scan"])
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind, strategy):
     """bf16-weights: the checkpoint holds the float32 master weights (not their bfloat16 rounding), so the resumed
-    run continues from the same masters and ends with the same bfloat16 weights and masters."""
+    run continues from the same masters and ends with the same bfloat16 weights and masters. scan: the stacked
+    layers' checkpoint holds the unstacked names, and the optimizer state by name: an unscanned run resumes from
+    it (and writes back the same tensors)."""
     if not backend.device_available(kind):
         pytest.skip(f"no {kind} device")
     common = [*TINY, *strategy, "train.steps=6", "train.checkpoint_every=2", f"train.device={kind}"]
@@ -63,7 +91,11 @@ def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
-    if strategy:  # the final checkpoints hold the float32 masters, equal, and the weights are their rounding
+    if strategy == SCAN:
+        _resumes_unscanned(tmp_path / "killed", common)
+    if (
+        strategy == BF16_WEIGHTS
+    ):  # the final checkpoints hold the float32 masters, equal, and the weights are their rounding
         final = [
             load_file(tmp_path / run / "checkpoints/step_00000006/model.safetensors") for run in ("whole", "killed")
         ]

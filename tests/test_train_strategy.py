@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from revlib_xla.train.checkpoint import weight_slices
 from revlib_xla.train.config import load_config
 from revlib_xla.train.strategy import (
     HostOptimizerState,
@@ -115,6 +116,45 @@ def test_gradients_equal_the_plain_model(overrides):
 def test_weights_after_two_steps_equal_the_plain_step(overrides, reference):
     losses, weights, _, _ = _trained(overrides)
     ref_losses, ref_weights, _, _ = _trained(reference)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    _close(weights, ref_weights)
+
+
+HOST_STEP = ["strategy.offload.optimizer=true", "strategy.precision=bf16", "strategy.param_dtype=bf16"]
+
+
+@pytest.mark.parametrize("offload", [[], HOST_STEP], ids=["adamw", "host-adamw"])
+def test_stacked_layers_get_the_weight_decay_and_the_weights_of_unstacked_ones(offload):
+    """model.scan stores each weight of the layers as one [layers, ...] parameter: a stacked norm scale has two
+    dimensions and is still not decayed (the rule looks at one layer's shape), by AdamW and by the host step's
+    AdamW over its masters; two AdamW steps with weight decay give the unstacked model's weights (float64; cpu runs
+    the stacked layers one by one: the same computation)."""
+    groups = {}
+    for scan in ("false", "true"):
+        cfg = _cfg("strategy=reversible", f"model.scan={scan}", *offload)
+        model = build_model(cfg, "cpu", None if offload else torch.float64)
+        names = {}
+        for name, tensor, _ in weight_slices(language_model(model)):
+            names.setdefault(id(tensor), []).append(name)
+        opt = build_optimizer(cfg, model)
+        stands_for = dict(zip(map(id, opt.host), opt.device_params)) if offload else {}
+        groups[scan] = {
+            name: group["weight_decay"]
+            for group in opt.param_groups
+            for p in group["params"]
+            for name in names[id(stands_for.get(id(p), p))]
+        }
+    stacked = language_model(build_model(_cfg("strategy=reversible", "model.scan=true"), "meta"))
+    assert any(p.ndim == 2 and "layernorm" in n for n, p in stacked.named_parameters())  # a stacked norm scale
+    assert groups["true"] == groups["false"]
+    assert sorted(set(groups["true"].values())) == [0.0, 0.1]
+    assert {n for n, wd in groups["true"].items() if wd == 0} == {n for n in groups["true"] if "norm" in n}
+    if offload:
+        assert isinstance(opt, HostOptimizerState)
+        return
+    losses, weights, model, _ = _trained(["strategy=reversible", "model.scan=true"])
+    ref_losses, ref_weights, _, _ = _trained(["strategy=reversible"])
+    assert model.layers.scan is None and any(n.startswith("layers.stacked_") for n, _ in model.named_parameters())
     assert losses == pytest.approx(ref_losses, rel=1e-12)
     _close(weights, ref_weights)
 

@@ -76,6 +76,18 @@ STRATEGIES: dict[str, Strategy] = {
             "the host (ZeRO-Offload's mixed precision); the loss in chunks (strategy.loss_chunk=auto)",
         ),
         Strategy(
+            "reversible+offload+bf16+scan",
+            (
+                "strategy.activations=reversible",
+                "strategy.offload.optimizer=true",
+                "strategy.precision=bf16",
+                "strategy.param_dtype=bf16",
+                "model.scan=true",
+            ),
+            "reversible+offload+bf16 with the layers stacked and run as one XLA loop (model.scan=true): one layer "
+            "compiled whatever the depth",
+        ),
+        Strategy(
             "reversible+fused",
             (
                 "strategy.activations=reversible",

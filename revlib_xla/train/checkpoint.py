@@ -5,8 +5,10 @@ A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>/`` holding
 * ``model.safetensors``: the weights (each tied tensor stored once; the names it is also known by are in the file's
   metadata), readable by any safetensors loader; where the optimizer keeps more precise master weights than the
   device (``strategy.param_dtype=bf16``: float32 masters on the host), the masters, so a resumed run continues
-  from them exactly;
-* ``optimizer.pt``: the optimizer's ``state_dict`` (on the host);
+  from them exactly. Stacked layers (``model.scan``) are saved under the unstacked model's names, layer by layer,
+  and their optimizer state split the same way, so a scanned run resumes unscanned and back;
+* ``optimizer.pt``: the optimizer's ``state_dict`` (on the host), keyed by the weights' names where the optimizer
+  keeps ``torch.optim``'s per-parameter state;
 * ``state.pt``: the step, the data sampler's position, the random states (torch's CPU generator, the device's,
   numpy's, Python's) and the last metrics;
 * ``config.yaml``: the resolved run configuration.
@@ -36,7 +38,15 @@ from torch import nn
 
 from .. import _tree, backend
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
+__all__ = [
+    "Checkpoint",
+    "weight_slices",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "rng_state",
+    "set_rng_state",
+]
 
 LATEST = "latest"
 _PREFIX = "step_"
@@ -87,23 +97,115 @@ def _masters(optimizer: torch.optim.Optimizer) -> dict[int, torch.Tensor]:
     return {id(p): master for p, master in pairs}
 
 
+def weight_slices(model: nn.Module) -> list[tuple[str, torch.Tensor, int | None]]:
+    """Every parameter of ``model`` under the names of ``state_dict()`` (the unstacked model's), as
+    ``(name, parameter, index)``: ``index`` is the layer's position in a stacked parameter
+    (:func:`revlib_xla.scan.stack_layers`: ``state_dict()`` gives each layer a view of the stack), else ``None``."""
+    params = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
+    slices: list[tuple[str, torch.Tensor, int | None]] = []
+    layers: dict[int, list[int]] = {}  # a stack's views: their positions in ``slices``
+    for name, value in model.state_dict(keep_vars=True).items():
+        if id(value) in params:
+            slices.append((name, value, None))
+        elif value._is_view() and id(value._base) in params:
+            layers.setdefault(id(value._base), []).append(len(slices))
+            slices.append((name, params[id(value._base)], None))
+    # The views come layer by layer, each layer's (tied) names together; storage offsets would say which layer a
+    # view is on cpu, not on every device (XLA tensors have none).
+    for positions in layers.values():
+        name, stack, _ = slices[positions[0]]
+        names_per_layer = len(positions) // stack.shape[0]
+        for n, at in enumerate(positions):
+            slices[at] = (slices[at][0], stack, n // names_per_layer)
+    return slices
+
+
 def _weights(
     model: nn.Module, masters: dict[int, torch.Tensor] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The model's parameters and buffers on the host (a parameter's master weight instead, where ``masters`` has
-    one), each tensor once, and the other names of tied ones."""
+    """The model's parameters (under their unstacked names: :func:`weight_slices`) and buffers on the host (a
+    parameter's master weight instead, where ``masters`` has one), each tensor once, and the other names of tied
+    ones."""
     masters = masters or {}
     unique: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    first: dict[int, str] = {}
-    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
-    for name, tensor in named:
-        if id(tensor) in first:
-            aliases[name] = first[id(tensor)]
+    first: dict[tuple[int, int | None], str] = {}
+    named = weight_slices(model) + [(n, b, None) for n, b in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, index in named:
+        if (id(tensor), index) in first:
+            aliases[name] = first[(id(tensor), index)]
             continue
-        first[id(tensor)] = name
-        unique[name] = masters.get(id(tensor), tensor).detach().to("cpu").contiguous()
+        first[(id(tensor), index)] = name
+        value = masters.get(id(tensor), tensor).detach()
+        unique[name] = (value if index is None else value[index]).to("cpu").contiguous()
     return unique, aliases
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model parameters behind the indices of ``optimizer.state_dict()``, in order (a host-stepping optimizer's
+    groups hold its host masters: the device parameters they stand for)."""
+    host, device = getattr(optimizer, "host", None), getattr(optimizer, "device_params", None)
+    stands_for = {id(h): p for h, p in zip(host, device)} if host is not None and device is not None else {}
+    return [stands_for.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
+
+
+def _names_of(model: nn.Module) -> dict[int, list[tuple[str, int | None]]]:
+    """``id(parameter)`` -> its ``(name, layer index)`` entries of :func:`weight_slices`."""
+    names: dict[int, list[tuple[str, int | None]]] = {}
+    for name, tensor, index in weight_slices(model):
+        names.setdefault(id(tensor), []).append((name, index))
+    return names
+
+
+def _optimizer_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` keyed by the weights' unstacked names (a stacked parameter's state split per
+    layer), so that a scanned run resumes unscanned and back; ``None`` for an optimizer whose state is not
+    ``torch.optim``'s per-parameter form (then saved as it is)."""
+    saved = optimizer.state_dict()
+    params = _optimizer_params(optimizer)
+    names = _names_of(model)
+    if set(saved) != {"state", "param_groups"} or any(id(p) not in names for p in params):
+        return None
+    state: dict[str, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        for name, index in names[id(p)]:
+            if i in saved["state"]:
+                state[name] = {
+                    k: v[index] if index is not None and isinstance(v, torch.Tensor) and v.shape == p.shape else v
+                    for k, v in saved["state"][i].items()
+                }
+    groups = [
+        {**g, "params": [name for i in g["params"] for name, _ in names[id(params[i])]]} for g in saved["param_groups"]
+    ]
+    return {"by_name": True, "state": state, "param_groups": groups}
+
+
+def _optimizer_from_names(model: nn.Module, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_optimizer_by_name` for this model and optimizer: a ``state_dict`` to load."""
+    params = _optimizer_params(optimizer)
+    names = _names_of(model)
+    group_of = {name: g for g in saved["param_groups"] for name in g["params"]}
+    state: dict[int, dict[str, Any]] = {}
+    for i, p in enumerate(params):
+        parts = [saved["state"][name] for name, _ in names[id(p)] if name in saved["state"]]
+        if not parts:
+            continue
+        stacked = names[id(p)][0][1] is not None
+        state[i] = {
+            k: torch.stack([part[k] for part in parts]) if stacked and isinstance(v, torch.Tensor) and v.ndim else v
+            for k, v in parts[0].items()
+        }
+    groups, i = [], 0
+    for g in optimizer.param_groups:
+        first = names[id(params[i])][0][0]
+        groups.append(
+            {
+                **{k: v for k, v in group_of[first].items() if k != "params"},
+                "params": list(range(i, i + len(g["params"]))),
+            }
+        )
+        i += len(g["params"])
+    return {"state": state, "param_groups": groups}
 
 
 def _write(path: Path, write: Any) -> None:
@@ -133,7 +235,10 @@ def save_checkpoint(
         weights, aliases = _weights(model, _masters(optimizer))
         metadata = {"format": "pt", "tied": json.dumps(aliases)}
         _write(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=metadata))
-        host_optimizer = _tree.map_tensors(lambda t: t.detach().to("cpu"), optimizer.state_dict())
+        by_name = _optimizer_by_name(model, optimizer)
+        host_optimizer = _tree.map_tensors(
+            lambda t: t.detach().to("cpu").clone(), optimizer.state_dict() if by_name is None else by_name
+        )
         _write(tmp / "optimizer.pt", lambda p: torch.save(host_optimizer, p))
         _write(tmp / "state.pt", lambda p: torch.save(dataclasses.asdict(state), p))
         _write(tmp / "config.yaml", lambda p: Path(p).write_text(config_yaml))
@@ -178,6 +283,13 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     return path if (path / "state.pt").is_file() else None
 
 
+def _whole(parts: dict[int | None, torch.Tensor]) -> torch.Tensor:
+    """A parameter's value from its saved parts: itself, or a stacked parameter's layers in order."""
+    if None in parts:
+        return parts[None]
+    return torch.stack([parts[i] for i in sorted(i for i in parts if i is not None)])
+
+
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
     """Restore ``model``'s weights and ``optimizer``'s state from the checkpoint directory ``path`` (weights are
     copied into the existing tensors, on their devices, so every reference to them stays valid); return the rest.
@@ -193,19 +305,24 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"checkpoint {ckpt}: the weights do not match the model (missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}); was it written by a run with another model or strategy?"
         )
-    tensors = dict(list(model.named_parameters()) + list(model.named_buffers()))
-    exact = {id(tensors[name]): value for name, value in stored.items() if value.dtype != tensors[name].dtype}
+    tensors = {name: (tensor, index) for name, tensor, index in weight_slices(model)}
+    tensors.update((name, (b, None)) for name, b in model.named_buffers())
+    exact: dict[int, dict[int | None, torch.Tensor]] = {}
     with torch.no_grad():
         for name, value in stored.items():
-            target = tensors[name]
+            tensor, index = tensors[name]
+            target = tensor if index is None else tensor[index]
             if target.shape != value.shape:
                 raise ValueError(
                     f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
                 )
-            target.copy_(value.to(target.dtype))
-    optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False))
+            if value.dtype != tensor.dtype:
+                exact.setdefault(id(tensor), {})[index] = value
+            target.copy_(value.to(tensor.dtype))
+    saved = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(_optimizer_from_names(model, optimizer, saved) if "by_name" in saved else saved)
     load_masters = getattr(optimizer, "load_master_weights", None)
     if load_masters is not None and exact:  # saved masters more precise than the device weights: restored exactly
-        load_masters(exact)
+        load_masters({key: _whole(parts) for key, parts in exact.items()})
     state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
     return Checkpoint(**state)

@@ -61,11 +61,14 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     """Which model to train: a named size (``llama-tiny`` ... ``llama-8b``) and fields of its ``LlamaConfig`` to
-    change (``overrides: {vocab_size: 256}`` for bytes)."""
+    change (``overrides: {vocab_size: 256}`` for bytes). ``scan``: the reversible form's layers stored stacked and
+    run as one XLA loop (:func:`revlib_xla.scan.stack_layers`): the step compiles one layer whatever the depth,
+    with the unrolled walk's gradients; cpu and cuda run the same layers one by one."""
 
     name: str = "llama-tiny"
     overrides: dict[str, Any] = Field(default_factory=dict)
     hf_config: str | None = None
+    scan: bool = False
 
 
 class OffloadConfig(_Section):
@@ -233,6 +236,8 @@ class RunConfig(_Section):
             )
         if s.param_dtype == "bf16":
             _check_bf16_weights(s)
+        if self.model.scan:
+            _check_scan(self)
         if s.fused_optimizer and o.grad_accum_steps > 1:
             raise ValueError(
                 f"strategy.fused_optimizer=true steps each parameter inside the backward pass, so gradients cannot "
@@ -273,6 +278,29 @@ def _check_bf16_weights(s: StrategyConfig) -> None:
             f"strategy.param_dtype=bf16 computes with bfloat16 weights, which needs strategy.precision=bf16 "
             f"(autocast; here {s.precision!r}); set strategy.precision=bf16 or strategy.param_dtype=fp32"
         )
+
+
+def _check_scan(cfg: RunConfig) -> None:
+    """``model.scan=true`` stacks the layers of the reversible form, whose Llama layers all repeat; every other way
+    of running the layers has no scanned form."""
+    s = cfg.strategy
+    if s.activations != "reversible":
+        why = (
+            "the momentum form's layers are not stacked (build_llama stacks the reversible form only)"
+            if s.activations == "momentum"
+            else f"strategy.activations={s.activations} runs the plain model, which has no scanned form"
+        )
+        raise ValueError(
+            f"model.scan=true stacks the layers of the reversible form; {why}. Set strategy.activations=reversible, "
+            f"or model.scan=false"
+        )
+    for key, on, why in (
+        ("model.hf_config", cfg.model.hf_config is not None, "a transformers model's layers are converted one by one"),
+        ("strategy.offload.params", s.offload.params, "offloaded parameters are streamed layer by layer"),
+        ("strategy.fused_optimizer", s.fused_optimizer, "a fused optimizer steps each layer's own parameters"),
+    ):
+        if on:
+            raise ValueError(f"model.scan=true cannot be combined with {key} ({why}); set model.scan=false")
 
 
 # ----------------------------------------------------------------------------------------------------------------

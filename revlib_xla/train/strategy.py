@@ -50,6 +50,7 @@ __all__ = [
     "language_model",
     "compute_device",
     "build_optimizer",
+    "layer_ndims",
     "make_step",
     "lr_at",
     "set_lr",
@@ -365,7 +366,8 @@ def build_model(
 
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
-        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk)
+        stacked = {"scan": None} if cfg.model.scan else {}  # None: the loop on XLA, layer by layer on cpu/cuda
+        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
         lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
@@ -397,10 +399,27 @@ def build_model(
 # Optimizer
 
 
-def _groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices (and embeddings), none on norms' scales and biases."""
-    decay = [p for p in params if p.ndim >= 2]
-    rest = [p for p in params if p.ndim < 2]
+def layer_ndims(model: nn.Module) -> dict[int, int]:
+    """``id(parameter)`` -> the dimensions of what one layer holds of it: a stacked parameter
+    (:func:`revlib_xla.scan.stack_layers`, ``[layers, ...]``) has one fewer per layer than it has, any other its
+    own. What the weight-decay rule looks at, so a stacked norm scale (``[layers, dim]``) is not taken for a
+    matrix."""
+    from ..scan import stacks_of
+
+    ndims = {id(p): p.ndim for p in model.parameters()}
+    for module in model.modules():
+        stacks = stacks_of(module)
+        if stacks is not None:
+            for p in stacks.params(module):
+                ndims[id(p)] = p.ndim - 1
+    return ndims
+
+
+def _groups(params: list[nn.Parameter], weight_decay: float, ndims: list[int]) -> list[dict[str, Any]]:
+    """Weight decay on matrices (and embeddings), none on norms' scales and biases; ``ndims``: each parameter's
+    dimensions per layer (:func:`layer_ndims`), so stacked and unstacked layers get the same decay."""
+    decay = [p for p, n in zip(params, ndims) if n >= 2]
+    rest = [p for p, n in zip(params, ndims) if n < 2]
     return [
         g
         for g in ({"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0})
@@ -408,9 +427,11 @@ def _groups(params: list[nn.Parameter], weight_decay: float) -> list[dict[str, A
     ]
 
 
-def _adamw(cfg: RunConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+def _adamw(cfg: RunConfig, params: list[nn.Parameter], ndims: list[int] | None = None) -> torch.optim.Optimizer:
+    """AdamW of ``optim.*`` over ``params`` (``ndims``: their dimensions per layer; default their own)."""
     o = cfg.optim
-    return torch.optim.AdamW(_groups(params, o.weight_decay), lr=o.lr, betas=o.betas, eps=o.eps)
+    ndims = [p.ndim for p in params] if ndims is None else ndims
+    return torch.optim.AdamW(_groups(params, o.weight_decay, ndims), lr=o.lr, betas=o.betas, eps=o.eps)
 
 
 class HostOptimizerState(torch.optim.Optimizer):
@@ -434,13 +455,15 @@ class HostOptimizerState(torch.optim.Optimizer):
     take.
     """
 
-    def __init__(self, cfg: RunConfig, params: list[nn.Parameter], annotate: bool) -> None:
+    def __init__(
+        self, cfg: RunConfig, params: list[nn.Parameter], annotate: bool, ndims: list[int] | None = None
+    ) -> None:
         self.device_params = params
         self.annotate = annotate
         self._deferred: list[list[Tensor]] = []
         self._sums: list[Tensor | None] = [None] * len(params)  # float32 sums of micro-batch gradients (host)
         if annotate:
-            self.inner = _adamw(cfg, params)
+            self.inner = _adamw(cfg, params, ndims)
         else:
             # Filled from the device weights at the first step (or by load_state_dict): nothing is copied when the
             # step is only traced for sizing, and weights loaded after the optimizer was built are the ones used.
@@ -448,7 +471,7 @@ class HostOptimizerState(torch.optim.Optimizer):
             self._filled = False
             for h, p in zip(self.host, params):
                 backend.pin_host_tensor_(h, p.device)
-            self.inner = _adamw(cfg, self.host)
+            self.inner = _adamw(cfg, self.host, [p.ndim for p in params] if ndims is None else ndims)
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups  # schedulers and set_lr reach the inner groups
         self.state = self.inner.state
@@ -608,6 +631,8 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters (weight decay on matrices only), fused into the backward pass
     with ``strategy.fused_optimizer``, with its state in host memory with ``strategy.offload.optimizer``."""
     params = [p for p in model.parameters() if p.requires_grad]
+    per_layer = layer_ndims(model)
+    ndims = [per_layer[id(p)] for p in params]
     if cfg.strategy.fused_optimizer:
         from ..fused_optimizer import fuse_optimizer
 
@@ -615,9 +640,9 @@ def build_optimizer(cfg: RunConfig, model: nn.Module) -> torch.optim.Optimizer:
         return fuse_optimizer(language_model(model), lambda ps: _adamw(cfg, list(ps)))
     if cfg.strategy.offload.optimizer:
         if backend.is_host_memory(params[0].device) and cfg.strategy.param_dtype == "fp32":
-            return _adamw(cfg, params)  # the state is in host memory already (bf16 weights still need masters)
-        return HostOptimizerState(cfg, params, annotate=False)
-    return _adamw(cfg, params)
+            return _adamw(cfg, params, ndims)  # the state is in host memory already (bf16 weights still need masters)
+        return HostOptimizerState(cfg, params, annotate=False, ndims=ndims)
+    return _adamw(cfg, params, ndims)
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
