@@ -404,15 +404,9 @@ def layer_ndims(model: nn.Module) -> dict[int, int]:
     (:func:`revlib_xla.scan.stack_layers`, ``[layers, ...]``) has one fewer per layer than it has, any other its
     own. What the weight-decay rule looks at, so a stacked norm scale (``[layers, dim]``) is not taken for a
     matrix."""
-    from ..scan import stacks_of
+    from ..scan import layer_shape
 
-    ndims = {id(p): p.ndim for p in model.parameters()}
-    for module in model.modules():
-        stacks = stacks_of(module)
-        if stacks is not None:
-            for p in stacks.params(module):
-                ndims[id(p)] = p.ndim - 1
-    return ndims
+    return {id(p): len(layer_shape(p, model)) for p in model.parameters()}
 
 
 def _groups(params: list[nn.Parameter], weight_decay: float, ndims: list[int]) -> list[dict[str, Any]]:
