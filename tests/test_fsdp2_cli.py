@@ -157,3 +157,27 @@ def test_what_fsdp2_cannot_run_is_refused_before_joining(
     with pytest.raises((StrategyError, ConfigError), match=expected):
         join_processes(load_config(None, [*_TINY_RUN, "strategy=reversible", *overrides]), torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+def test_fsdp2_refuses_a_model_without_blocks_of_its_own() -> None:
+    """A transformers model (no known blocks) and stacked layers (model.scan: no block owns its weights) are named."""
+    from torch import nn
+
+    from revlib_xla import ReversibleSequential
+    from revlib_xla.scan import stack_layers
+    from revlib_xla.train.config import load_config
+    from revlib_xla.train.distributed import _blocks as blocks
+    from revlib_xla.train.distributed import join_processes
+    from revlib_xla.train.strategy import StrategyError
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "2")
+        hf = load_config(None, [*_TINY_RUN, "model.hf_config=/nowhere/config.json"])
+        with pytest.raises(StrategyError, match="model.hf_config=/nowhere/config.json has no known blocks"):
+            join_processes(hf, torch.device("cpu"))
+    lm = nn.Module()
+    lm.layers = stack_layers(ReversibleSequential(*[nn.Linear(4, 4) for _ in range(3)]), scan=False)
+    with pytest.raises(StrategyError, match=r"stacked \(model.scan\)"):
+        blocks(lm)
+    lm.layers = ReversibleSequential(*[nn.Linear(4, 4) for _ in range(3)])
+    assert len(blocks(lm)) == 3
