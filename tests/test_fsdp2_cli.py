@@ -47,7 +47,8 @@ _TINY_RUN = [
     "optim.lr=3e-3",
     "optim.warmup_steps=1",
     "optim.schedule=constant",  # a step's learning rate does not depend on train.steps: 3- and 4-step runs agree
-    "train.eval_every=0",
+    "train.eval_every=3",  # evaluated at step 3 (and 4 in the resumed runs): every process runs the sharded model
+    "train.eval_batches=1",
     "train.checkpoint_every=0",
     "train.log_every=1",
     "train.progress=false",
@@ -78,6 +79,7 @@ def _worker(rank: int, initfile: str, root: str) -> None:
         for strategy in RUNS:
             result = train(_config(strategy, Path(root) / f"two-{strategy}", 3))
             results[strategy] = (result.start_step, result.losses)
+            results[f"{strategy}:val"] = result.val_losses
             sharded: Any = result.model
             first = next(sharded.lm.layers[0].parameters())  # of the first block
             results[f"{strategy}:sharded"] = (type(result.model).__name__, _shard_rows(first))
@@ -95,7 +97,8 @@ def runs() -> Any:
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        one = {s: train(_config(s, root / f"one-{s}", 4 if s == "reversible" else 3)).losses for s in RUNS}
+        references = {s: train(_config(s, root / f"one-{s}", 4 if s == "reversible" else 3)) for s in RUNS}
+        one = {s: {**run.losses, "val": run.val_losses} for s, run in references.items()}
         train(_config("reversible", root / "two-reversible", 1))  # the checkpoint the two processes resume
         mp.start_processes(_worker, args=(str(root / "rendezvous"), tmp), nprocs=WORLD, start_method="spawn")
         ranks = [torch.load(root / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
@@ -117,6 +120,8 @@ def test_fsdp2_losses_equal_one_process_on_the_whole_batch(runs: Any, strategy: 
         assert started == start and sorted(losses) == list(range(start + 1, 4))
         for step, loss in losses.items():
             assert loss == pytest.approx(one[strategy][step], rel=1e-5), (strategy, step)
+        assert list(result[f"{strategy}:val"]) == [3]
+        assert result[f"{strategy}:val"][3] == pytest.approx(one[strategy]["val"][3], rel=1e-5)
 
 
 @pytest.mark.slow
@@ -133,6 +138,7 @@ def test_fsdp2_checkpoint_resumes_in_one_process(runs: Any) -> None:
     _, one, resumed = runs
     assert resumed.start_step == 3 and list(resumed.losses) == [4]
     assert resumed.losses[4] == pytest.approx(one["reversible"][4], rel=1e-5)
+    assert resumed.val_losses[4] == pytest.approx(one["reversible"]["val"][4], rel=1e-5)
 
 
 @pytest.mark.parametrize(
