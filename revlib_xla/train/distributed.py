@@ -281,18 +281,27 @@ def _split_like(target: Tensor, value: Tensor) -> Tensor:
     return distribute_tensor(value.to(mesh.device_type), mesh, target.placements)  # type: ignore[attr-defined]
 
 
-class _WholeWeights(nn.Module):
-    """A sharded LM's parameters gathered whole, under their names (a stand-in module for the checkpoint's reader
-    and writer: only ``named_parameters`` and ``named_buffers`` are used); :meth:`write_back` splits them again."""
+def _gathered(tensor: Tensor, keep: bool) -> Tensor:
+    """``tensor`` whole on the host where ``keep`` (rank 0, which writes it); every process takes part in the
+    gather, the others drop the result at once (no whole copy of the model in every process)."""
+    whole = _whole(tensor.detach())
+    return whole.to("cpu") if keep else whole.new_empty(0)
 
-    def __init__(self, lm: nn.Module) -> None:
+
+class _WholeWeights(nn.Module):
+    """A sharded LM's parameters as whole host tensors under their names (a stand-in module for the checkpoint's
+    reader and writer: only ``named_parameters`` and ``named_buffers`` are used): gathered to rank 0 for saving, or
+    empty for loading, and then :meth:`write_back` splits what was loaded into the sharded parameters."""
+
+    def __init__(self, lm: nn.Module, loading: bool, keep: bool) -> None:
         super().__init__()
-        gathered: dict[int, nn.Parameter] = {}  # tied weights stay one tensor
+        whole: dict[int, nn.Parameter] = {}  # tied weights stay one tensor
         self._pairs = []
         for name, p in lm.named_parameters(remove_duplicate=False):
-            if id(p) not in gathered:
-                gathered[id(p)] = nn.Parameter(_whole(p.detach()).clone(), requires_grad=False)
-            self._pairs.append((name, p, gathered[id(p)]))
+            if id(p) not in whole:
+                value = torch.empty(p.shape, dtype=p.dtype) if loading else _gathered(p, keep)
+                whole[id(p)] = nn.Parameter(value, requires_grad=False)
+            self._pairs.append((name, p, whole[id(p)]))
         self._buffers_of = list(lm.named_buffers(remove_duplicate=False))
 
     def named_parameters(
@@ -322,12 +331,13 @@ class _WholeWeights(nn.Module):
 
 class _WholeOptimizer(torch.optim.Optimizer):
     """A sharded model's optimizer seen with whole state tensors (a stand-in for the checkpoint's reader and writer:
-    only ``state_dict`` and ``load_state_dict`` are used): the state is gathered when made; a loaded state is split
-    as each parameter is."""
+    only ``state_dict`` and ``load_state_dict`` are used): the state is gathered to rank 0 when made for saving; a
+    loaded state is split as each parameter is."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no Optimizer.__init__: a view of ``optimizer``
+    def __init__(self, optimizer: torch.optim.Optimizer, loading: bool, keep: bool) -> None:
+        # no Optimizer.__init__: a view of ``optimizer``
         self.inner = optimizer
-        self.whole = _tree.map_tensors(_whole, optimizer.state_dict())
+        self.whole = {} if loading else _tree.map_tensors(lambda t: _gathered(t, keep), optimizer.state_dict())
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.whole)
@@ -342,18 +352,20 @@ class _WholeOptimizer(torch.optim.Optimizer):
 
 @contextlib.contextmanager
 def whole_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, write_back: bool = False
+    model: nn.Module, optimizer: torch.optim.Optimizer, loading: bool = False
 ) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
-    """The LM and optimizer a checkpoint saves or loads, with whole tensors: for a :class:`ShardedLM`, gathered from
-    every process (call in every process; a collective), and with ``write_back`` split into the sharded model again
-    on exit (what a resume loaded into them); else ``language_model(model)`` and ``optimizer`` themselves."""
+    """The LM and optimizer a checkpoint saves (or, with ``loading``, loads) with whole tensors. For a
+    :class:`ShardedLM` (call in every process: collectives): for saving, gathered to rank 0's host; for loading,
+    host tensors that the checkpoint fills and that are split into the sharded model and optimizer (on exit for
+    the weights). Else ``language_model(model)`` and ``optimizer`` themselves."""
     lm = language_model(model)
     if not isinstance(model, ShardedLM):
         yield lm, optimizer
         return
-    weights = _WholeWeights(lm)
-    yield weights, _WholeOptimizer(optimizer)
-    if write_back:
+    keep = torch.distributed.get_rank() == 0
+    weights = _WholeWeights(lm, loading, keep)
+    yield weights, _WholeOptimizer(optimizer, loading, keep)
+    if loading:
         weights.write_back()
 
 

@@ -146,7 +146,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     start = 0
     found = latest_checkpoint(ckpt_dir) if cfg.train.resume else None
     if found is not None:
-        with whole_state(model, optimizer, write_back=True) as (whole_lm, whole_optimizer):
+        with whole_state(model, optimizer, loading=True) as (whole_lm, whole_optimizer):
             restored = load_checkpoint(found, whole_lm, whole_optimizer)
         start = restored.step
         sampler.state = SamplerState.from_dict(restored.sampler)
