@@ -21,14 +21,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 
 from revlib_xla.fsdp import fully_shard_function
 
@@ -68,26 +67,20 @@ def _shard_rows(weight: Any) -> tuple[int, int]:
     return weight.to_local().shape[0], weight.shape[0]
 
 
-def _worker(rank: int, initfile: str, root: str) -> None:
+def _cases(rank: int, results: dict[str, Any]) -> None:
+    """Each run of ``RUNS`` under two processes, in the environment torchrun sets (the process group is joined)."""
     from revlib_xla.train.loop import train
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=WORLD)
-    results: dict[str, Any] = {}
-    try:
-        for strategy in RUNS:
-            result = train(_config(strategy, Path(root) / f"two-{strategy}", 3))
-            results[strategy] = (result.start_step, result.losses)
-            results[f"{strategy}:val"] = result.val_losses
-            sharded: Any = result.model
-            first = next(sharded.lm.layers[0].parameters())  # of the first block
-            results[f"{strategy}:sharded"] = (type(result.model).__name__, _shard_rows(first))
-    except Exception:  # reported to the parent, which fails the test with it
-        results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, f"{root}/result.{rank}")
-        dist.destroy_process_group()
+    root = Path(os.environ["FSDP2_CLI_ROOT"])
+    for strategy in RUNS:
+        result = train(_config(strategy, root / f"two-{strategy}", 3))
+        results[strategy] = (result.start_step, result.losses)
+        results[f"{strategy}:val"] = result.val_losses
+        sharded: Any = result.model
+        first = next(sharded.lm.layers[0].parameters())  # of the first block
+        results[f"{strategy}:sharded"] = (type(result.model).__name__, _shard_rows(first))
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +93,9 @@ def runs() -> Any:
         references = {s: train(_config(s, root / f"one-{s}", 4 if s == "reversible" else 3)) for s in RUNS}
         one = {s: {**run.losses, "val": run.val_losses} for s, run in references.items()}
         train(_config("reversible", root / "two-reversible", 1))  # the checkpoint the two processes resume
-        mp.start_processes(_worker, args=(str(root / "rendezvous"), tmp), nprocs=WORLD, start_method="spawn")
-        ranks = [torch.load(root / f"result.{rank}", weights_only=False) for rank in range(WORLD)]
-        for result in ranks:
-            assert "error" not in result, result["error"]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("FSDP2_CLI_ROOT", tmp)  # the spawned processes inherit the environment
+            ranks = run_ranks(_cases, WORLD, tmp)
         # The two processes' checkpoint of step 3, resumed by one process for step 4.
         shutil.copytree(root / "two-reversible", root / "resumed")
         resumed = train(_config("reversible", root / "resumed", 4))
