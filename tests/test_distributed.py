@@ -13,14 +13,13 @@ no network port), and run every case.
 from __future__ import annotations
 
 import tempfile
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_ranks
 from torch import nn
 
 import revlib_xla as revlib
@@ -148,57 +147,44 @@ def _reference(kind: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, initfile: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=WORLD)
-    results: dict[str, Any] = {}
+def _worker(rank: int, results: dict[str, Any]) -> None:
     x, y = _data()
     xs, ys = x.chunk(WORLD)[rank], y.chunk(WORLD)[rank]
-    try:
-        for kind in CASES:
-            model = _model(kind, batch=len(xs))
-            ddp = nn.parallel.DistributedDataParallel(model)
-            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for kind in CASES:
+        model = _model(kind, batch=len(xs))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
 
-            def step() -> None:
-                optimizer.step()
-                optimizer.zero_grad()
+        def step() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
 
-            _train(ddp, step, xs, ys)
-            results[kind] = [p.detach().clone() for p in model.parameters()]
-        for kind in ("plain", "reversible"):
-            model = _model(kind)
-            before = [p.detach().clone() for p in model.parameters()]
-            fused = revlib.fuse_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
-            ddp = nn.parallel.DistributedDataParallel(model)
-            try:
-                ((ddp(xs) - ys) ** 2).mean().backward()
-                results[f"fused-{kind}"] = "no error"
-            except revlib.FusedOptimizerError as exc:
-                unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-                results[f"fused-{kind}"] = (str(exc), unchanged)
-            # Separate models per process: the fused step is allowed and steps on local gradients.
-            fused.independent_processes = True
-            model.zero_grad(set_to_none=True)
-            ((model(xs) - ys) ** 2).mean().backward()
-            results[f"independent-{kind}"] = fused.steps_taken
-        if fully_shard_function() is not None:
-            _fsdp_cases(rank, xs, ys, results)
-    except Exception:  # reported to the parent, which fails the test with it
-        results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, f"{out}.{rank}")
-        dist.destroy_process_group()
+        _train(ddp, step, xs, ys)
+        results[kind] = [p.detach().clone() for p in model.parameters()]
+    for kind in ("plain", "reversible"):
+        model = _model(kind)
+        before = [p.detach().clone() for p in model.parameters()]
+        fused = revlib.fuse_optimizer(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        try:
+            ((ddp(xs) - ys) ** 2).mean().backward()
+            results[f"fused-{kind}"] = "no error"
+        except revlib.FusedOptimizerError as exc:
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            results[f"fused-{kind}"] = (str(exc), unchanged)
+        # Separate models per process: the fused step is allowed and steps on local gradients.
+        fused.independent_processes = True
+        model.zero_grad(set_to_none=True)
+        ((model(xs) - ys) ** 2).mean().backward()
+        results[f"independent-{kind}"] = fused.steps_taken
+    if fully_shard_function() is not None:
+        _fsdp_cases(rank, xs, ys, results)
 
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
-        initfile, out = str(Path(tmp) / "rendezvous"), str(Path(tmp) / "result")
-        mp.start_processes(_worker, args=(initfile, out), nprocs=WORLD, start_method="spawn")
-        results = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
-    for result in results:
-        assert "error" not in result, result["error"]
-    return results
+        return run_ranks(_worker, WORLD, tmp)
 
 
 def _assert_every_rank_equals_one_process(ranks: list[dict[str, Any]], kind: str) -> None:

@@ -92,6 +92,9 @@ class StrategyConfig(_Section):
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     loss_chunk: int | Literal["auto"] = "auto"
     beta: float = 0.9
+    data_parallel: Literal["ddp", "fsdp2"] = (
+        "ddp"  # how torchrun's processes split the model: revlib_xla.train.distributed
+    )
 
     @field_validator("budget")
     @classmethod

@@ -6,35 +6,46 @@
 * joins the process group through that environment, with the backend its device family reduces with (``gloo`` on
   the CPU, ``nccl`` on CUDA: :attr:`revlib_xla.backends.base.Backend.process_group_backend`), on its own device
   (``cuda:LOCAL_RANK``);
-* builds the same weights (drawn from ``train.seed`` on the host, as one process does) and trains them as
-  replicas whose gradients ``DistributedDataParallel`` averages (with its gradient buckets, reduced while the
-  backward runs; the reversible and planned backwards accumulate each layer's gradients as plain autograd does, so
-  the buckets fill in the same way). FSDP2 per block is used from Python (:mod:`revlib_xla.fsdp`): the CLI's
-  checkpoints hold whole tensors;
+* builds the same weights (drawn from ``train.seed`` on the host, as one process does) and splits the model as
+  ``strategy.data_parallel`` says:
+
+  - ``ddp`` (the default): replicas whose gradients ``DistributedDataParallel`` averages (with its gradient buckets,
+    reduced while the backward runs; the reversible and planned backwards accumulate each layer's gradients as
+    plain autograd does, so the buckets fill in the same way);
+  - ``fsdp2``: FSDP2 (``fully_shard``) on each transformer block, then on the rest of the model as the root
+    (:class:`ShardedLM`): each process holds 1/N of every weight, gradient and AdamW moment, and the reversible
+    and planned backwards recompute each block through its unit (:mod:`revlib_xla.fsdp`);
 * draws the same global batch as one process and trains on its slice (rank ``r`` of ``N`` takes rows
   ``r*B/N .. (r+1)*B/N``): the mean loss of equal slices, averaged over the processes, is the mean over the batch,
   so N processes end with the weights one process reaches on the whole batch;
 * logs, shows progress and writes checkpoints on rank 0 only; every rank resumes from the same checkpoint.
+  Checkpoints hold whole tensors either way (under ``fsdp2`` every rank gathers them, rank 0 writes them, and a
+  resume splits them again: :func:`whole_state`), so a run resumes with any number of processes, sharded or not.
 
 What is refused, before any weight moves: a batch that the processes (times ``optim.grad_accum_steps``) cannot
 split evenly, ``strategy.fused_optimizer`` (a fused step reads the process's own gradient, before the processes
 average it), ``strategy.offload.params``, and a device family without a process-group backend (XLA: TPU pods train
-through SPMD in one process).
+through SPMD in one process); under ``fsdp2`` also ``strategy.offload.optimizer`` (and so
+``param_dtype=bf16``: its host AdamW keeps whole master weights), a ``model.hf_config`` model, stacked (scanned)
+layers, and a torch without FSDP2.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from .. import backend
+from .. import _tree, backend
+from ..fsdp import fully_shard_function
+from ..reversible import ReversibleSequential
 from .config import RunConfig
-from .strategy import StrategyError, language_model, lm_loss
+from .strategy import PlannedLM, StrategyError, language_model, lm_loss
 
 __all__ = [
     "Processes",
@@ -43,6 +54,8 @@ __all__ = [
     "distribute",
     "per_process_step",
     "DataParallelLM",
+    "ShardedLM",
+    "whole_state",
     "SilentLogger",
 ]
 
@@ -121,6 +134,8 @@ def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | No
             f"strategy.offload.params=true under {world} processes is not supported; keep the parameters on the "
             f"device (strategy.offload.params=false), or run one process"
         )
+    if s.data_parallel == "fsdp2":
+        _check_fsdp2(cfg, world)
     family = backend.backend_for(device)
     if family.process_group_backend is None:
         raise StrategyError(
@@ -133,6 +148,25 @@ def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | No
     if started:
         torch.distributed.init_process_group(family.process_group_backend, init_method="env://")
     return Processes(rank, world, local_rank, started), device
+
+
+def _check_fsdp2(cfg: RunConfig, world: int) -> None:
+    """Refuse what ``strategy.data_parallel=fsdp2`` cannot shard, before any weight moves."""
+    where = f"strategy.data_parallel=fsdp2 under {world} processes"
+    if fully_shard_function() is None:
+        raise StrategyError(f"{where}: this torch {torch.__version__} has no FSDP2 (fully_shard); use ddp")
+    if cfg.strategy.offload.optimizer:
+        raise StrategyError(
+            f"{where} with strategy.offload.optimizer=true: the host AdamW keeps a whole float32 master copy of every "
+            f"weight, not this process's shard; use strategy.offload.optimizer=false (FSDP2 splits the AdamW state "
+            f"over the processes already; param_dtype=bf16 needs the host optimizer, so keep param_dtype=fp32), or "
+            f"strategy.data_parallel=ddp"
+        )
+    if cfg.model.hf_config is not None:
+        raise StrategyError(
+            f"{where}: model.hf_config={cfg.model.hf_config} has no known blocks to shard; use "
+            f"strategy.data_parallel=ddp, or model.name=llama-*"
+        )
 
 
 class DataParallelLM(nn.Module):
@@ -153,17 +187,186 @@ class DataParallelLM(nn.Module):
 
 
 class _Loss(nn.Module):
+    """The model's loss (or logits) as a module's forward: what DDP and FSDP2's root hooks run."""
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
 
+    def forward(self, tokens: Tensor, logits: bool = False) -> Tensor:
+        return self.model(tokens) if logits else lm_loss(self.model, tokens)
+
+
+def _blocks(lm: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of ``lm`` that FSDP2 shards one by one: each reversible layer's block (its recomputation
+    runs the block through its ``__call__``), or each block of a plain stack (also the planner's stages' blocks)."""
+    layers = getattr(lm, "layers", None)
+    if isinstance(layers, ReversibleSequential):
+        if any(True for _ in layers.parameters(recurse=False)):
+            raise StrategyError(
+                "strategy.data_parallel=fsdp2: the layers' parameters are stacked (model.scan), so no block owns its "
+                "own weights to shard; use model.scan=false, or strategy.data_parallel=ddp"
+            )
+        return [cast(nn.Module, layer.block) for layer in layers]
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    raise StrategyError(
+        f"strategy.data_parallel=fsdp2: {type(lm).__name__} has no `layers` of blocks to shard; use "
+        f"strategy.data_parallel=ddp"
+    )
+
+
+class ShardedLM(nn.Module):
+    """The model trained through FSDP2: ``fully_shard`` on each block of the LM, then on the rest of it (the root,
+    around the loss so its hooks run for ``loss``); ``lm`` holds the (sharded) weights a checkpoint saves, through
+    :func:`whole_state`."""
+
+    def __init__(self, model: nn.Module, device: torch.device, world: int) -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard = fully_shard_function()
+        mesh = init_device_mesh(device.type, (world,))
+        self.lm = language_model(model)
+        self.model = model
+        for block in _blocks(self.lm):
+            fully_shard(block, mesh=mesh)
+        self.root = fully_shard(_Loss(model), mesh=mesh)
+
     def forward(self, tokens: Tensor) -> Tensor:
-        return lm_loss(self.model, tokens)
+        return self.root(tokens, logits=True)
+
+    def loss(self, tokens: Tensor) -> Tensor:
+        return self.root(tokens)
 
 
-def distribute(model: nn.Module, processes: Processes | None) -> nn.Module:
-    """``model`` trained by ``processes`` (unchanged for a single process)."""
-    return model if processes is None else DataParallelLM(model)
+def distribute(model: nn.Module, processes: Processes | None, cfg: RunConfig) -> nn.Module:
+    """``model`` trained by ``processes`` (unchanged for a single process), as ``strategy.data_parallel`` says. A
+    planned model is planned again for the batch of one process (before sharding: the measurement runs its stages
+    one by one, outside FSDP2's hooks)."""
+    if processes is None:
+        return model
+    if isinstance(model, PlannedLM):
+        micro_batch = cfg.data.batch_size // (processes.world * cfg.optim.grad_accum_steps)
+        device = next(model.parameters()).device
+        model.plan(torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=device))
+    if cfg.strategy.data_parallel == "fsdp2":
+        return ShardedLM(model, next(model.parameters()).device, processes.world)
+    return DataParallelLM(model)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        return None
+    return DTensor
+
+
+def _sharded(tensor: Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """``tensor`` whole: a sharded ``DTensor`` gathered from every process (a collective), else itself."""
+    return tensor.full_tensor() if _sharded(tensor) else tensor  # type: ignore[attr-defined]  # a DTensor's
+
+
+def _split_like(target: Tensor, value: Tensor) -> Tensor:
+    """``value`` (a whole tensor, the same in every process) sharded as ``target`` is."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = target.device_mesh  # type: ignore[attr-defined]  # a DTensor's
+    return distribute_tensor(value.to(mesh.device_type), mesh, target.placements)  # type: ignore[attr-defined]
+
+
+def _gathered(tensor: Tensor, keep: bool) -> Tensor:
+    """``tensor`` whole on the host where ``keep`` (rank 0, which writes it); every process takes part in the
+    gather, the others drop the result at once (no whole copy of the model in every process)."""
+    whole = _whole(tensor.detach())
+    return whole.to("cpu") if keep else whole.new_empty(0)
+
+
+class _WholeWeights(nn.Module):
+    """A sharded LM's parameters as whole host tensors under their names (a stand-in module for the checkpoint's
+    reader and writer: only ``named_parameters`` and ``named_buffers`` are used): gathered to rank 0 for saving, or
+    empty for loading, and then :meth:`write_back` splits what was loaded into the sharded parameters."""
+
+    def __init__(self, lm: nn.Module, loading: bool, keep: bool) -> None:
+        super().__init__()
+        whole: dict[int, nn.Parameter] = {}  # tied weights stay one tensor
+        self._pairs = []
+        for name, p in lm.named_parameters(remove_duplicate=False):
+            if id(p) not in whole:
+                value = torch.empty(p.shape, dtype=p.dtype) if loading else _gathered(p, keep)
+                whole[id(p)] = nn.Parameter(value, requires_grad=False)
+            self._pairs.append((name, p, whole[id(p)]))
+        self._buffers_of = list(lm.named_buffers(remove_duplicate=False))
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for name, _, whole in self._pairs:
+            if remove_duplicate and id(whole) in seen:
+                continue
+            seen.add(id(whole))
+            yield prefix + name, whole
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, Tensor]]:
+        for name, buffer in self._buffers_of:
+            yield prefix + name, buffer
+
+    def write_back(self) -> None:
+        with torch.no_grad():
+            done: set[int] = set()
+            for _, p, whole in self._pairs:
+                if id(p) not in done:
+                    done.add(id(p))
+                    p.copy_(_split_like(p, whole.to(p.dtype)))
+
+
+class _WholeOptimizer(torch.optim.Optimizer):
+    """A sharded model's optimizer seen with whole state tensors (a stand-in for the checkpoint's reader and writer:
+    only ``state_dict`` and ``load_state_dict`` are used): the state is gathered to rank 0 when made for saving; a
+    loaded state is split as each parameter is."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loading: bool, keep: bool) -> None:
+        # no Optimizer.__init__: a view of ``optimizer``
+        self.inner = optimizer
+        self.whole = {} if loading else _tree.map_tensors(lambda t: _gathered(t, keep), optimizer.state_dict())
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.whole)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state_dict)
+        for param, state in self.inner.state.items():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.shape == param.shape and not _sharded(value):
+                    state[key] = _split_like(param, value)
+
+
+@contextlib.contextmanager
+def whole_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, loading: bool = False
+) -> Iterator[tuple[nn.Module, torch.optim.Optimizer]]:
+    """The LM and optimizer a checkpoint saves (or, with ``loading``, loads) with whole tensors. For a
+    :class:`ShardedLM` (call in every process: collectives): for saving, gathered to rank 0's host; for loading,
+    host tensors that the checkpoint fills and that are split into the sharded model and optimizer (on exit for
+    the weights). Else ``language_model(model)`` and ``optimizer`` themselves."""
+    lm = language_model(model)
+    if not isinstance(model, ShardedLM):
+        yield lm, optimizer
+        return
+    keep = torch.distributed.get_rank() == 0
+    weights = _WholeWeights(lm, loading, keep)
+    yield weights, _WholeOptimizer(optimizer, loading, keep)
+    if loading:
+        weights.write_back()
 
 
 def per_process_step(step: Callable[[Tensor], Tensor], processes: Processes | None) -> Callable[[Tensor], Tensor]:

@@ -31,7 +31,7 @@ from ..sharding import apply_mesh
 from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
-from .distributed import SilentLogger, distribute, join_processes, per_process_step
+from .distributed import SilentLogger, distribute, join_processes, per_process_step, whole_state
 from .metrics import MetricsLogger, device_memory
 from .strategy import (
     build_model,
@@ -39,7 +39,6 @@ from .strategy import (
     chip_spec,
     compute_device,
     flops_per_token,
-    language_model,
     lm_loss,
     lr_at,
     make_step,
@@ -136,11 +135,10 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     data = load_data(cfg, lm_config.vocab_size)
     sampler = BatchSampler(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.seed)
     val = eval_batches(data, cfg.data.seq_len, cfg.data.batch_size, cfg.train.eval_batches)
-    model = distribute(build_model(cfg, device), processes)
+    model = distribute(build_model(cfg, device), processes, cfg)
     model.train()
     optimizer = build_optimizer(cfg, model)
     step_fn = per_process_step(make_step(cfg, model, optimizer), processes)
-    lm = language_model(model)
     out = Path(cfg.train.out_dir)
     ckpt_dir = out / "checkpoints"
     config_yaml = dump_config(cfg)
@@ -148,7 +146,8 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     start = 0
     found = latest_checkpoint(ckpt_dir) if cfg.train.resume else None
     if found is not None:
-        restored = load_checkpoint(found, lm, optimizer)
+        with whole_state(model, optimizer, loading=True) as (whole_lm, whole_optimizer):
+            restored = load_checkpoint(found, whole_lm, whole_optimizer)
         start = restored.step
         sampler.state = SamplerState.from_dict(restored.sampler)
         set_rng_state(restored.rng, device)
@@ -175,9 +174,13 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     last_ckpt: Path | None = found
     stop = _StopRequest()
 
-    def save(step: int, metrics: dict[str, float]) -> Path:
+    def save(step: int, metrics: dict[str, float]) -> Path | None:
+        """Write a checkpoint (rank 0; every rank gathers a sharded model's whole tensors)."""
         state = Checkpoint(step, sampler.state.to_dict(), rng_state(device), metrics)
-        return save_checkpoint(ckpt_dir, lm, optimizer, state, config_yaml, cfg.train.keep_checkpoints)
+        with whole_state(model, optimizer) as (whole_lm, whole_optimizer):
+            if not main:
+                return None
+            return save_checkpoint(ckpt_dir, whole_lm, whole_optimizer, state, config_yaml, cfg.train.keep_checkpoints)
 
     with logger, stop.installed():
         since, window_start, done = 0, time.perf_counter(), start
@@ -214,8 +217,8 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
             periodic = cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
             if processes is not None and processes.any(stop.signal is not None):
                 stop.signal = stop.signal or "SIGTERM"  # another process was asked to stop: stop after the same step
-            if (periodic or last or stop.signal) and main:
-                last_ckpt = save(done, {"loss": losses.get(done, float("nan"))})
+            if periodic or last or stop.signal:
+                last_ckpt = save(done, {"loss": losses.get(done, float("nan"))}) or last_ckpt
                 window_start = time.perf_counter()
             if stop.signal:
                 logger.message(
