@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _tree, backend
-from ..fsdp import fully_shard_function
+from ..fsdp import fsdp_module_type, fully_shard_function
 from ..reversible import ReversibleSequential
 from .config import RunConfig
 from .strategy import PlannedLM, StrategyError, language_model, lm_loss
@@ -320,6 +320,20 @@ class _WholeWeights(nn.Module):
         for name, buffer in self._buffers_of:
             yield prefix + name, buffer
 
+    def state_dict(  # type: ignore[override]  # the stand-in's whole tensors under the LM's names
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {} if destination is None else destination
+        for name, _, whole in self._pairs:
+            out[prefix + name] = whole if keep_vars else whole.detach()
+        for name, buffer in self._buffers_of:
+            out[prefix + name] = buffer
+        return out
+
+    def whole_of(self) -> dict[int, nn.Parameter]:
+        """``id(sharded parameter)`` -> its whole stand-in."""
+        return {id(p): whole for _, p, whole in self._pairs}
+
     def write_back(self) -> None:
         with torch.no_grad():
             done: set[int] = set()
@@ -334,10 +348,14 @@ class _WholeOptimizer(torch.optim.Optimizer):
     only ``state_dict`` and ``load_state_dict`` are used): the state is gathered to rank 0 when made for saving; a
     loaded state is split as each parameter is."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, loading: bool, keep: bool) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, loading: bool, keep: bool, whole_of: dict[int, nn.Parameter]
+    ) -> None:
         # no Optimizer.__init__: a view of ``optimizer``
         self.inner = optimizer
         self.whole = {} if loading else _tree.map_tensors(lambda t: _gathered(t, keep), optimizer.state_dict())
+        # the inner groups, each parameter replaced by its whole stand-in (what the checkpoint's names refer to)
+        self.param_groups = [{**g, "params": [whole_of[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
 
     def state_dict(self) -> dict[str, Any]:
         return dict(self.whole)
@@ -362,9 +380,13 @@ def whole_state(
     if not isinstance(model, ShardedLM):
         yield lm, optimizer
         return
+    unit = fsdp_module_type()
+    for module in model.modules():  # a forward without backward (evaluation) leaves the root's weights unsharded
+        if unit is not None and isinstance(module, unit):
+            cast(Any, module).reshard()  # FSDPModule's
     keep = torch.distributed.get_rank() == 0
     weights = _WholeWeights(lm, loading, keep)
-    yield weights, _WholeOptimizer(optimizer, loading, keep)
+    yield weights, _WholeOptimizer(optimizer, loading, keep, weights.whole_of())
     if loading:
         weights.write_back()
 
