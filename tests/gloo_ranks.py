@@ -19,6 +19,15 @@ import torch.multiprocessing as mp
 
 Cases = Callable[[int, dict[str, Any]], None]
 
+#: The tiny Llama run both files train under several processes (each adds its own keys).
+TINY_RUN = [
+    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
+    "data.seq_len=16",
+    "data.batch_size=4",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=1",
+]
+
 
 def _rank(rank: int, cases: Cases, world: int, initfile: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=world)

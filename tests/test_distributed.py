@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import TINY_RUN, run_ranks
 from torch import nn
 
 import revlib_xla as revlib
@@ -280,11 +280,7 @@ def test_one_process_needs_no_opt_in() -> None:
 
 
 _TINY_RUN = [
-    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
-    "data.seq_len=16",
-    "data.batch_size=4",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=1",
+    *TINY_RUN,
     "train.eval_every=0",
     "train.checkpoint_every=0",
     "train.progress=false",

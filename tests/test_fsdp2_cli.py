@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_ranks import run_ranks
+from gloo_ranks import TINY_RUN, run_ranks
 
 from revlib_xla.fsdp import fully_shard_function
 
@@ -40,11 +40,7 @@ pytestmark = [
 ]
 
 _TINY_RUN = [
-    "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
-    "data.seq_len=16",
-    "data.batch_size=4",
-    "optim.lr=3e-3",
-    "optim.warmup_steps=1",
+    *TINY_RUN,
     "optim.schedule=constant",  # a step's learning rate does not depend on train.steps: 3- and 4-step runs agree
     "train.eval_every=3",  # evaluated at step 3 (and 4 in the resumed runs): every process runs the sharded model
     "train.eval_batches=1",
