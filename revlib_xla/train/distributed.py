@@ -290,8 +290,9 @@ def _gathered(tensor: Tensor, keep: bool) -> Tensor:
 
 class _WholeWeights(nn.Module):
     """A sharded LM's parameters as whole host tensors under their names (a stand-in module for the checkpoint's
-    reader and writer: only ``named_parameters`` and ``named_buffers`` are used): gathered to rank 0 for saving, or
-    empty for loading, and then :meth:`write_back` splits what was loaded into the sharded parameters."""
+    reader and writer: only ``named_parameters``, ``named_buffers`` and ``state_dict`` are used): gathered to rank 0
+    for saving, or empty for loading, and then :meth:`write_back` splits what was loaded into the sharded
+    parameters."""
 
     def __init__(self, lm: nn.Module, loading: bool, keep: bool) -> None:
         super().__init__()
