@@ -334,7 +334,11 @@ class Checkpointable(nn.Module):
                 f"stage receives the tuple as its one argument"
             )
         if not (self.training and torch.is_grad_enabled()):
-            return self.model(x)
+            if getattr(self.model, "_stage_stacks", None) is None:
+                return self.model(x)
+            for stage in self.stages:  # stacked storage (scan.stack_layers): the scanned runs read the stacks
+                x = stage(x)
+            return x
         if self._signature is not None and _signature(x) != self._signature:
             warnings.warn(
                 f"Checkpointable: input {_signature(x)} differs from the measured "
