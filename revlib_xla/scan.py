@@ -408,8 +408,8 @@ def _stack_stages(checkpointed: Checkpointable) -> Checkpointable:
             entries.append((attr, tuple(aliases)))
         planned.append((run, entries))
     for run, entries in planned:
-        for attr, aliases in entries:
-            found = [layer.get_parameter(aliases[0]) for layer in run.layers]
+        for attr, names in entries:
+            found = [layer.get_parameter(names[0]) for layer in run.layers]
             with torch.no_grad():
                 stack = nn.Parameter(torch.stack([p.detach() for p in found]), requires_grad=found[0].requires_grad)
             owner.register_parameter(attr, stack)
@@ -1301,36 +1301,34 @@ class ScannedStages(nn.Module):
             names = [n for n, _ in self.layers[0].named_parameters()]
             count = len(names)
             need = [any(trained[t * count + k] for t in range(len(self.layers))) for k in range(count)]
-        else:  # per stack, its first name; trained[k]: the k-th stack
+        else:  # per stack, its first name; trained[k] (count 0): the k-th stack
             names = list(self._stacked_params())
             count, need = 0, trained
         wanted_names = [n for n, wanted in zip(names, need) if wanted]
         loop = backend.scan_loop(dy.device) if backend.is_tracing_lazily(dy) else None
         grads: list[Tensor | None] = [None] * len(trained)
         if loop is None:
-            per_layer: dict[str, list[Tensor]] = {n: [] for n in wanted_names}
+            per_layer: dict[str, list[Tensor]] = {n: [] for n in wanted_names}  # stacked: in reverse
             for t in reversed(range(len(self.layers))):
                 leaf = inputs[t].detach().requires_grad_()
+                params: dict[str, Tensor]
                 if self._stacks is None:
-                    own = dict(self.layers[t].named_parameters())
-                    params = {n: own[n] for k, n in enumerate(names) if trained[t * count + k]}
-                    with torch.enable_grad(), autocast.replay():
-                        out = self.layers[t](_non_leaf(leaf))
+                    params = dict(self.layers[t].named_parameters())
                 else:
                     params = {n: s[t].detach().requires_grad_() for n, s in self._stacked_params().items()}
-                    with torch.enable_grad(), autocast.replay():
-                        out = self._layer(t, _non_leaf(leaf), params)
-                    params = {n: params[n] for n in wanted_names}
-                found = _vjp(out, [leaf, *params.values()], dy)
+                with torch.enable_grad(), autocast.replay():
+                    out = self._layer(t, _non_leaf(leaf), params)
+                wanted = [(k, n) for k, n in enumerate(names) if trained[t * count + k]]
+                found = _vjp(out, [leaf, *(params[n] for _, n in wanted)], dy)
                 dy = found[0] if found[0] is not None else torch.zeros_like(leaf)
-                for (n, p), g in zip(params.items(), found[1:]):
-                    per_layer[n].append(g if g is not None else torch.zeros_like(p))
-            if self._stacks is not None:  # each stack's gradient, the layers' stacked
+                for (k, n), g in zip(wanted, found[1:]):
+                    g = g if g is not None else torch.zeros_like(params[n])
+                    if self._stacks is None:
+                        grads[t * count + k] = g
+                    else:
+                        per_layer[n].append(g)
+            if self._stacks is not None:  # each stack's gradient: its layers' gradients stacked
                 return dy, [torch.stack(per_layer[n][::-1]) if need else None for n, need in zip(names, trained)]
-            for k, n in enumerate(names):
-                wanted_layers = [t for t in range(len(self.layers)) if trained[t * count + k]]
-                for t, g in zip(reversed(wanted_layers), per_layer.get(n, [])):
-                    grads[t * count + k] = g
             return dy, grads
         template = self.layers[0]
 
