@@ -106,6 +106,8 @@ class Checkpointable(nn.Module):
             layers' inputs, or checkpoint the run's input and recompute the run's forward in the backward), never
             per layer inside it; each layer inside is recomputed once in the backward. Raises ``ValueError`` when
             no run can be scanned (naming why), or with ``options``/``saved_dtypes`` (they name stages by index).
+            :func:`revlib_xla.scan.stack_layers` on the Checkpointable then stores each run's parameters stacked, so
+            the step holds them and their gradients once (call it before building the optimizer).
     """
 
     def __init__(

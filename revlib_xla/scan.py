@@ -46,7 +46,13 @@ body that only slices its weights out of the stacks let it convert the whole sta
 keep that bfloat16 copy through the step (half the float32 parameter bytes, growing with depth).
 
 :class:`ScannedStages` is the same idea for :class:`revlib_xla.Checkpointable` (``scan=True``): a run of identical
-stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time.
+stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time; with
+:func:`stack_layers` on the Checkpointable its parameters are stored stacked as well (held by the wrapped model).
+
+Why a group of several layers cannot draw per-layer random numbers in the loop (torch_xla 2.9): each reseed in a
+traced body makes a seed parameter of its own, and the loop replaces only the first one it finds with the
+iteration's seed; the others stay constants of the trace. A layer's seed would have to be set from a traced value
+(the iteration's seed plus the layer's offset), which torch_xla's RNG does not take.
 """
 
 from __future__ import annotations
@@ -1174,8 +1180,10 @@ class ScannedStages(nn.Module):
     ``scan_layers`` does with a full-remat partition, on this package's own loops): with autograd, the forward keeps
     only each layer's input and the backward recomputes one layer at a time with autograd, in reverse, taking its
     vector-Jacobian product. On XLA both are while loops over the layers' parameters and buffers stacked along a
-    new leading dimension (one layer compiled, whatever the run's length; the stacks and the inputs are transient
-    copies); on eager devices (cpu, cuda) the same steps run layer by layer on the layers' own parameters.
+    new leading dimension (one layer compiled, whatever the run's length; the stacks are transient copies, unless
+    :func:`stack_layers` stored the parameters stacked: then the loops read the stacks and write their gradients);
+    on eager devices (cpu, cuda) the same steps run layer by layer, on the layers' own parameters or on slices of
+    the stacks.
 
     Each layer maps a tensor to a tensor of the same shape and dtype. Not supported (a clear error at the call):
     layers that draw random numbers (dropout: one trace would draw the same numbers for every layer), layers that
