@@ -219,10 +219,6 @@ class _Stacks:
     entries: list[list[tuple[str, tuple[str, ...]]]]
     keys: list[list[str]]
     block: str
-    opened: int = 0  # layer_parameters contexts open
-
-    def params(self, model: nn.Module) -> list[Tensor]:
-        return [getattr(model, attr) for entries in self.entries for attr, _ in entries]
 
     def layer_keys(self, j: int) -> dict[str, str]:
         """Position ``j``'s parameter keys (relative to the layer; tied names each) -> the stack's attribute."""
@@ -303,7 +299,8 @@ def stack_layers(
     ``model`` (``stacked_<first layer's path>_<parameter path>``, dots as underscores), so that its compiled loops
     read the stacks and write the stacks' gradients: the step holds the parameters and their gradients once. The
     same keys in ``state_dict()`` (of the Checkpointable and of the model), the same gradients; ``scan`` is not
-    used. The model then runs through the Checkpointable only (in eval mode too); calling the model itself raises.
+    used. The model then runs through the Checkpointable only (in eval mode too); calling the model itself raises;
+    its layers hold their parameters only inside :func:`layer_parameters` of the model (writes go to the stacks).
     Raises ``ValueError`` without a scanned run, when stacked already or with hooks on a parameter.
     """
     from .checkpointable import Checkpointable
@@ -557,28 +554,23 @@ def layer_parameters(model: nn.Module) -> Iterator[nn.Module]:
     """Inside: each stacked layer's block holds its parameters again, as parameters sharing storage with the stacks,
     so code that initialises or loads weights layer by layer (``block.weight.normal_()``, ``copy_``) writes into
     the stacks. Outside, the blocks hold none again. For writes only: a forward inside runs on the stacks. Nests;
-    a model without stacked layers (any module) is left as it is."""
-    stacks = stacks_of(model)
-    if stacks is None or stacks.opened:
-        yield model
-        return
-    layers = cast("list[ReversibleModule]", list(model._modules.values()))
+    a model without stacked layers (any module) is left as it is. ``model``: a stacked ``ReversibleSequential``, or
+    the model a stacked ``Checkpointable`` wraps (its ``model``)."""
+    keys = _key_map(model)
     placed: list[tuple[nn.Module, str]] = []
-    stacks.opened += 1
     try:
-        for i, layer in enumerate(layers):
-            j, t = i % stacks.period, i // stacks.period
-            for attr, aliases in stacks.entries[j]:
-                stack = getattr(model, attr)
+        for attr, per_layer in ({} if keys is None else keys.stacks).items():
+            stack = getattr(model, attr)
+            for t, aliases in enumerate(per_layer):
                 view = nn.Parameter(stack.data[t], requires_grad=stack.requires_grad)
-                for name in aliases:
-                    module_name, _, leaf = name.rpartition(".")
-                    module = layer.block.get_submodule(module_name)
-                    module.register_parameter(leaf, view)
-                    placed.append((module, leaf))
+                for key in aliases:
+                    module_name, _, leaf = key.rpartition(".")
+                    module = model.get_submodule(module_name)
+                    if leaf not in module._parameters:  # else placed by an enclosing context
+                        module.register_parameter(leaf, view)
+                        placed.append((module, leaf))
         yield model
     finally:
-        stacks.opened -= 1
         for module, leaf in placed:
             delattr(module, leaf)
 

@@ -235,6 +235,11 @@ def test_stacked_runs_equal_the_plain_model_on_cpu():
     assert torch.equal(model.stacked_1_up_weight[3], other[4].up.weight)
     reference.load_state_dict(model.state_dict())
     assert torch.equal(reference[4].up.weight, other[4].up.weight)
+    # layer by layer writes go into the stacks (nested contexts place the parameters once)
+    with revlib.scan.layer_parameters(model), revlib.scan.layer_parameters(model), torch.no_grad():
+        model[3].down.bias.fill_(2.0)
+    assert torch.equal(model.stacked_1_down_bias[2], torch.full((WIDTH,), 2.0, dtype=torch.float64))
+    assert not list(model[3].parameters())
     with pytest.raises(RuntimeError, match=r"stacked \(stack_layers on the Checkpointable.*call the Checkpointable"):
         model(_x())
     with pytest.raises(ValueError, match=r"stack_layers: the Checkpointable's scanned runs are stacked already"):
