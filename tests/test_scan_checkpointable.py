@@ -216,6 +216,12 @@ def test_stacked_runs_equal_the_plain_model_on_cpu():
         assert len(errors) == len(expected) and max(errors.values()) < 1e-12, errors
     (g,) = torch.autograd.grad(checkpointed(_x()).square().sum(), [model.stacked_1_up_weight])
     assert max_rel_err(g[1], expected["2.up.weight"]) < 1e-12
+    # a gradient of a gradient (create_graph=True: the run's layers again with autograd, on slices of the stacks)
+    penalties = []
+    for module, weight in ((reference, reference[2].up.weight), (checkpointed, model.stacked_1_up_weight)):
+        (g,) = torch.autograd.grad(module(_x()).square().sum(), [weight], create_graph=True)
+        penalties.append(torch.autograd.grad((g if g.ndim == 2 else g[1]).square().sum(), [weight])[0])
+    assert max_rel_err(penalties[1][1], penalties[0]) < 1e-12
     # an optimizer over the stacks takes the plain model's step
     for module in (reference, checkpointed):
         opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
