@@ -106,6 +106,8 @@ class Checkpointable(nn.Module):
             layers' inputs, or checkpoint the run's input and recompute the run's forward in the backward), never
             per layer inside it; each layer inside is recomputed once in the backward. Raises ``ValueError`` when
             no run can be scanned (naming why), or with ``options``/``saved_dtypes`` (they name stages by index).
+            :func:`revlib_xla.scan.stack_layers` on the Checkpointable then stores each run's parameters stacked, so
+            the step holds them and their gradients once (call it before building the optimizer).
     """
 
     def __init__(
@@ -334,7 +336,11 @@ class Checkpointable(nn.Module):
                 f"stage receives the tuple as its one argument"
             )
         if not (self.training and torch.is_grad_enabled()):
-            return self.model(x)
+            if getattr(self.model, "_stage_stacks", None) is None:
+                return self.model(x)
+            for stage in self.stages:  # stacked storage (scan.stack_layers): the scanned runs read the stacks
+                x = stage(x)
+            return x
         if self._signature is not None and _signature(x) != self._signature:
             warnings.warn(
                 f"Checkpointable: input {_signature(x)} differs from the measured "

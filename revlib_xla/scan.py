@@ -46,7 +46,13 @@ body that only slices its weights out of the stacks let it convert the whole sta
 keep that bfloat16 copy through the step (half the float32 parameter bytes, growing with depth).
 
 :class:`ScannedStages` is the same idea for :class:`revlib_xla.Checkpointable` (``scan=True``): a run of identical
-stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time.
+stages as one stage whose forward keeps each layer's input and whose backward recomputes one layer at a time; with
+:func:`stack_layers` on the Checkpointable its parameters are stored stacked as well (held by the wrapped model).
+
+Why a group of several layers cannot draw per-layer random numbers in the loop (torch_xla 2.9): each reseed in a
+traced body makes a seed parameter of its own, and the loop replaces only the first one it finds with the
+iteration's seed; the others stay constants of the trace. A layer's seed would have to be set from a traced value
+(the iteration's seed plus the layer's offset), which torch_xla's RNG does not take.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 from torch import nn
@@ -65,6 +71,7 @@ from . import _tree, backend, fsdp
 from ._grad_destination import GradDestination, node_destination
 
 if TYPE_CHECKING:
+    from .checkpointable import Checkpointable
     from .reversible import ReversibleModule, ReversibleSequential, _Plan
 
 Tensor = torch.Tensor
@@ -212,10 +219,6 @@ class _Stacks:
     entries: list[list[tuple[str, tuple[str, ...]]]]
     keys: list[list[str]]
     block: str
-    opened: int = 0  # layer_parameters contexts open
-
-    def params(self, model: nn.Module) -> list[Tensor]:
-        return [getattr(model, attr) for entries in self.entries for attr, _ in entries]
 
     def layer_keys(self, j: int) -> dict[str, str]:
         """Position ``j``'s parameter keys (relative to the layer; tied names each) -> the stack's attribute."""
@@ -249,8 +252,8 @@ def layer_shape(param: Tensor, model: nn.Module) -> torch.Size:
     without its leading layer dimension, any other parameter its own shape. For rules by rank, such as weight decay
     on matrices only: a stacked norm scale is 2-D, one layer's is 1-D (``len(layer_shape(p, model)) >= 2``)."""
     for module in model.modules():
-        stacks = stacks_of(module)
-        if stacks is not None and any(p is param for p in stacks.params(module)):
+        keys = _key_map(module)
+        if keys is not None and any(getattr(module, attr) is param for attr in keys.stacks):
             return param.shape[1:]
     return param.shape
 
@@ -261,7 +264,13 @@ def stacked_views(model: nn.Module) -> Callable[[int], dict[str, Tensor]] | None
     return None if stacks is None else _Views(model, stacks)
 
 
-def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> ReversibleSequential:
+@overload
+def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> ReversibleSequential: ...
+@overload
+def stack_layers(model: Checkpointable, scan: bool | None = None) -> Checkpointable: ...
+def stack_layers(
+    model: ReversibleSequential | Checkpointable, scan: bool | None = None
+) -> ReversibleSequential | Checkpointable:
     """Store the parameters of ``model``'s repeating layers stacked: one ``[iterations, ...]`` parameter per
     parameter name (and per position in a repeating group of layers), registered on ``model``; returns ``model``,
     whose ``scan`` becomes ``scan`` (default ``None``: scanned on XLA when nothing rules it out, which is why one
@@ -284,9 +293,21 @@ def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> Rever
     Raises :class:`revlib_xla.ReversibleError` when the layers do not repeat in structure (naming the first that
     differs), with ``target_device`` or ``fused_optimizer``, FSDP2 units inside the layers, a parameter shared by
     two layers or used outside its block, hooks on a parameter, or a model stacked already.
+
+    A :class:`revlib_xla.Checkpointable` built with ``scan=True``: every scanned run of stages
+    (:class:`ScannedStages`) gets its parameters stored stacked in the same way, registered on the Checkpointable's
+    ``model`` (``stacked_<first layer's path>_<parameter path>``, dots as underscores), so that its compiled loops
+    read the stacks and write the stacks' gradients: the step holds the parameters and their gradients once. The
+    same keys in ``state_dict()`` (of the Checkpointable and of the model), the same gradients; ``scan`` is not
+    used. The model then runs through the Checkpointable only (in eval mode too); calling the model itself raises;
+    its layers hold their parameters only inside :func:`layer_parameters` of the model (writes go to the stacks).
+    Raises ``ValueError`` without a scanned run, when stacked already or with hooks on a parameter.
     """
+    from .checkpointable import Checkpointable
     from .reversible import ReversibleError, ReversibleSequential
 
+    if isinstance(model, Checkpointable):
+        return _stack_stages(model)
     if not isinstance(model, ReversibleSequential):
         raise ReversibleError(f"stack_layers expects a ReversibleSequential, got {type(model).__name__}")
     if stacks_of(model) is not None:
@@ -357,6 +378,64 @@ def stack_layers(model: ReversibleSequential, scan: bool | None = None) -> Rever
     return model
 
 
+def _stack_stages(checkpointed: Checkpointable) -> Checkpointable:
+    """:func:`stack_layers` for a ``Checkpointable(scan=True)``: each scanned run's parameters stacked, held by the
+    model, with the model's state-dict keys kept (:class:`_KeyMap`)."""
+    owner = checkpointed.model
+    runs = [stage for stage in checkpointed.stages if isinstance(stage, ScannedStages)]
+    if not runs:
+        raise ValueError("stack_layers: the Checkpointable has no scanned run of stages; build it with scan=True")
+    if getattr(owner, "_stage_stacks", None) is not None or any(run._stacks is not None for run in runs):
+        raise ValueError("stack_layers: the Checkpointable's scanned runs are stacked already")
+    paths = {id(m): name for name, m in owner.named_modules()}
+    keys = _KeyMap({}, list(owner.state_dict(keep_vars=True)))
+    planned: list[tuple[ScannedStages, list[tuple[str, tuple[str, ...]]]]] = []
+    for run in runs:
+        layer_paths = [paths[id(layer)] for layer in run.layers]
+        tied: dict[int, list[str]] = {}
+        for name, p in run.layers[0].named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        entries = []
+        for aliases in tied.values():
+            attr = f"stacked_{layer_paths[0]}_{aliases[0]}".replace(".", "_").replace("-", "_")
+            if hasattr(owner, attr) or attr in keys.stacks:
+                raise ValueError(f"stack_layers: the model has an attribute '{attr}' already")
+            found = [layer.get_parameter(aliases[0]) for layer in run.layers]
+            for path, p in zip(layer_paths, found):
+                if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                    raise ValueError(
+                        f"stack_layers: the parameter '{path}.{aliases[0]}' has hooks, which the stack replacing it "
+                        f"would not have; register them on the stack (model.parameters()) after stack_layers"
+                    )
+            keys.stacks[attr] = [tuple(f"{path}.{a}" for a in aliases) for path in layer_paths]
+            entries.append((attr, tuple(aliases)))
+        planned.append((run, entries))
+    for run, entries in planned:
+        for attr, names in entries:
+            found = [layer.get_parameter(names[0]) for layer in run.layers]
+            with torch.no_grad():
+                stack = nn.Parameter(torch.stack([p.detach() for p in found]), requires_grad=found[0].requires_grad)
+            owner.register_parameter(attr, stack)
+        for layer in run.layers:
+            for name, _ in list(layer.named_parameters(remove_duplicate=False)):
+                module_name, _, leaf = name.rpartition(".")
+                delattr(layer.get_submodule(module_name), leaf)
+        run._stacks = entries
+        object.__setattr__(run, "_owner", owner)  # a plain reference: the model is no submodule of its stage
+    vars(owner)["_stage_stacks"] = keys  # plain state: copied, pickled
+    owner._register_state_dict_hook(_stacked_state_dict)
+    owner._register_load_state_dict_pre_hook(_load_into_stacks, with_module=True)
+    owner.register_forward_pre_hook(_refuse_stacked_call)
+    return checkpointed
+
+
+def _refuse_stacked_call(model: nn.Module, args: Any) -> None:
+    raise RuntimeError(
+        f"{type(model).__name__}: its scanned layers' parameters are stacked (stack_layers on the Checkpointable "
+        f"that wraps it): call the Checkpointable, which runs the model in training and in eval mode"
+    )
+
+
 def _stacking_refused(model: ReversibleSequential) -> str | None:
     """What keeps stacked parameters from running (checked by stack_layers and at every forward)."""
     if model.target_device is not None:
@@ -366,24 +445,92 @@ def _stacking_refused(model: ReversibleSequential) -> str | None:
     return None
 
 
-def _stacked_state_dict(model: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """The stacks' entries replaced by each layer's parameters (views), in the unstacked model's order."""
+@dataclasses.dataclass
+class _KeyMap:
+    """How a module's stacked parameters map to the unstacked state-dict keys (relative to the module): ``stacks``:
+    per stack attribute, per layer its keys (tied names together); ``order``: the unstacked keys in order."""
+
+    stacks: dict[str, list[tuple[str, ...]]]
+    order: list[str]
+
+    def save(self, destination: dict[str, Any], prefix: str) -> None:
+        """The stacks' entries replaced by each layer's parameters (views), in the unstacked order."""
+        slots = {
+            key: (attr, t)
+            for attr, per_layer in self.stacks.items()
+            for t, keys in enumerate(per_layer)
+            for key in keys
+        }
+        own = {k: destination.pop(k) for k in [k for k in destination if k.startswith(prefix)]}
+        for key in self.order:
+            if key in slots:
+                attr, t = slots[key]
+                destination[prefix + key] = own[prefix + attr][t]
+            elif prefix + key in own:
+                destination[prefix + key] = own.pop(prefix + key)
+        for attr in self.stacks:
+            own.pop(prefix + attr, None)
+        destination.update(own)  # anything else (added after stacking) as it came
+
+    def load(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]
+    ) -> None:
+        """Each layer's entries stacked into the stack's entry (a stacked module's own entries, if present, load as
+        they are); missing layers keep their values and are reported by their unstacked keys."""
+        for attr, per_layer in self.stacks.items():
+            if prefix + attr in state_dict:
+                continue
+            stack = getattr(module, attr)
+            slices: dict[int, Any] = {}
+            for t, aliases in enumerate(per_layer):
+                keys = [prefix + a for a in aliases]
+                values = [state_dict.pop(k) for k in keys if k in state_dict]
+                if not values:
+                    missing_keys.append(keys[0])
+                elif tuple(values[0].shape) != tuple(stack.shape[1:]):
+                    error_msgs.append(
+                        f"size mismatch for {keys[0]}: copying a param with shape {tuple(values[0].shape)} from "
+                        f"checkpoint, the shape in current model is {tuple(stack.shape[1:])}."
+                    )
+                else:
+                    slices[t] = values[0]
+            if len(slices) == len(per_layer):
+                state_dict[prefix + attr] = torch.stack([slices[t].to(stack.device) for t in range(len(slices))])
+                continue
+            with torch.no_grad():
+                value = stack.detach().clone()
+                for t, v in slices.items():
+                    value[t].copy_(v)
+            state_dict[prefix + attr] = value
+
+
+def _key_map(model: nn.Module) -> _KeyMap | None:
+    """The key map of a module holding stacks: a sequence of :func:`stack_layers`, or the model of a stacked
+    ``Checkpointable``."""
+    found = getattr(model, "_stage_stacks", None)
+    if found is not None:
+        return cast(_KeyMap, found)
     stacks = stacks_of(model)
     if stacks is None:
-        return
-    own = {k: destination.pop(k) for k in [k for k in destination if k.startswith(prefix)]}
-    for i, layer_name in enumerate(model._modules):
-        j, t = i % stacks.period, i // stacks.period
-        params = stacks.layer_keys(j)
-        for key in stacks.keys[j]:
-            full = f"{prefix}{layer_name}.{key}"
-            if key in params:
-                destination[full] = own[prefix + params[key]][t]
-            elif full in own:
-                destination[full] = own.pop(full)
-    for attr, _ in (e for es in stacks.entries for e in es):
-        own.pop(prefix + attr, None)
-    destination.update(own)  # anything else (added after stacking) as it came
+        return None
+    names = list(model._modules)
+    order = [f"{name}.{key}" for i, name in enumerate(names) for key in stacks.keys[i % stacks.period]]
+    per_stack = {
+        attr: [
+            tuple(f"{names[t * stacks.period + j]}.{stacks.block}.{a}" for a in aliases)
+            for t in range(stacks.iterations)
+        ]
+        for j, entries in enumerate(stacks.entries)
+        for attr, aliases in entries
+    }
+    return _KeyMap(per_stack, order)
+
+
+def _stacked_state_dict(model: nn.Module, destination: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """The stacks' entries replaced by each layer's parameters (views), in the unstacked model's order."""
+    keys = _key_map(model)
+    if keys is not None:
+        keys.save(destination, prefix)
 
 
 def _load_into_stacks(
@@ -396,38 +543,10 @@ def _load_into_stacks(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Each layer's parameter entries stacked into the stack's entry (a stacked model's own entries, if present,
-    load as they are); missing layers keep their values and are reported by their unstacked keys."""
-    stacks = stacks_of(model)
-    if stacks is None:
-        return
-    layer_names = list(model._modules)
-    for j, own in enumerate(stacks.entries):
-        for attr, aliases in own:
-            if prefix + attr in state_dict:
-                continue
-            stack = getattr(model, attr)
-            slices: dict[int, Any] = {}
-            for t in range(stacks.iterations):
-                keys = [f"{prefix}{layer_names[t * stacks.period + j]}.{stacks.block}.{a}" for a in aliases]
-                values = [state_dict.pop(k) for k in keys if k in state_dict]
-                if not values:
-                    missing_keys.append(keys[0])
-                elif tuple(values[0].shape) != tuple(stack.shape[1:]):
-                    error_msgs.append(
-                        f"size mismatch for {keys[0]}: copying a param with shape {tuple(values[0].shape)} from "
-                        f"checkpoint, the shape in current model is {tuple(stack.shape[1:])}."
-                    )
-                else:
-                    slices[t] = values[0]
-            if len(slices) == stacks.iterations:
-                state_dict[prefix + attr] = torch.stack([slices[t].to(stack.device) for t in range(len(slices))])
-                continue
-            with torch.no_grad():
-                value = stack.detach().clone()
-                for t, v in slices.items():
-                    value[t].copy_(v)
-            state_dict[prefix + attr] = value
+    """Each layer's parameter entries stacked into the stack's entry (:meth:`_KeyMap.load`)."""
+    keys = _key_map(model)
+    if keys is not None:
+        keys.load(model, state_dict, prefix, missing_keys, error_msgs)
 
 
 @contextlib.contextmanager
@@ -435,28 +554,23 @@ def layer_parameters(model: nn.Module) -> Iterator[nn.Module]:
     """Inside: each stacked layer's block holds its parameters again, as parameters sharing storage with the stacks,
     so code that initialises or loads weights layer by layer (``block.weight.normal_()``, ``copy_``) writes into
     the stacks. Outside, the blocks hold none again. For writes only: a forward inside runs on the stacks. Nests;
-    a model without stacked layers (any module) is left as it is."""
-    stacks = stacks_of(model)
-    if stacks is None or stacks.opened:
-        yield model
-        return
-    layers = cast("list[ReversibleModule]", list(model._modules.values()))
+    a model without stacked layers (any module) is left as it is. ``model``: a stacked ``ReversibleSequential``, or
+    the model a stacked ``Checkpointable`` wraps (its ``model``)."""
+    keys = _key_map(model)
     placed: list[tuple[nn.Module, str]] = []
-    stacks.opened += 1
     try:
-        for i, layer in enumerate(layers):
-            j, t = i % stacks.period, i // stacks.period
-            for attr, aliases in stacks.entries[j]:
-                stack = getattr(model, attr)
+        for attr, per_layer in ({} if keys is None else keys.stacks).items():
+            stack = getattr(model, attr)
+            for t, aliases in enumerate(per_layer):
                 view = nn.Parameter(stack.data[t], requires_grad=stack.requires_grad)
-                for name in aliases:
-                    module_name, _, leaf = name.rpartition(".")
-                    module = layer.block.get_submodule(module_name)
-                    module.register_parameter(leaf, view)
-                    placed.append((module, leaf))
+                for key in aliases:
+                    module_name, _, leaf = key.rpartition(".")
+                    module = model.get_submodule(module_name)
+                    if leaf not in module._parameters:  # else placed by an enclosing context
+                        module.register_parameter(leaf, view)
+                        placed.append((module, leaf))
         yield model
     finally:
-        stacks.opened -= 1
         for module, leaf in placed:
             delattr(module, leaf)
 
@@ -1058,8 +1172,10 @@ class ScannedStages(nn.Module):
     ``scan_layers`` does with a full-remat partition, on this package's own loops): with autograd, the forward keeps
     only each layer's input and the backward recomputes one layer at a time with autograd, in reverse, taking its
     vector-Jacobian product. On XLA both are while loops over the layers' parameters and buffers stacked along a
-    new leading dimension (one layer compiled, whatever the run's length; the stacks and the inputs are transient
-    copies); on eager devices (cpu, cuda) the same steps run layer by layer on the layers' own parameters.
+    new leading dimension (one layer compiled, whatever the run's length; the stacks are transient copies, unless
+    :func:`stack_layers` stored the parameters stacked: then the loops read the stacks and write their gradients);
+    on eager devices (cpu, cuda) the same steps run layer by layer, on the layers' own parameters or on slices of
+    the stacks.
 
     Each layer maps a tensor to a tensor of the same shape and dtype. Not supported (a clear error at the call):
     layers that draw random numbers (dropout: one trace would draw the same numbers for every layer), layers that
@@ -1068,9 +1184,43 @@ class ScannedStages(nn.Module):
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        # With stacked storage (stack_layers): per parameter of a layer, the stack's attribute on the owner and the
+        # parameter's names in a layer (tied names together); the owner holds the stacks, as registered parameters.
+        self._stacks: list[tuple[str, tuple[str, ...]]] | None = None
+        self._owner: nn.Module | None = None
 
     def extra_repr(self) -> str:
-        return f"{len(self.layers)} x {type(self.layers[0]).__name__}, scanned"
+        return f"{len(self.layers)} x {type(self.layers[0]).__name__}, scanned{', stacked' if self._stacks else ''}"
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """The layers' parameters, or with stacked storage the stacks (held by the model: ``stack_layers``)."""
+        if self._stacks is None or self._owner is None:
+            yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        for attr, _ in self._stacks:
+            yield prefix + attr, getattr(self._owner, attr)
+
+    def _stacked_params(self) -> dict[str, Tensor]:
+        """With stacked storage: each stack by its first name in a layer."""
+        assert self._stacks is not None and self._owner is not None
+        return {names[0]: getattr(self._owner, attr) for attr, names in self._stacks}
+
+    def _aliased(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``tensors`` (by a parameter's first name) with the tied names added: a stacked layer has no parameters to
+        tie them by itself."""
+        if self._stacks is None:
+            return tensors
+        return tensors | {name: tensors[names[0]] for _, names in self._stacks for name in names[1:]}
+
+    def _layer(self, t: int, x: Tensor, params: dict[str, Tensor] | None = None) -> Any:
+        """Layer ``t`` on ``x``: with its own parameters, or (stacked) with ``params`` (default: its slices)."""
+        if self._stacks is None:
+            return self.layers[t](x)
+        if params is None:
+            params = {name: stack[t] for name, stack in self._stacked_params().items()}
+        return torch.func.functional_call(self.layers[t], self._aliased(params), (x,))
 
     def forward(self, x: Tensor) -> Tensor:
         if not isinstance(x, torch.Tensor):
@@ -1078,17 +1228,19 @@ class ScannedStages(nn.Module):
                 f"ScannedStages ({self.extra_repr()}): the layers' input must be one tensor (the loop's carry), got "
                 f"{type(x).__name__}; pass scan=False to Checkpointable"
             )
-        params = [p for layer in self.layers for p in layer.parameters()]
+        params = list(self.parameters())
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return cast(Tensor, _ScannedStagesFn.apply(self, x, *params))
         return self._run_forward(x, keep=False)[0]
 
     # -- the loops ------------------------------------------------------------------------------------------------
     def _stacked(self) -> dict[str, Tensor]:
-        """Every layer's parameters and buffers stacked by name (a copy), for the compiled loops."""
+        """Every layer's parameters and buffers stacked by name, for the compiled loops: a copy, except the stacks of
+        stacked storage, which are read as they are."""
         found = [dict(layer.named_parameters()) | dict(layer.named_buffers()) for layer in self.layers]
         with torch.no_grad():
-            return {n: torch.stack([f[n] for f in found]) for n in found[0]}
+            stacked = {n: torch.stack([f[n] for f in found]) for n in found[0]}
+        return stacked if self._stacks is None else self._stacked_params() | stacked
 
     def _check_carry(self, x: Tensor, y: Any) -> Tensor:
         if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
@@ -1121,17 +1273,17 @@ class ScannedStages(nn.Module):
         if loop is None:
             inputs = []
             with _RandomOps() as seen:  # the stage may draw from generators of its own (Checkpointable's replay)
-                for layer in self.layers:
+                for t in range(len(self.layers)):
                     if keep:
                         inputs.append(x)
-                    x = self._check_carry(x, layer(x))
+                    x = self._check_carry(x, self._layer(t, x))
             self._refuse_random(seen.drawn, before, device)
             return x, inputs
         template = self.layers[0]
 
         def body(carry: Tensor, tensors: dict[str, Tensor]) -> tuple[Tensor, Any]:
             tensors = _params_after(tensors, carry)
-            y = self._check_carry(carry, torch.func.functional_call(template, tensors, (carry,)))
+            y = self._check_carry(carry, torch.func.functional_call(template, self._aliased(tensors), (carry,)))
             return y, (carry if keep else ())
 
         y, inputs = loop(body, x, self._stacked())
@@ -1145,23 +1297,39 @@ class ScannedStages(nn.Module):
         where not ``trained``), recomputing one layer at a time from its kept input."""
         from .reversible import _vjp
 
-        per_layer = [list(layer.named_parameters()) for layer in self.layers]
-        count = len(per_layer[0])
+        if self._stacks is None:  # per layer, its parameters' names; trained[t * count + k]: layer t's k-th
+            names = [n for n, _ in self.layers[0].named_parameters()]
+            count = len(names)
+            need = [any(trained[t * count + k] for t in range(len(self.layers))) for k in range(count)]
+        else:  # per stack, its first name; trained[k] (count 0): the k-th stack
+            names = list(self._stacked_params())
+            count, need = 0, trained
+        wanted_names = [n for n, wanted in zip(names, need) if wanted]
         loop = backend.scan_loop(dy.device) if backend.is_tracing_lazily(dy) else None
+        grads: list[Tensor | None] = [None] * len(trained)
         if loop is None:
-            grads: list[Tensor | None] = [None] * len(trained)
+            per_layer: dict[str, list[Tensor]] = {n: [] for n in wanted_names}  # stacked: in reverse
             for t in reversed(range(len(self.layers))):
                 leaf = inputs[t].detach().requires_grad_()
-                wanted = [k for k in range(count) if trained[t * count + k]]
+                params: dict[str, Tensor]
+                if self._stacks is None:
+                    params = dict(self.layers[t].named_parameters())
+                else:
+                    params = {n: s[t].detach().requires_grad_() for n, s in self._stacked_params().items()}
                 with torch.enable_grad(), autocast.replay():
-                    out = self.layers[t](_non_leaf(leaf))
-                found = _vjp(out, [leaf, *(per_layer[t][k][1] for k in wanted)], dy)
+                    out = self._layer(t, _non_leaf(leaf), params)
+                wanted = [(k, n) for k, n in enumerate(names) if trained[t * count + k]]
+                found = _vjp(out, [leaf, *(params[n] for _, n in wanted)], dy)
                 dy = found[0] if found[0] is not None else torch.zeros_like(leaf)
-                for k, g in zip(wanted, found[1:]):
-                    grads[t * count + k] = g if g is not None else torch.zeros_like(per_layer[t][k][1])
+                for (k, n), g in zip(wanted, found[1:]):
+                    g = g if g is not None else torch.zeros_like(params[n])
+                    if self._stacks is None:
+                        grads[t * count + k] = g
+                    else:
+                        per_layer[n].append(g)
+            if self._stacks is not None:  # each stack's gradient: its layers' gradients stacked
+                return dy, [torch.stack(per_layer[n][::-1]) if need else None for n, need in zip(names, trained)]
             return dy, grads
-        names = [n for n, _ in per_layer[0]]
-        wanted_names = [n for k, n in enumerate(names) if any(trained[t * count + k] for t in range(len(self.layers)))]
         template = self.layers[0]
 
         def body(carry: Tensor, xs: tuple[Tensor, dict[str, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -1172,14 +1340,15 @@ class ScannedStages(nn.Module):
             leaves = {n: t.detach().requires_grad_() if n in wanted_names else t for n, t in tensors.items()}
             leaf = x.detach().requires_grad_()
             with torch.enable_grad(), autocast.replay():
-                out = torch.func.functional_call(template, leaves, (_non_leaf(leaf),))
+                out = torch.func.functional_call(template, self._aliased(leaves), (_non_leaf(leaf),))
             found = _vjp(out, [leaf, *(leaves[n] for n in wanted_names)], g)
             dx = found[0] if found[0] is not None else torch.zeros_like(leaf)
             return dx, {n: f if f is not None else torch.zeros_like(leaves[n]) for n, f in zip(wanted_names, found[1:])}
 
         with torch.no_grad():
             dx, stacked = loop(body, dy, (inputs, self._stacked()), reverse=True)
-        grads = [None] * len(trained)
+        if self._stacks is not None:  # the loop's stacked gradients are the stacks' gradients
+            return dx, [stacked[n] if need else None for n, need in zip(names, trained)]
         for t in range(len(self.layers)):
             for k, name in enumerate(names):
                 if trained[t * count + k]:
@@ -1235,8 +1404,8 @@ class _ScannedStagesFn(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: the layers again with autograd, differentiable
             with torch.enable_grad(), ctx.autocast.replay():
                 out = x
-                for layer in owner.layers:
-                    out = layer(out)
+                for t in range(len(owner.layers)):
+                    out = owner._layer(t, out)
             wants_x = ctx.needs_input_grad[1]
             wrt = [x] * wants_x + [p for p, need in zip(params, trained) if need]
             found = iter(torch.autograd.grad(out, wrt, dy, create_graph=True, allow_unused=True))

@@ -3,6 +3,8 @@
 while loops, against the unscanned Checkpointable), one layer compiled whatever the depth, one compile per step after
 the first, and clear errors where it cannot apply."""
 
+import warnings
+
 import pytest
 import torch
 from conftest import max_rel_err
@@ -48,9 +50,17 @@ def _x(dtype=torch.float64):
 RECOMPUTED = (("Fe", 0), ("CF", 1), ("Fe", 2), ("L", 3), ("B", 2), ("Fe", 1), ("B", 1), ("B", 0))
 
 
-def _recomputed(chain) -> Schedule:
-    ops = [Op(kind, i) for kind, i in RECOMPUTED]
+# Every stage's input and the run's layers' inputs kept: the fastest plan.
+KEPT = (("Fe", 0), ("Fe", 1), ("Fe", 2), ("L", 3), ("B", 2), ("B", 1), ("B", 0))
+
+
+def _schedule(chain, ops) -> Schedule:
+    ops = [Op(kind, i) for kind, i in ops]
     return Schedule(tuple(ops), *simulate(chain, ops), chain)
+
+
+def _recomputed(chain) -> Schedule:
+    return _schedule(chain, RECOMPUTED)
 
 
 def test_scanned_run_equals_the_plain_model_on_cpu():
@@ -159,3 +169,110 @@ def test_scanned_run_on_xla_compiles_one_layer_and_equals_the_plain_model():
     assert counts[2][0] == counts[4][0] == 3
     assert counts[2][1] == counts[4][1] > 0
     assert compiles[0] >= 1 and compiles[-1] == 0, compiles
+
+
+def _stacked(depth: int, dtype=torch.float64):
+    model = _model(depth).to(dtype)
+    return model, revlib.scan.stack_layers(revlib.Checkpointable(model, scan=True))
+
+
+def _unstacked_grads(model, expected):
+    """Each stack's gradient compared layer by layer with the plain model's gradients (by the unstacked keys)."""
+    found = dict(model.named_parameters())
+    errors = {}
+    for attr, layers in model._stage_stacks.stacks.items():
+        for t, keys in enumerate(layers):
+            errors[keys[0]] = max_rel_err(found[attr].grad[t], expected[keys[0]])
+    for name, p in found.items():
+        if name in expected:
+            errors[name] = max_rel_err(p.grad, expected[name])
+    return errors
+
+
+def test_stacked_runs_equal_the_plain_model_on_cpu():
+    """stack_layers on a Checkpointable(scan=True): one [layers, ...] parameter per layer parameter, held by the
+    model; the plain model's gradients (kept inputs and recomputed run), state-dict keys and values, loading a plain
+    checkpoint, an optimizer step, eval mode, and clear errors."""
+    reference = _model(4).double()
+    reference(_x()).square().sum().backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    model, checkpointed = _stacked(4)
+    assert [n for n, _ in model.named_parameters() if n.startswith("stacked_")] == [
+        f"stacked_1_{n}" for n in ("norm_weight", "norm_bias", "up_weight", "up_bias", "down_weight", "down_bias")
+    ]
+    assert model.stacked_1_up_weight.shape == (4, 2 * WIDTH, WIDTH)
+    assert revlib.scan.layer_shape(model.stacked_1_up_weight, checkpointed) == (2 * WIDTH, WIDTH)
+    assert revlib.scan.layer_shape(model[0].weight, checkpointed) == (WIDTH, WIDTH)
+    assert not list(model[2].parameters())  # the layers hold none: the stacks are the parameters
+    # the same keys, order and values as the plain model's (the checkpoint of a stacked model loads unstacked)
+    state = model.state_dict()
+    assert list(state) == list(reference.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+    assert list(checkpointed.state_dict()) == [f"model.{k}" for k in state]
+    checkpointed.chain = Chain([1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 3, [0.0] * 4)  # no measuring
+    for schedule in (_schedule(checkpointed.chain, KEPT), _recomputed(checkpointed.chain)):
+        checkpointed.sequence = schedule
+        model.zero_grad(set_to_none=True)
+        checkpointed(_x()).square().sum().backward()
+        errors = _unstacked_grads(model, expected)
+        assert len(errors) == len(expected) and max(errors.values()) < 1e-12, errors
+    (g,) = torch.autograd.grad(checkpointed(_x()).square().sum(), [model.stacked_1_up_weight])
+    assert max_rel_err(g[1], expected["2.up.weight"]) < 1e-12
+    # a gradient of a gradient (create_graph=True: the run's layers again with autograd, on slices of the stacks)
+    penalties = []
+    for module, weight in ((reference, reference[2].up.weight), (checkpointed, model.stacked_1_up_weight)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Checkpointable: a backward with create_graph=True")
+            (g,) = torch.autograd.grad(module(_x()).square().sum(), [weight], create_graph=True)
+        penalties.append(torch.autograd.grad((g if g.ndim == 2 else g[1]).square().sum(), [weight])[0])
+    assert max_rel_err(penalties[1][1], penalties[0]) < 1e-12
+    # an optimizer over the stacks takes the plain model's step
+    for module in (reference, checkpointed):
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            module(_x()).square().sum().backward()
+            opt.step()
+    for k, v in reference.state_dict().items():
+        assert max_rel_err(model.state_dict()[k], v) < 1e-12, k
+    # eval mode runs the stages (the layers hold no parameters of their own)
+    checkpointed.eval(), reference.eval()
+    with torch.no_grad():
+        assert max_rel_err(checkpointed(_x()), reference(_x())) < 1e-12
+    # a plain checkpoint loads into the stacks; a stacked model's loads into a plain one
+    other = _model(4, seed=5).double()
+    model.load_state_dict(other.state_dict())
+    assert torch.equal(model.stacked_1_up_weight[3], other[4].up.weight)
+    reference.load_state_dict(model.state_dict())
+    assert torch.equal(reference[4].up.weight, other[4].up.weight)
+    # layer by layer writes go into the stacks (nested contexts place the parameters once)
+    with revlib.scan.layer_parameters(model), revlib.scan.layer_parameters(model), torch.no_grad():
+        model[3].down.bias.fill_(2.0)
+    assert torch.equal(model.stacked_1_down_bias[2], torch.full((WIDTH,), 2.0, dtype=torch.float64))
+    assert not list(model[3].parameters())
+    with pytest.raises(RuntimeError, match=r"stacked \(stack_layers on the Checkpointable.*call the Checkpointable"):
+        model(_x())
+    with pytest.raises(ValueError, match=r"stack_layers: the Checkpointable's scanned runs are stacked already"):
+        revlib.scan.stack_layers(checkpointed)
+    with pytest.raises(ValueError, match=r"stack_layers: the Checkpointable has no scanned run.*scan=True"):
+        revlib.scan.stack_layers(revlib.Checkpointable(_model(2)))
+
+
+def test_stacked_runs_on_xla_equal_the_plain_model():
+    """On XLA the stacked run's loops read the stacks and their gradients are the loop's output: the plain model's
+    gradients (float32, another order of the same operations: rounding only)."""
+    device, torch_xla = _xla()
+    reference = _model(3).to(device)
+    x = _x(torch.float32).detach().to(device)
+    reference(x).square().sum().backward()
+    model, checkpointed = _stacked(3, torch.float32)
+    checkpointed.to(device)
+    checkpointed.chain = Chain([1.0] * 3, [1.0] * 4, [1.0] * 4, [1.0] * 4, [0.0] * 3, [0.0] * 4)
+    checkpointed.sequence = _recomputed(checkpointed.chain)
+    checkpointed(x).square().sum().backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    assert hlo.count(" while(") == 3  # the run's forward (CF), again keeping its layers' inputs (Fe), its backward
+    torch_xla.sync()
+    expected = {n: p.grad.cpu() for n, p in reference.named_parameters()}
+    errors = _unstacked_grads(model.cpu(), expected)
+    assert len(errors) == len(expected) and max(errors.values()) < 1e-5, errors
