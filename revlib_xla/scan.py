@@ -69,6 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree, backend, fsdp
 from ._grad_destination import GradDestination, node_destination
+from ._replaced_params import mark_replaced
 
 if TYPE_CHECKING:
     from .checkpointable import Checkpointable
@@ -277,7 +278,8 @@ def stack_layers(
     stacks; ``False``: the layers one by one, on views of the stacks).
 
     Call it before building the optimizer (as FSDP2's ``fully_shard``): the layers' own parameters are replaced by
-    the stacks, so an optimizer built before would hold the old ones. What it gives: the scanned forward and
+    the stacks, so an optimizer built before would hold the old ones (its ``step()`` then raises
+    ``ReplacedParameterError`` naming one, rather than never updating them). What it gives: the scanned forward and
     backward (``scan=None`` or ``True`` on XLA) read the stacks directly and write one stacked gradient per name,
     so the step holds the parameters and their gradients once (no stacked copy per pass, no unstacking); without
     the scan (``scan=False``, cpu, cuda) the layers run one by one on views of the stacks, with the same gradients.
@@ -367,10 +369,11 @@ def stack_layers(
             model.register_parameter(attr, stack)
             own.append((attr, tuple(aliases)))
         entries.append(own)
-    for layer in layers:
-        for name, _ in list(layer.block.named_parameters(remove_duplicate=False)):
+    for i, layer in enumerate(layers):
+        for name, p in list(layer.block.named_parameters(remove_duplicate=False)):
             module_name, _, leaf = name.rpartition(".")
             delattr(layer.block.get_submodule(module_name), leaf)
+            mark_replaced(p, f"{names[i]}.{block_path}.{name}")
     vars(model)["_stacks"] = _Stacks(period, iterations, entries, keys, block_path)  # plain state: copied, pickled
     model.scan = scan
     model._register_state_dict_hook(_stacked_state_dict)
@@ -417,9 +420,10 @@ def _stack_stages(checkpointed: Checkpointable) -> Checkpointable:
                 stack = nn.Parameter(torch.stack([p.detach() for p in found]), requires_grad=found[0].requires_grad)
             owner.register_parameter(attr, stack)
         for layer in run.layers:
-            for name, _ in list(layer.named_parameters(remove_duplicate=False)):
+            for name, p in list(layer.named_parameters(remove_duplicate=False)):
                 module_name, _, leaf = name.rpartition(".")
                 delattr(layer.get_submodule(module_name), leaf)
+                mark_replaced(p, f"{paths[id(layer)]}.{name}")
         run._stacks = entries
         object.__setattr__(run, "_owner", owner)  # a plain reference: the model is no submodule of its stage
     vars(owner)["_stage_stacks"] = keys  # plain state: copied, pickled
