@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 __all__ = [
     "CollectiveCount",
     "FSDPLayoutError",
+    "counted_steps",
     "counting_collectives",
     "fsdp_module_type",
     "fully_shard_function",
@@ -266,3 +267,17 @@ def counting_collectives() -> Iterator[CollectiveCount]:
     finally:
         for name, original in originals.items():
             setattr(groups, name, original)
+
+
+def counted_steps(step: Callable[..., Any], counts: list[CollectiveCount]) -> Callable[..., Any]:
+    """``step`` (a training step, e.g. :func:`revlib_xla.train.strategy.make_step`'s) that appends FSDP2's
+    all-gathers and reduce-scatters of each call to ``counts``, one :class:`CollectiveCount` per step (a
+    diagnostic: how ``revlib-xla train`` is counted in tests/test_fsdp2_cli.py and ``bench/fsdp_collectives.py``)."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with counting_collectives() as count:
+            result = step(*args, **kwargs)
+        counts.append(count)
+        return result
+
+    return counted

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +58,8 @@ __all__ = [
     "active_mesh",
     "planning_budget",
     "shard_model",
+    "host_pieces",
+    "sharded_writer",
     "shard_batch",
     "shard_step",
 ]
@@ -328,6 +330,51 @@ def shard_model(model: nn.Module, mesh: Mesh) -> dict[str, Spec]:
             family.mark_sharding(param, mesh.handle, spec)
         specs[name] = spec
     return specs
+
+
+def host_pieces(value: torch.Tensor, spec: Spec, mesh: MeshShape) -> list[torch.Tensor]:
+    """The piece of ``value`` (a whole host tensor) each device of ``mesh`` holds when it is split as ``spec``
+    says, in the mesh's device order (``np.arange(size).reshape(data, fsdp, tensor)``, as :func:`make_mesh` lays
+    the devices out; a dimension split over several axes is cut in their order, the first the slowest). The
+    parameter rules split only dimensions the axes divide (:func:`parameter_spec`); another split is refused."""
+    pieces = []
+    for device in range(mesh.size):
+        coords = dict(zip(AXES, np.unravel_index(device, mesh.sizes)))
+        index = []
+        for dim, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            ways = mesh.ways(axes)
+            if value.shape[dim] % ways:
+                raise ShardingError(f"dimension {dim} of {tuple(value.shape)} does not split {ways} ways ({spec})")
+            at = int(np.ravel_multi_index([int(coords[a]) for a in axes], [getattr(mesh, a) for a in axes]))
+            size = value.shape[dim] // ways
+            index.append(slice(at * size, (at + 1) * size))
+        pieces.append(value[tuple(index)].contiguous())
+    return pieces
+
+
+def sharded_writer(
+    model: nn.Module, mesh: Mesh, dtype: torch.dtype | None = None
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """For initialising ``model`` (materialised on ``mesh``'s device, e.g. by ``to_empty``) one parameter at a time
+    from whole host values, each device receiving only its piece: ``write(param, value)`` makes ``param`` hold
+    ``value`` (cast to ``dtype``, default the parameter's) split over ``mesh`` as :func:`parameter_spec` says for
+    its name in ``model``. No device ever holds a whole parameter it does not keep, and the host holds one
+    parameter (and its pieces) at a time. A tensor that is not one of ``model``'s parameters (a layer's view of a
+    stacked parameter) is copied whole: :func:`shard_model` splits it after."""
+    family = backend.backend_for(mesh.device)
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def write(param: torch.Tensor, value: torch.Tensor) -> None:
+        name = names.get(id(param))
+        if name is None:
+            param.copy_(value)
+            return
+        spec = parameter_spec(name, param.shape, mesh.shape)
+        value = value.to(dtype or param.dtype)
+        param.data = family.from_host_pieces(host_pieces(value, spec, mesh.shape), mesh.handle, spec)
+
+    return write
 
 
 def shard_batch(tokens: torch.Tensor, mesh: Mesh | None = None) -> torch.Tensor:

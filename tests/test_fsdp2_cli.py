@@ -33,6 +33,7 @@ from revlib_xla.fsdp import fully_shard_function
 
 WORLD = 2
 RUNS = ("reversible", "plan")
+PLAIN = "none"  # plain autograd under the same FSDP2 units: the baseline of the collective counts
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
@@ -65,13 +66,21 @@ def _shard_rows(weight: Any) -> tuple[int, int]:
 
 def _cases(rank: int, results: dict[str, Any]) -> None:
     """Each run of ``RUNS`` under two processes, in the environment torchrun sets (the process group is joined)."""
-    from revlib_xla.train.loop import train
+    from revlib_xla.fsdp import counted_steps
+    from revlib_xla.train import loop
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     root = Path(os.environ["FSDP2_CLI_ROOT"])
-    for strategy in RUNS:
-        result = train(_config(strategy, root / f"two-{strategy}", 3))
+    make_step = loop.make_step
+    for strategy in (*RUNS, PLAIN):
+        counts: list[Any] = []
+        loop.make_step = lambda *args, **kwargs: counted_steps(make_step(*args, **kwargs), counts)  # type: ignore
+        result = loop.train(_config(strategy, root / f"two-{strategy}", 3))
+        loop.make_step = make_step
+        results[f"{strategy}:collectives"] = [(c.all_gathers, c.reduce_scatters) for c in counts]
+        if strategy == PLAIN:
+            continue
         results[strategy] = (result.start_step, result.losses)
         results[f"{strategy}:val"] = result.val_losses
         sharded: Any = result.model
@@ -119,6 +128,24 @@ def test_fsdp2_shards_every_block_over_the_processes(runs: Any) -> None:
         for strategy in RUNS:
             kind, (rows, whole) = result[f"{strategy}:sharded"]
             assert kind == "ShardedLM" and rows * WORLD == whole, (strategy, rows, whole)
+
+
+@pytest.mark.slow
+def test_fsdp2_all_gathers_through_the_cli_at_most_plain_fsdp2s(runs: Any) -> None:
+    """`revlib-xla train` counted per step: the reversible and planned backwards recompute each block through its
+    unit with resharding held (revlib_xla.fsdp), so they gather each unit's weights as often as plain autograd
+    (issue 14 asks <= 1.1x) and reduce its gradients once."""
+    ranks, _, _ = runs
+    for result in ranks:
+        plain = result[f"{PLAIN}:collectives"]
+        assert len(plain) == 3 and len(set(plain)) == 1, plain  # every step alike
+        gathers, reductions = plain[0]
+        assert reductions == 2 + 1  # one per block and the root
+        for strategy in RUNS:
+            counted = result[f"{strategy}:collectives"]
+            assert len(counted) == (2 if strategy == "reversible" else 3), (strategy, counted)  # resumed at step 1
+            for got_gathers, got_reductions in counted:
+                assert got_gathers <= 1.1 * gathers and got_reductions == reductions, (strategy, counted, plain)
 
 
 @pytest.mark.slow

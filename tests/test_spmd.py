@@ -176,6 +176,23 @@ def test_spmd_steps_equal_the_cpu_steps_with_a_quarter_of_the_parameters_per_dev
 
 @pytest.mark.slow
 @needs_xla
+def test_weights_are_initialised_on_the_mesh_piece_by_piece_equal_to_the_unsplit_init(spmd):
+    """build_model under a mesh draws each weight whole on the host, in the unsplit init's order, and sends each
+    device only its piece (sharding.sharded_writer): the weights equal the CPU init bit for bit, and no device
+    receives a whole weight it does not keep."""
+    for name, case in spmd["cases"].items():
+        assert case["initial_equal"], name
+    quarters = spmd["cases"]["checkpoint + offloaded optimizer fsdp"]  # fsdp 4: each device a quarter of each matrix
+    assert sorted(sum(pieces) for pieces in quarters["sent"]) == quarters["whole"]
+    assert all(len(pieces) == 4 and len(set(pieces)) == 1 for pieces in quarters["sent"])
+    tiles = spmd["cases"]["plain data x fsdp x tensor"]  # fsdp 2 x tensor 2: a quarter each, tiled
+    assert sorted(sum(pieces) for pieces in tiles["sent"]) == tiles["whole"]
+    halves = spmd["cases"]["reversible data x fsdp"]  # fsdp 2, repeated over data 2: each device half of each
+    assert sorted(sum(pieces) for pieces in halves["sent"]) == [2 * n for n in halves["whole"]]
+
+
+@pytest.mark.slow
+@needs_xla
 def test_stacked_layers_train_under_a_mesh_split_as_their_layers(spmd):
     # the scanned reversible LM (one [layers, ...] parameter per name) over fsdp 2 x tensor 2 equals the unstacked
     # LM on the CPU (checked above); each stack keeps its layer dimension whole and splits each layer as unstacked

@@ -362,7 +362,7 @@ def build_model(
                 f"model.name=llama-*"
             )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
-    from ..sharding import active_mesh, planning_budget
+    from ..sharding import active_mesh, planning_budget, sharded_writer
 
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
@@ -370,7 +370,10 @@ def build_model(
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
-        lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
+        mesh = active_mesh(target)  # under a mesh, each device receives only its piece of each weight
+        final = dtype or (torch.bfloat16 if s.param_dtype == "bf16" else None)
+        write = None if mesh is None or s.offload.params else sharded_writer(lm, mesh, final)
+        lm.init_weights(cfg.train.seed, write)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
     elif s.param_dtype == "bf16":  # the weights only: the rotary tables stay float32
