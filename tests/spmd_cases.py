@@ -68,7 +68,7 @@ def run_steps(cfg, device, stacked: bool = False) -> dict:
     model = stacked_model(cfg, device) if stacked else build_model(cfg, device, torch.float64)
     lm = language_model(model)
     backend.sync(device)
-    initial = {n: t.detach().cpu() for n, t in lm.state_dict().items()}
+    initial = {n: t.detach().to("cpu", copy=True) for n, t in lm.state_dict().items()}  # before the steps
     first = model.loss(batches(1)[0].to(device))
     first.backward()
     grads = layer_grads(lm)
