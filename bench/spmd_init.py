@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Memory of building a model under a mesh: the weights initialised piece by piece on the devices
-(``revlib_xla.sharding.sharded_writer``, what ``build_model`` does under a mesh) against drawn whole, put whole on
+(``revlib_xla.sharding.ShardedWriter``, what ``build_model`` does under a mesh) against drawn whole, put whole on
 every device and split after (what it did before).
 
 One process drives 4 XLA:CPU devices (SPMD, ``mesh.fsdp=4``), where device memory is host memory: the process's
@@ -59,7 +59,7 @@ def measure(way: str, vocab: int, dim: int) -> dict[str, float]:
     torch.zeros(1, device=xla)
     backend.sync(xla)
     if way == WAYS[1]:  # every weight copied whole (to every device), then split by shard_model
-        strategy.sharded_writer = lambda *args, **kwargs: None  # type: ignore[assignment]
+        sharding.ShardedWriter = lambda *args, **kwargs: None  # type: ignore[assignment,misc]
     peak, done = [0], [False]
 
     def poll() -> None:

@@ -67,8 +67,10 @@ def run_steps(cfg, device, stacked: bool = False) -> dict:
     """Losses, final weights and gradients of the first step, and the compile count per step, of STEPS steps."""
     model = stacked_model(cfg, device) if stacked else build_model(cfg, device, torch.float64)
     lm = language_model(model)
-    backend.sync(device)
-    initial = {n: t.detach().to("cpu", copy=True) for n, t in lm.state_dict().items()}  # before the steps
+    initial = {}
+    if not stacked:  # (reading the stacks here would change the sharding the compiler gives the norm scales)
+        backend.sync(device)
+        initial = {n: t.detach().to("cpu", copy=True) for n, t in lm.state_dict().items()}  # before the steps
     first = model.loss(batches(1)[0].to(device))
     first.backward()
     grads = layer_grads(lm)
@@ -154,7 +156,8 @@ def main(out_dir: str) -> None:
         mesh = sharding.apply_mesh(cfg, xla)
         assert mesh is not None
         sent.clear()
-        got = run_steps(cfg, xla, stacked=name.startswith("scan"))
+        stacked = name.startswith("scan")
+        got = run_steps(cfg, xla, stacked=stacked)
         results["cases"][name] = {
             "mesh": str(mesh.shape),
             "loss": [got["loss"], reference["loss"]],
@@ -166,7 +169,9 @@ def main(out_dir: str) -> None:
             "specs": {n: family_spec(p) for n, p in got["lm"].named_parameters()},
             "schedule": [got["schedule"], reference["schedule"]],
             # the initial weights, bit for bit those of the unsplit init (drawn in the same order on the host)
-            "initial_equal": sorted(got["initial"]) == sorted(reference["initial"])
+            "initial_equal": None
+            if stacked
+            else sorted(got["initial"]) == sorted(reference["initial"])
             and all(torch.equal(got["initial"][k], reference["initial"][k]) for k in reference["initial"]),
             "sent": list(sent),  # the pieces each device received, per weight
             "whole": sorted(p.numel() for p in got["lm"].parameters() if p.dim() == 2),

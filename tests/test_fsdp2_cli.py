@@ -158,9 +158,10 @@ def test_fsdp2_all_gathers_through_the_cli_at_most_plain_fsdp2s(runs: Any) -> No
             counted = result[f"{strategy}:collectives"]
             assert len(counted) == (2 if strategy == "reversible" else 3), (strategy, counted)  # resumed at step 1
             units = result[f"{strategy}:units"]
+            assert units == (2 * 2 + 1 if strategy == "reversible" else 2 + 1), (strategy, units)
             for got in counted:
                 assert got[:2] == (2 * units - 1, units), (strategy, units, counted)
-                assert got[2] <= 1.1 * gathered and got[3] == reduced, (strategy, counted, plain)
+                assert got[2:] == (gathered, reduced), (strategy, counted, plain)  # the same weights moved
 
 
 @pytest.mark.slow

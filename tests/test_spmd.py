@@ -178,10 +178,10 @@ def test_spmd_steps_equal_the_cpu_steps_with_a_quarter_of_the_parameters_per_dev
 @needs_xla
 def test_weights_are_initialised_on_the_mesh_piece_by_piece_equal_to_the_unsplit_init(spmd):
     """build_model under a mesh draws each weight whole on the host, in the unsplit init's order, and sends each
-    device only its piece (sharding.sharded_writer): the weights equal the CPU init bit for bit, and no device
+    device only its piece (sharding.ShardedWriter): the weights equal the CPU init bit for bit, and no device
     receives a whole weight it does not keep."""
-    for name, case in spmd["cases"].items():
-        assert case["initial_equal"], name
+    for name, case in spmd["cases"].items():  # (the stacked LM is built apart: spmd_cases.stacked_model)
+        assert case["initial_equal"] is (None if name.startswith("scan") else True), name
     quarters = spmd["cases"]["checkpoint + offloaded optimizer fsdp"]  # fsdp 4: each device a quarter of each matrix
     assert sorted(sum(pieces) for pieces in quarters["sent"]) == quarters["whole"]
     assert all(len(pieces) == 4 and len(set(pieces)) == 1 for pieces in quarters["sent"])

@@ -520,7 +520,7 @@ class LlamaLM(nn.Module):
         weights on every device and in every form; without, from the device's global generator. Call it after
         ``model.to_empty(device=...)`` to materialise a meta-built model. ``write(weight, value)`` (with ``seed``)
         puts each drawn value in its weight (default ``weight.copy_(value)``; a model split over devices:
-        :func:`revlib_xla.sharding.sharded_writer`): the values, drawn in one order, do not depend on where they go."""
+        :class:`revlib_xla.sharding.ShardedWriter`): the values, drawn in one order, do not depend on where they go."""
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         outputs = {id(m) for block in self.blocks for m in (block.attn.self_attn.o_proj, block.ffn.mlp.down_proj)}
         for module in self._in_order():

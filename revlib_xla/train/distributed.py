@@ -26,8 +26,18 @@ What is refused, before any weight moves: a batch that the processes (times ``op
 split evenly, ``strategy.fused_optimizer`` (a fused step reads the process's own gradient, before the processes
 average it), ``strategy.offload.params``, and a device family without a process-group backend (XLA: TPU pods train
 through SPMD in one process); under ``fsdp2`` also ``strategy.offload.optimizer`` (and so
-``param_dtype=bf16``: its host AdamW keeps whole master weights), a ``model.hf_config`` model, stacked (scanned)
-layers, and a torch without FSDP2.
+``param_dtype=bf16``: its host AdamW keeps whole master weights; FSDP2's own ``MixedPrecisionPolicy`` is not wired
+to the key yet), a ``model.hf_config`` model (no known blocks to shard), stacked (scanned) layers (one stack owns
+every layer's weights, so FSDP2 could only gather them all at once; scan saves compile time on XLA, and on
+cpu/cuda runs layer by layer anyway), and a torch without FSDP2.
+
+Collectives per step (``revlib_xla.fsdp.counted_steps``, tests/test_fsdp2_cli.py): each unit's weights are
+gathered twice a step (the root's once) and its gradients reduced once, for ``none``, ``reversible`` and ``plan``
+alike; the reversible LM has two units per transformer block (its layers: attention and MLP), so it makes more,
+smaller all-gathers of the same weights.
+
+Each process still builds the whole model on its device before ``fully_shard`` splits it (under a mesh, SPMD
+builds it piece by piece: :class:`revlib_xla.sharding.ShardedWriter`).
 """
 
 from __future__ import annotations
