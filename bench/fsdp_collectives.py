@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import revlib_xla as revlib
 from revlib_xla.fsdp import counted_steps, counting_collectives, fsdp_module_type, fully_shard_function
+from revlib_xla.train.distributed import agree_on_schedule
 
 VARIANTS = ("plain", "reversible", "reversible-root", "chain", "plan-fast", "plan-min")
 WORLD = 2
@@ -107,6 +108,8 @@ def worker(rank: int, initfile: str, out: str, blocks: int, width: int) -> None:
     results: dict[str, Any] = {}
     for variant in VARIANTS:
         model, units = build(variant, blocks, width, len(xs))
+        for planned in [m for m in model.modules() if isinstance(m, revlib.Checkpointable)]:
+            agree_on_schedule(planned)  # planned apart from each rank's own measurements: run one schedule
         for unit in units:
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)

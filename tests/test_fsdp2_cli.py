@@ -71,6 +71,22 @@ def _units(model: Any) -> list[Any]:
     return [m for m in model.modules() if unit is not None and isinstance(m, unit)]
 
 
+def _schedules(rank: int, results: dict[str, Any]) -> None:
+    """Schedules planned apart (the processes' measurements differ; here, their budgets), then agreed on."""
+    from torch import nn
+
+    from revlib_xla import Checkpointable, atomic
+    from revlib_xla.train.distributed import agree_on_schedule
+
+    torch.manual_seed(0)
+    chain = nn.Sequential(*[atomic(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))) for _ in range(6)])
+    planned = Checkpointable(chain, torch.zeros(4, 16))
+    sequence = planned.compute_sequence(None if rank == 0 else planned.min_memory() * 1.05)
+    results["schedule:own"] = sequence.counts()
+    agree_on_schedule(planned)
+    results["schedule:agreed"] = planned.sequence.counts() if planned.sequence is not None else None
+
+
 def _cases(rank: int, results: dict[str, Any]) -> None:
     """Each run of ``RUNS`` under two processes, in the environment torchrun sets (the process group is joined)."""
     from revlib_xla.fsdp import counted_steps
@@ -79,6 +95,7 @@ def _cases(rank: int, results: dict[str, Any]) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     root = Path(os.environ["FSDP2_CLI_ROOT"])
+    _schedules(rank, results)
     make_step = loop.make_step
     for strategy in (*RUNS, PLAIN):
         counts: list[Any] = []
@@ -162,6 +179,15 @@ def test_fsdp2_all_gathers_through_the_cli_at_most_plain_fsdp2s(runs: Any) -> No
             for got in counted:
                 assert got[:2] == (2 * units - 1, units), (strategy, units, counted)
                 assert got[2:] == (gathered, reduced), (strategy, counted, plain)  # the same weights moved
+
+
+@pytest.mark.slow
+def test_every_process_runs_rank_0s_schedule(runs: Any) -> None:
+    """distribute() plans in each process, then agree_on_schedule: processes whose own plans differ (near a tie of
+    measured times) would run FSDP2's collectives in different orders and wait on each other forever."""
+    ranks, _, _ = runs
+    assert ranks[0]["schedule:own"] != ranks[1]["schedule:own"]  # the fastest schedule, the smallest
+    assert ranks[0]["schedule:agreed"] == ranks[1]["schedule:agreed"] == ranks[0]["schedule:own"]
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _tree, backend
+from ..checkpointable import Checkpointable
 from ..fsdp import fsdp_module_type, fully_shard_function
 from ..reversible import ReversibleSequential
 from .config import RunConfig
@@ -62,6 +63,7 @@ __all__ = [
     "launched_rank",
     "join_processes",
     "distribute",
+    "agree_on_schedule",
     "per_process_step",
     "DataParallelLM",
     "ShardedLM",
@@ -260,9 +262,20 @@ def distribute(model: nn.Module, processes: Processes | None, cfg: RunConfig) ->
         micro_batch = cfg.data.batch_size // (processes.world * cfg.optim.grad_accum_steps)
         device = next(model.parameters()).device
         model.plan(torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=device))
+        agree_on_schedule(model.planned)
     if cfg.strategy.data_parallel == "fsdp2":
         return ShardedLM(model, next(model.parameters()).device, processes.world)
     return DataParallelLM(model)
+
+
+def agree_on_schedule(planned: Checkpointable) -> None:
+    """Every process runs rank 0's schedule of ``planned`` (call in every process, after planning: a collective).
+    Each process plans from its own measurements of the stages, whose times differ from process to process, so
+    near a tie they can pick different schedules; processes on different schedules gather and reduce FSDP2's units
+    (or DDP's buckets) in different orders and wait on each other forever."""
+    found = [planned.sequence]
+    torch.distributed.broadcast_object_list(found, src=0)
+    planned.sequence = found[0]
 
 
 def _dtensor_type() -> type | None:
