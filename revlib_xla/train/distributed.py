@@ -255,7 +255,7 @@ class ShardedLM(nn.Module):
 def distribute(model: nn.Module, processes: Processes | None, cfg: RunConfig) -> nn.Module:
     """``model`` trained by ``processes`` (unchanged for a single process), as ``strategy.data_parallel`` says. A
     planned model is planned again for the batch of one process (before sharding: the measurement runs its stages
-    one by one, outside FSDP2's hooks)."""
+    one by one, outside FSDP2's hooks), and every process takes rank 0's schedule (:func:`agree_on_schedule`)."""
     if processes is None:
         return model
     if isinstance(model, PlannedLM):
