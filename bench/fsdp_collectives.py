@@ -17,6 +17,10 @@ initialised), counted with :func:`revlib_xla.fsdp.counting_collectives`, and eve
 steps are checked against one process on the whole batch. Results go to
 ``bench/results/fsdp_collectives-cpu-gloo.{md,json}``.
 
+Then the same through ``revlib-xla train`` (:func:`revlib_xla.train.loop.train`, ``strategy.data_parallel=fsdp2``,
+a small Llama, 2 gloo processes): the collectives of each step (:func:`revlib_xla.fsdp.counted_steps`) of
+``strategy=none`` (plain FSDP2), ``reversible`` and ``plan``, with the units each run shards.
+
 Usage: ``python bench/fsdp_collectives.py [--blocks 6] [--width 64] [--out-dir DIR]``.
 """
 
@@ -40,11 +44,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import revlib_xla as revlib
-from revlib_xla.fsdp import counting_collectives, fully_shard_function
+from revlib_xla.fsdp import counted_steps, counting_collectives, fsdp_module_type, fully_shard_function
+from revlib_xla.train.distributed import agree_on_schedule
 
 VARIANTS = ("plain", "reversible", "reversible-root", "chain", "plan-fast", "plan-min")
 WORLD = 2
 BATCH = 8
+CLI_STRATEGIES = ("none", "reversible", "plan")
+CLI_RUN = [
+    "model.overrides={vocab_size: 256, dim: 64, n_layers: 4, n_heads: 4, n_kv_heads: 2, ffn_dim: 128}",
+    "data.seq_len=32",
+    "data.batch_size=8",
+    "train.steps=3",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "train.device=cpu",
+    "strategy.data_parallel=fsdp2",
+]
 
 
 def build(variant: str, blocks: int, width: int, batch: int) -> tuple[nn.Module, list[nn.Module]]:
@@ -91,6 +108,8 @@ def worker(rank: int, initfile: str, out: str, blocks: int, width: int) -> None:
     results: dict[str, Any] = {}
     for variant in VARIANTS:
         model, units = build(variant, blocks, width, len(xs))
+        for planned in [m for m in model.modules() if isinstance(m, revlib.Checkpointable)]:
+            agree_on_schedule(planned)  # planned apart from each rank's own measurements: run one schedule
         for unit in units:
             fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -105,6 +124,60 @@ def worker(rank: int, initfile: str, out: str, blocks: int, width: int) -> None:
         }
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
+
+
+def cli_worker(rank: int, initfile: str, out: str, root: str) -> None:
+    """``revlib-xla train`` in this process of ``WORLD``, each step's collectives counted, per strategy."""
+    import os
+
+    from revlib_xla.train import loop
+    from revlib_xla.train.config import load_config
+
+    dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=WORLD)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    make_step = loop.make_step
+    results: dict[str, Any] = {}
+    for strategy in CLI_STRATEGIES:
+        counts: list[Any] = []
+        loop.make_step = lambda *a, **k: counted_steps(make_step(*a, **k), counts)  # type: ignore[assignment]
+        cfg = load_config(None, [*CLI_RUN, f"strategy={strategy}", f"train.out_dir={root}/{strategy}"])
+        result = loop.train(cfg)
+        loop.make_step = make_step
+        unit = fsdp_module_type()
+        results[strategy] = {
+            "units": sum(1 for m in result.model.modules() if unit is not None and isinstance(m, unit)),
+            "steps": [(c.all_gathers, c.reduce_scatters, c.gathered, c.reduced) for c in counts],
+            "losses": result.losses,
+        }
+    torch.save(results, f"{out}.{rank}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def cli_rows() -> list[dict[str, Any]]:
+    """Per strategy: the units, the collectives of the last step (every rank counts the same) and the losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        initfile, out = str(Path(tmp) / "rendezvous"), str(Path(tmp) / "result")
+        mp.start_processes(cli_worker, args=(initfile, out, tmp), nprocs=WORLD, start_method="spawn")
+        ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+    rows = []
+    for strategy in CLI_STRATEGIES:
+        steps = {tuple(r[strategy]["steps"][-1]) for r in ranks}
+        assert len(steps) == 1, f"{strategy}: the ranks counted differently: {steps}"
+        gathers, reductions, gathered, reduced = steps.pop()
+        rows.append(
+            {
+                "strategy": strategy,
+                "units": ranks[0][strategy]["units"],
+                "all_gathers": gathers,
+                "reduce_scatters": reductions,
+                "gathered_elements": gathered,
+                "reduced_elements": reduced,
+                "losses": ranks[0][strategy]["losses"],
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -133,6 +206,7 @@ def main() -> None:
         assert len(counts) == 1, f"{variant}: the ranks counted differently: {counts}"
         gathers, reductions = counts.pop()
         rows.append({"variant": variant, "all_gathers": gathers, "reduce_scatters": reductions, "max_error": error})
+    cli = cli_rows()
     base = {r["variant"]: r["all_gathers"] for r in rows}
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -144,7 +218,9 @@ def main() -> None:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "fsdp_collectives-cpu-gloo.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out_dir / "fsdp_collectives-cpu-gloo.json").write_text(
+        json.dumps({"meta": meta, "rows": rows, "cli": cli}, indent=2)
+    )
     lines = [
         "# FSDP2 collectives per training step, one unit per block",
         "",
@@ -165,6 +241,25 @@ def main() -> None:
         lines.append(
             f"| {row['variant']} | {row['all_gathers']} | {versus} | {row['reduce_scatters']} | "
             f"{row['max_error']:.1e} |"
+        )
+    plain = cli[0]
+    lines += [
+        "",
+        "## Through `revlib-xla train` (`strategy.data_parallel=fsdp2`)",
+        "",
+        "A Llama of 4 layers (dim 64, vocab 256), batch 8 x 32 split over the 2 processes, AdamW; the third step. "
+        "The plain and planned LMs have one unit per transformer block, the reversible LM one per attention and "
+        "per MLP block (its layers), plus the root in each: the weights gathered (elements of the whole "
+        "parameters) compare them; per unit, each is gathered twice a step (the root once) and reduced once.",
+        "",
+        "| strategy | units | all-gathers | reduce-scatters | elements gathered | vs none | elements reduced |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in cli:
+        lines.append(
+            f"| {row['strategy']} | {row['units']} | {row['all_gathers']} | {row['reduce_scatters']} | "
+            f"{row['gathered_elements']} | {row['gathered_elements'] / plain['gathered_elements']:.2f}x | "
+            f"{row['reduced_elements']} |"
         )
     (out_dir / "fsdp_collectives-cpu-gloo.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

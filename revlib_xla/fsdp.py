@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 __all__ = [
     "CollectiveCount",
     "FSDPLayoutError",
+    "counted_steps",
     "counting_collectives",
     "fsdp_module_type",
     "fully_shard_function",
@@ -229,10 +230,20 @@ def layer_units(
 @dataclasses.dataclass
 class CollectiveCount:
     """FSDP2's all-gathers and reduce-scatters in this process while :func:`counting_collectives` is active (one
-    per unit and call: a unit's parameters are gathered and their gradients reduced as one group)."""
+    per unit and call: a unit's parameters are gathered and their gradients reduced as one group), and the
+    elements they gathered and reduced (whole parameters': what compares layouts whose units differ in size)."""
 
     all_gathers: int = 0
     reduce_scatters: int = 0
+    gathered: int = 0
+    reduced: int = 0
+
+
+def _whole_numel(fsdp_param: Any) -> int:
+    """The elements of the whole parameter an FSDP2 ``FSDPParam`` manages (its sharded ``DTensor``'s global
+    shape; 0 where this torch keeps it elsewhere)."""
+    sharded = getattr(fsdp_param, "sharded_param", None)
+    return 0 if sharded is None else sharded.numel()
 
 
 @contextlib.contextmanager
@@ -252,17 +263,33 @@ def counting_collectives() -> Iterator[CollectiveCount]:
     count = CollectiveCount()
     originals = {n: getattr(groups, n) for n in names}
 
-    def counted(name: str, field: str) -> Any:
+    def counted(name: str, field: str, elements: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
+            params = args[0] if args else kwargs.get("fsdp_params", ())  # both take the unit's FSDPParams first
             setattr(count, field, getattr(count, field) + 1)
+            setattr(count, elements, getattr(count, elements) + sum(_whole_numel(p) for p in params))
             return originals[name](*args, **kwargs)
 
         return call
 
-    setattr(groups, "foreach_all_gather", counted("foreach_all_gather", "all_gathers"))  # noqa: B010
-    setattr(groups, "foreach_reduce", counted("foreach_reduce", "reduce_scatters"))  # noqa: B010
+    setattr(groups, "foreach_all_gather", counted("foreach_all_gather", "all_gathers", "gathered"))  # noqa: B010
+    setattr(groups, "foreach_reduce", counted("foreach_reduce", "reduce_scatters", "reduced"))  # noqa: B010
     try:
         yield count
     finally:
         for name, original in originals.items():
             setattr(groups, name, original)
+
+
+def counted_steps(step: Callable[..., Any], counts: list[CollectiveCount]) -> Callable[..., Any]:
+    """``step`` (a training step, e.g. :func:`revlib_xla.train.strategy.make_step`'s) that appends FSDP2's
+    all-gathers and reduce-scatters of each call to ``counts``, one :class:`CollectiveCount` per step (a
+    diagnostic: how ``revlib-xla train`` is counted in tests/test_fsdp2_cli.py and ``bench/fsdp_collectives.py``)."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with counting_collectives() as count:
+            result = step(*args, **kwargs)
+        counts.append(count)
+        return result
+
+    return counted

@@ -17,6 +17,11 @@ The config's ``mesh`` section gives their sizes, one of them ``-1`` for the devi
   Scanned layers' stacked parameters (:func:`revlib_xla.scan.stack_layers`) are split as their layers, the layer
   dimension whole.
 * The token batch (:func:`shard_batch`): split along its first dimension over ``data x fsdp``.
+* Initialisation (:class:`ShardedWriter`, what ``build_model`` does under a mesh): the model is built on the meta
+  device, and each weight is drawn whole on the host, in the order and from the generator of the unsplit init (so
+  the values are bit for bit the same), and sent as pieces, each device receiving only its own: no device ever holds
+  the whole model, and the host one weight at a time. Stacked (scanned) layers' parameters are still drawn layer by
+  layer into the whole stack and split after.
 
 Memory per device of the parameters, gradients and optimizer state is then ``1/(fsdp*tensor)`` of the model's,
 and of the activations ``1/(data*fsdp)``. The same rules size a pod slice without the pod: :func:`shard_step`
@@ -32,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +63,8 @@ __all__ = [
     "active_mesh",
     "planning_budget",
     "shard_model",
+    "host_pieces",
+    "ShardedWriter",
     "shard_batch",
     "shard_step",
 ]
@@ -317,17 +324,66 @@ def active_mesh(device: backend.DeviceLike = None) -> Mesh | None:
     return mesh if backend.backend_for(device) is backend.backend_for(mesh.device) else None
 
 
-def shard_model(model: nn.Module, mesh: Mesh) -> dict[str, Spec]:
-    """Split every parameter of ``model`` over ``mesh`` (:func:`parameter_spec`), in place; returns each
-    parameter's spec by name. The optimizer state created from them follows their sharding."""
+def shard_model(model: nn.Module, mesh: Mesh, placed: Collection[int] = ()) -> dict[str, Spec]:
+    """Split every parameter of ``model`` over ``mesh`` (:func:`parameter_spec`), in place, but those whose id is
+    in ``placed`` (split already: :class:`ShardedWriter`); returns each parameter's spec by name. The optimizer
+    state created from them follows their sharding."""
     family = backend.backend_for(mesh.device)
     specs = {}
     for name, param in model.named_parameters():
         spec = parameter_spec(name, param.shape, mesh.shape)
-        if any(entry is not None for entry in spec):
+        if any(entry is not None for entry in spec) and id(param) not in placed:
             family.mark_sharding(param, mesh.handle, spec)
         specs[name] = spec
     return specs
+
+
+def host_pieces(value: torch.Tensor, spec: Spec, mesh: MeshShape) -> list[torch.Tensor]:
+    """The piece of ``value`` (a whole host tensor) each device of ``mesh`` holds when it is split as ``spec``
+    says, in the mesh's device order (``np.arange(size).reshape(data, fsdp, tensor)``, as :func:`make_mesh` lays
+    the devices out; a dimension split over several axes is cut in their order, the first the slowest). The
+    parameter rules split only dimensions the axes divide (:func:`parameter_spec`); another split is refused."""
+    pieces = []
+    for device in range(mesh.size):
+        coords = dict(zip(AXES, np.unravel_index(device, mesh.sizes)))
+        index = []
+        for dim, entry in enumerate(spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            ways = mesh.ways(axes)
+            if value.shape[dim] % ways:
+                raise ShardingError(f"dimension {dim} of {tuple(value.shape)} does not split {ways} ways ({spec})")
+            at = int(np.ravel_multi_index([int(coords[a]) for a in axes], [getattr(mesh, a) for a in axes]))
+            size = value.shape[dim] // ways
+            index.append(slice(at * size, (at + 1) * size))
+        pieces.append(value[tuple(index)].contiguous())
+    return pieces
+
+
+class ShardedWriter:
+    """For initialising ``model`` (materialised on ``mesh``'s device, e.g. by ``to_empty``) one parameter at a time
+    from whole host values, each device receiving only its piece: ``write(param, value)`` makes ``param`` hold
+    ``value`` (cast to ``dtype``, default the parameter's) split over ``mesh`` as :func:`parameter_spec` says for
+    its name in ``model``. No device ever holds a whole parameter it does not keep, and the host holds one
+    parameter (and its pieces) at a time. A tensor that is not one of ``model``'s parameters (a layer's view of a
+    stacked parameter) is copied whole: :func:`shard_model` splits it after. ``placed``: the ids of the parameters
+    written split (:func:`shard_model` leaves them: marking them again would send them through the host)."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, dtype: torch.dtype | None = None) -> None:
+        self.mesh = mesh
+        self.dtype = dtype
+        self.names = {id(p): name for name, p in model.named_parameters()}
+        self.placed: set[int] = set()
+
+    def __call__(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        name = self.names.get(id(param))
+        if name is None:
+            param.copy_(value)
+            return
+        spec = parameter_spec(name, param.shape, self.mesh.shape)
+        value = value.to(self.dtype or param.dtype)
+        family = backend.backend_for(self.mesh.device)
+        param.data = family.from_host_pieces(host_pieces(value, spec, self.mesh.shape), self.mesh.handle, spec)
+        self.placed.add(id(param))
 
 
 def shard_batch(tokens: torch.Tensor, mesh: Mesh | None = None) -> torch.Tensor:

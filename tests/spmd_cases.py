@@ -67,6 +67,10 @@ def run_steps(cfg, device, stacked: bool = False) -> dict:
     """Losses, final weights and gradients of the first step, and the compile count per step, of STEPS steps."""
     model = stacked_model(cfg, device) if stacked else build_model(cfg, device, torch.float64)
     lm = language_model(model)
+    initial = {}
+    if not stacked:  # (reading the stacks here would change the sharding the compiler gives the norm scales)
+        backend.sync(device)
+        initial = {n: t.detach().to("cpu", copy=True) for n, t in lm.state_dict().items()}  # before the steps
     first = model.loss(batches(1)[0].to(device))
     first.backward()
     grads = layer_grads(lm)
@@ -92,6 +96,7 @@ def run_steps(cfg, device, stacked: bool = False) -> dict:
         "compiles": compiles,
         "lm": lm,
         "schedule": counts,
+        "initial": initial,
     }
 
 
@@ -138,11 +143,21 @@ def main(out_dir: str) -> None:
         name: run_steps(load_config(None, [*TINY, *reference_overrides.get(name, overrides)]), "cpu")
         for name, (overrides, _) in cases.items()
     }
+    sent: list[list[int]] = []  # per weight initialised piece by piece: the elements each device received
+    whole_pieces = family.from_host_pieces
+
+    def counted(pieces, mesh, spec):
+        sent.append([piece.numel() for piece in pieces])
+        return whole_pieces(pieces, mesh, spec)
+
+    family.from_host_pieces = counted
     for name, cfg in configs.items():
         reference = references[name]
         mesh = sharding.apply_mesh(cfg, xla)
         assert mesh is not None
-        got = run_steps(cfg, xla, stacked=name.startswith("scan"))
+        sent.clear()
+        stacked = name.startswith("scan")
+        got = run_steps(cfg, xla, stacked=stacked)
         results["cases"][name] = {
             "mesh": str(mesh.shape),
             "loss": [got["loss"], reference["loss"]],
@@ -153,8 +168,15 @@ def main(out_dir: str) -> None:
             "fraction": shard_fraction(got["lm"], family),
             "specs": {n: family_spec(p) for n, p in got["lm"].named_parameters()},
             "schedule": [got["schedule"], reference["schedule"]],
+            # the initial weights, bit for bit those of the unsplit init (drawn in the same order on the host)
+            "initial_equal": None
+            if stacked
+            else sorted(got["initial"]) == sorted(reference["initial"])
+            and all(torch.equal(got["initial"][k], reference["initial"][k]) for k in reference["initial"]),
+            "sent": list(sent),  # the pieces each device received, per weight
+            "whole": sorted(p.numel() for p in got["lm"].parameters() if p.dim() == 2),
         }
-        summary = {k: v for k, v in results["cases"][name].items() if k != "specs"}
+        summary = {k: v for k, v in results["cases"][name].items() if k not in ("specs", "sent", "whole")}
         print(name, f"{time.perf_counter() - start:.1f} s", json.dumps(summary), file=sys.stderr, flush=True)
     # revlib-xla train's loop over the mesh: no compile after the warm-up steps
     cfg = load_config(

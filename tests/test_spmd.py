@@ -125,6 +125,48 @@ def test_hlo_shardings_number_the_devices_as_the_mesh():
     assert hlo_sharding(("tensor", "fsdp"), MeshShape(1, 2, 2)) == "{devices=[2,2]0,2,1,3}"
 
 
+@pytest.mark.parametrize(
+    "spec, mesh",
+    [
+        (("fsdp", None), MeshShape(1, 4, 1)),
+        (("fsdp", None), MeshShape(2, 2, 1)),
+        ((("data", "fsdp"), None), MeshShape(2, 2, 1)),
+        (("tensor", "fsdp"), MeshShape(1, 2, 2)),
+        ((None, "fsdp"), MeshShape(2, 2, 2)),
+        ((None, None), MeshShape(1, 4, 1)),
+    ],
+)
+def test_host_pieces_are_the_tiles_the_hlo_sharding_gives_each_device(spec, mesh):
+    """The pieces ShardedWriter sends each device (sharding.host_pieces) against the compiler's reading of the same
+    split (hlo_sharding: tile dims, then the devices in tile order, the last dim repeating over unused axes)."""
+    value = torch.arange(8 * 12).reshape(8, 12)
+    pieces = sharding.host_pieces(value, spec, mesh)
+    text = hlo_sharding(spec, mesh)
+    if text == "{replicated}":
+        assert all(torch.equal(piece, value) for piece in pieces)
+        return
+    dims_text, devices_text = text[len("{devices=[") :].split(" ")[0].rstrip("}").split("]")
+    dims = [int(d) for d in dims_text.split(",")]
+    tiles = torch.tensor([int(d) for d in devices_text.split(",")]).reshape(dims)
+    rows, cols = 8 // dims[0], 12 // dims[1]
+    for (i, j, *_), device in zip(
+        torch.cartesian_prod(*[torch.arange(n) for n in dims]).reshape(-1, len(dims)).tolist(), tiles.flatten()
+    ):
+        want = value[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
+        assert torch.equal(pieces[int(device)], want), (spec, mesh, int(device))
+
+
+def test_host_pieces_refuse_a_split_that_does_not_divide():
+    with pytest.raises(ShardingError, match="does not split 4 ways"):
+        sharding.host_pieces(torch.zeros(6, 4), ("fsdp", None), MeshShape(1, 4, 1))
+
+
+def test_pieces_on_a_backend_without_spmd_point_to_torchrun():
+    cpu = backend.backend_for(torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="no SPMD partitioner.*torchrun"):
+        cpu.from_host_pieces([torch.zeros(2)], None, (None,))
+
+
 def test_a_batch_that_does_not_split_is_named():
     with pytest.raises(ShardingError, match="the batch of 6 rows does not split over the mesh's data x fsdp = 2 x 2"):
         sharding.check_batch(6, MeshShape(2, 2, 1))
@@ -172,6 +214,23 @@ def test_spmd_steps_equal_the_cpu_steps_with_a_quarter_of_the_parameters_per_dev
     assert 0.5 <= spmd["cases"]["reversible data x fsdp"]["fraction"] < 0.52  # fsdp 2, repeated over data 2
     specs = spmd["cases"]["plain data x fsdp x tensor"]["specs"]
     assert specs["layers.0.attn.self_attn.q_proj.weight"] == "{devices=[2,2]0,2,1,3}"  # (tensor, fsdp)
+
+
+@pytest.mark.slow
+@needs_xla
+def test_weights_are_initialised_on_the_mesh_piece_by_piece_equal_to_the_unsplit_init(spmd):
+    """build_model under a mesh draws each weight whole on the host, in the unsplit init's order, and sends each
+    device only its piece (sharding.ShardedWriter): the weights equal the CPU init bit for bit, and no device
+    receives a whole weight it does not keep."""
+    for name, case in spmd["cases"].items():  # (the stacked LM is built apart: spmd_cases.stacked_model)
+        assert case["initial_equal"] is (None if name.startswith("scan") else True), name
+    quarters = spmd["cases"]["checkpoint + offloaded optimizer fsdp"]  # fsdp 4: each device a quarter of each matrix
+    assert sorted(sum(pieces) for pieces in quarters["sent"]) == quarters["whole"]
+    assert all(len(pieces) == 4 and len(set(pieces)) == 1 for pieces in quarters["sent"])
+    tiles = spmd["cases"]["plain data x fsdp x tensor"]  # fsdp 2 x tensor 2: a quarter each, tiled
+    assert sorted(sum(pieces) for pieces in tiles["sent"]) == tiles["whole"]
+    halves = spmd["cases"]["reversible data x fsdp"]  # fsdp 2, repeated over data 2: each device half of each
+    assert sorted(sum(pieces) for pieces in halves["sent"]) == [2 * n for n in halves["whole"]]
 
 
 @pytest.mark.slow

@@ -337,6 +337,15 @@ class Backend:
         """The shape of the piece of ``tensor`` each device holds (one entry per device)."""
         return [tuple(tensor.shape)]
 
+    def from_host_pieces(
+        self, pieces: Sequence[torch.Tensor], mesh: Any, spec: Sequence[str | tuple[str, ...] | None]
+    ) -> torch.Tensor:
+        """One tensor split over ``mesh`` as ``spec`` says (as :meth:`mark_sharding` would split it), made from
+        the host tensors ``pieces``, the piece of each device in the mesh's device order: each device receives
+        its own piece only, never the whole tensor (how a model larger than one device is initialised)."""
+        self.enable_spmd()
+        raise AssertionError("unreachable: enable_spmd raises")
+
     # -- kernels and sizing ----------------------------------------------------------------------------------
     def kernel_platform(self, tensor: torch.Tensor) -> str:
         """Which hand-written kernels serve ``tensor``: ``'triton'``, ``'pallas'`` or ``'reference'``."""

@@ -285,6 +285,14 @@ class XlaBackend(Backend):
 
         xs.mark_sharding(tensor, mesh, tuple(spec))
 
+    def from_host_pieces(
+        self, pieces: Sequence[torch.Tensor], mesh: Any, spec: Sequence[str | tuple[str, ...] | None]
+    ) -> torch.Tensor:
+        """From ``torch_xla._XLAC._global_tensor_from_cpu_shards``: each piece goes to its device only."""
+        import torch_xla
+
+        return torch_xla._XLAC._global_tensor_from_cpu_shards(list(pieces), mesh.get_op_sharding(tuple(spec)))
+
     def shard_shapes(self, tensor: torch.Tensor) -> list[tuple[int, ...]]:
         """From ``torch_xla._XLAC._get_local_shards``: the device data of each shard."""
         import torch_xla

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -505,7 +505,7 @@ class LlamaLM(nn.Module):
                 yield self.head
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
+    def init_weights(self, seed: int | None = None, write: Callable[[Tensor, Tensor], None] | None = None) -> None:
         """Initialise every weight for training from scratch, and rebuild the rotary tables.
 
         Linear weights are N(0, 0.02) (HF's Llama), except the branches' output projections (``o_proj``,
@@ -518,15 +518,17 @@ class LlamaLM(nn.Module):
 
         With ``seed``, the values are drawn on the host from a generator of their own, so a seed gives the same
         weights on every device and in every form; without, from the device's global generator. Call it after
-        ``model.to_empty(device=...)`` to materialise a meta-built model."""
+        ``model.to_empty(device=...)`` to materialise a meta-built model. ``write(weight, value)`` (with ``seed``)
+        puts each drawn value in its weight (default ``weight.copy_(value)``; a model split over devices:
+        :class:`revlib_xla.sharding.ShardedWriter`): the values, drawn in one order, do not depend on where they go."""
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         outputs = {id(m) for block in self.blocks for m in (block.attn.self_attn.o_proj, block.ffn.mlp.down_proj)}
         for module in self._in_order():
             if isinstance(module, nn.Embedding):
-                _normal_(module.weight, 0.02 if self.head is None else 1.0, generator)
+                _normal_(module.weight, 0.02 if self.head is None else 1.0, generator, write)
             elif isinstance(module, nn.Linear):
                 std = 0.02 / math.sqrt(2 * self.config.n_layers) if id(module) in outputs else 0.02
-                _normal_(module.weight, std, generator)
+                _normal_(module.weight, std, generator, write)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
         self.rotary.reset()
@@ -617,11 +619,17 @@ class LlamaLM(nn.Module):
         return f"form={self.form.value!r}{extra}"
 
 
-def _normal_(weight: Tensor, std: float, generator: torch.Generator | None) -> None:
+def _normal_(
+    weight: Tensor, std: float, generator: torch.Generator | None, write: Callable[[Tensor, Tensor], None] | None
+) -> None:
     if generator is None:
         nn.init.normal_(weight, 0.0, std)
     elif backend.holds_data(weight):
-        weight.copy_(torch.empty(weight.shape, dtype=weight.dtype).normal_(0.0, std, generator=generator))
+        value = torch.empty(weight.shape, dtype=weight.dtype).normal_(0.0, std, generator=generator)
+        if write is None:
+            weight.copy_(value)
+        else:
+            write(weight, value)
 
 
 def next_token_loss(logits: Tensor, tokens: Tensor) -> Tensor:

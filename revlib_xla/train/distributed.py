@@ -26,8 +26,18 @@ What is refused, before any weight moves: a batch that the processes (times ``op
 split evenly, ``strategy.fused_optimizer`` (a fused step reads the process's own gradient, before the processes
 average it), ``strategy.offload.params``, and a device family without a process-group backend (XLA: TPU pods train
 through SPMD in one process); under ``fsdp2`` also ``strategy.offload.optimizer`` (and so
-``param_dtype=bf16``: its host AdamW keeps whole master weights), a ``model.hf_config`` model, stacked (scanned)
-layers, and a torch without FSDP2.
+``param_dtype=bf16``: its host AdamW keeps whole master weights; FSDP2's own ``MixedPrecisionPolicy`` is not wired
+to the key yet), a ``model.hf_config`` model (no known blocks to shard), stacked (scanned) layers (one stack owns
+every layer's weights, so FSDP2 could only gather them all at once; scan saves compile time on XLA, and on
+cpu/cuda runs layer by layer anyway), and a torch without FSDP2.
+
+Collectives per step (``revlib_xla.fsdp.counted_steps``, tests/test_fsdp2_cli.py): each unit's weights are
+gathered twice a step (the root's once) and its gradients reduced once, for ``none``, ``reversible`` and ``plan``
+alike; the reversible LM has two units per transformer block (its layers: attention and MLP), so it makes more,
+smaller all-gathers of the same weights.
+
+Each process still builds the whole model on its device before ``fully_shard`` splits it (under a mesh, SPMD
+builds it piece by piece: :class:`revlib_xla.sharding.ShardedWriter`).
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _tree, backend
+from ..checkpointable import Checkpointable
 from ..fsdp import fsdp_module_type, fully_shard_function
 from ..reversible import ReversibleSequential
 from .config import RunConfig
@@ -52,6 +63,7 @@ __all__ = [
     "launched_rank",
     "join_processes",
     "distribute",
+    "agree_on_schedule",
     "per_process_step",
     "DataParallelLM",
     "ShardedLM",
@@ -243,16 +255,27 @@ class ShardedLM(nn.Module):
 def distribute(model: nn.Module, processes: Processes | None, cfg: RunConfig) -> nn.Module:
     """``model`` trained by ``processes`` (unchanged for a single process), as ``strategy.data_parallel`` says. A
     planned model is planned again for the batch of one process (before sharding: the measurement runs its stages
-    one by one, outside FSDP2's hooks)."""
+    one by one, outside FSDP2's hooks), and every process takes rank 0's schedule (:func:`agree_on_schedule`)."""
     if processes is None:
         return model
     if isinstance(model, PlannedLM):
         micro_batch = cfg.data.batch_size // (processes.world * cfg.optim.grad_accum_steps)
         device = next(model.parameters()).device
         model.plan(torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=device))
+        agree_on_schedule(model.planned)
     if cfg.strategy.data_parallel == "fsdp2":
         return ShardedLM(model, next(model.parameters()).device, processes.world)
     return DataParallelLM(model)
+
+
+def agree_on_schedule(planned: Checkpointable) -> None:
+    """Every process runs rank 0's schedule of ``planned`` (call in every process, after planning: a collective).
+    Each process plans from its own measurements of the stages, whose times differ from process to process, so
+    near a tie they can pick different schedules; processes on different schedules gather and reduce FSDP2's units
+    (or DDP's buckets) in different orders and wait on each other forever."""
+    found = [planned.sequence]
+    torch.distributed.broadcast_object_list(found, src=0)
+    planned.sequence = found[0]
 
 
 def _dtensor_type() -> type | None:

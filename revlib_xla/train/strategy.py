@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol, cast
 
 import torch
@@ -323,15 +323,15 @@ def flops_per_token(cfg: RunConfig) -> float:
     return train_flops_per_token(spec, cfg.data.seq_len)
 
 
-def _shard_under_mesh(lm: nn.Module, device: torch.device) -> None:
+def _shard_under_mesh(lm: nn.Module, device: torch.device, placed: Collection[int] = ()) -> None:
     """Under a mesh over ``device`` (:func:`revlib_xla.sharding.apply_mesh`), split the parameters over it, once
     their values are written: initialization and a dtype change give the parameters new tensors, which drops an
-    earlier split (torch_xla)."""
+    earlier split (torch_xla). ``placed``: parameters initialised split already."""
     from ..sharding import active_mesh, shard_model
 
     mesh = active_mesh(device)
     if mesh is not None:
-        shard_model(lm, mesh)
+        shard_model(lm, mesh, placed)
 
 
 def build_model(
@@ -362,21 +362,25 @@ def build_model(
                 f"model.name=llama-*"
             )
         return cast(nn.Module, _hf_call(cfg, "build_hf_lm", target, budget=budget, dtype=dtype, on_meta=on_meta))
-    from ..sharding import active_mesh, planning_budget
+    from ..sharding import ShardedWriter, active_mesh, planning_budget
 
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
         stacked = {"scan": None} if cfg.model.scan else {}  # None: the loop on XLA, layer by layer on cpu/cuda
         lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
+    write: ShardedWriter | None = None
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
-        lm.init_weights(cfg.train.seed)  # drawn on the host from the seed: the same weights on every device
+        mesh = active_mesh(target)  # under a mesh, each device receives only its piece of each weight
+        final = dtype or (torch.bfloat16 if s.param_dtype == "bf16" else None)
+        write = None if mesh is None or s.offload.params else ShardedWriter(lm, mesh, final)
+        lm.init_weights(cfg.train.seed, write)  # drawn on the host from the seed: the same weights on every device
     if dtype is not None:
         lm.to(dtype)
     elif s.param_dtype == "bf16":  # the weights only: the rotary tables stay float32
         for p in lm.parameters():
             p.data = p.data.to(torch.bfloat16)
-    _shard_under_mesh(lm, target)
+    _shard_under_mesh(lm, target, () if write is None else write.placed)
     if s.fewbit:
         from ..fewbit import convert_activation
         from ..fewbit.conversion import map_module
