@@ -69,7 +69,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree, backend, fsdp
 from ._grad_destination import GradDestination, node_destination
-from ._replaced_params import mark_replaced
+from ._replaced_params import ReplacedParameterError, mark_replaced
 
 if TYPE_CHECKING:
     from .checkpointable import Checkpointable
@@ -77,7 +77,14 @@ if TYPE_CHECKING:
 
 Tensor = torch.Tensor
 
-__all__ = ["ScanUnsupported", "layer_parameters", "layer_shape", "repeat_period", "stack_layers"]
+__all__ = [
+    "ReplacedParameterError",
+    "ScanUnsupported",
+    "layer_parameters",
+    "layer_shape",
+    "repeat_period",
+    "stack_layers",
+]
 
 _SCAN_SEED_HIGH = 2**62  # the bound torch_xla's scan draws its per-iteration seeds below
 
