@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from revlib_xla import memory
 from revlib_xla.hf import memory_efficient, model_from_config
+from revlib_xla.planner import InfeasibleBudget
 
 MODELS = {"llama": "llama-tiny", "gpt2": "gpt2-tiny"}
 POSITIONS = {"llama": "max_position_embeddings", "gpt2": "n_positions"}
@@ -124,6 +125,19 @@ def recomputed(model: torch.nn.Module) -> int:
     return counts.get("Fn", 0) + counts.get("CF", 0) + counts.get("Fe", 0) - cp.chain.length
 
 
+def smallest_budget(cp: Any) -> float:
+    """Plan the smallest schedule: at ``min_memory()``, or a hair above it where the solver's rounding of sizes to
+    its memory slots does not fit at the exact minimum; returns the budget planned at."""
+    for k in range(16):
+        budget = cp.min_memory() * (1 + k / 500)
+        try:
+            cp.compute_sequence(budget)
+            return budget
+        except InfeasibleBudget:
+            continue
+    raise InfeasibleBudget(f"hf_memory: no plan within 3 % of min_memory() ({cp.min_memory():.6g} bytes)", budget)
+
+
 def plan_at(
     reference: torch.nn.Module, ids: torch.Tensor, target: int | None, probes: int
 ) -> tuple[torch.nn.Module, memory.EagerPeak, float]:
@@ -146,8 +160,8 @@ def plan_at(
         else:
             high = budget
     if best is None:
-        cp.compute_sequence(cp.min_memory())
-        best = (cp.min_memory(), memory.eager_peak(step, model, ids))
+        budget = smallest_budget(cp)
+        best = (budget, memory.eager_peak(step, model, ids))
     cp.compute_sequence(best[0])
     return model, best[1], best[0]
 
