@@ -37,12 +37,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from revlib_xla import memory
 from revlib_xla.hf import memory_efficient, model_from_config
+from revlib_xla.planner import InfeasibleBudget
 
 MODELS = {"llama": "llama-tiny", "gpt2": "gpt2-tiny"}
 POSITIONS = {"llama": "max_position_embeddings", "gpt2": "n_positions"}
@@ -82,6 +85,35 @@ def peak(model: torch.nn.Module, ids: torch.Tensor) -> memory.EagerPeak:
     return memory.eager_peak(step, model, ids)
 
 
+class OpCount(TorchDispatchMode):
+    """The aten operations a step runs and their FLOPs (``torch.utils.flop_counter``'s formulas): deterministic, so
+    the step-time ratios can be explained on a machine too loaded to time. (``FlopCounterMode`` itself cannot count
+    the reversible step: its module tracker's multi-gradient hooks refuse the backward's nested ``autograd.grad``.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.flops = 0
+        self.flop_ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **(kwargs or {}), out_val=out)
+            self.flop_ops += 1
+        return out
+
+
+def counted(model: torch.nn.Module, ids: torch.Tensor) -> OpCount:
+    """The operations and FLOPs of one training step of ``model``."""
+    model.zero_grad(set_to_none=False)
+    with OpCount() as count:
+        step(model, ids)
+    return count
+
+
 def param_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -91,6 +123,19 @@ def recomputed(model: torch.nn.Module) -> int:
     cp = model.revlib_xla_conversion.checkpointable
     counts = cp.sequence.counts()
     return counts.get("Fn", 0) + counts.get("CF", 0) + counts.get("Fe", 0) - cp.chain.length
+
+
+def smallest_budget(cp: Any) -> float:
+    """Plan the smallest schedule: at ``min_memory()``, or a hair above it where the solver's rounding of sizes to
+    its memory slots does not fit at the exact minimum; returns the budget planned at."""
+    for k in range(16):
+        budget = cp.min_memory() * (1 + k / 500)
+        try:
+            cp.compute_sequence(budget)
+            return budget
+        except InfeasibleBudget:
+            continue
+    raise InfeasibleBudget(f"hf_memory: no plan within 3 % of min_memory() ({cp.min_memory():.6g} bytes)", budget)
 
 
 def plan_at(
@@ -115,8 +160,8 @@ def plan_at(
         else:
             high = budget
     if best is None:
-        cp.compute_sequence(cp.min_memory())
-        best = (cp.min_memory(), memory.eager_peak(step, model, ids))
+        budget = smallest_budget(cp)
+        best = (budget, memory.eager_peak(step, model, ids))
     cp.compute_sequence(best[0])
     return model, best[1], best[0]
 
@@ -183,6 +228,7 @@ def run(
             # plan-min (hundreds of recomputed layers at depth 32) is not timed: its peak is what it is for
             clocked = {k: m for k, m in models.items() if k != "plan-min"}
             times = timed(clocked, ids, repeats) if repeats and depth in timed_depths else {}
+            counts = {k: counted(m, ids) for k, m in models.items()}
             weights = param_bytes(base)
             recompute = {"plain": 0, "hf-checkpointing": depth, "reversible": depth}
             targets = {"plan@hf": peaks["hf-checkpointing"].total, "plan@hf+layer": int(above)}
@@ -206,6 +252,9 @@ def run(
                         else recomputed(models[variant]),
                         "step_s": times[variant][0] if variant in times else None,
                         "step_ratio_hf": times[variant][1] if variant in times else None,
+                        "gflop": counts[variant].flops / 1e9,
+                        "aten_ops": counts[variant].ops,
+                        "flop_ops": counts[variant].flop_ops,
                         "plan_budget_bytes": budgets.get(variant),
                         "plan_target_bytes": targets.get(variant),
                         "load_during_timing": f"{load_before} -> {load()}",
@@ -233,23 +282,27 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['batch']} x {meta['seq']} tokens, hidden {meta['hidden']}, 4 heads, vocabulary 256, float32. Peak: "
         f"MemTracker's eager peak of one training step (exact, the same every run). Activations = peak - 2 x "
         f"parameters (the issue's 'peak minus parameters and gradients'); 'non-p/g at peak' = peak - parameters - "
-        f"the gradients that exist at the moment of the peak. Recomputed: layer forwards beyond one per layer. Step "
+        f"the gradients that exist at the moment of the peak. Recomputed: layer forwards beyond one per layer. GFLOP "
+        f"and aten ops: one step's, counted by a dispatch mode (torch.utils.flop_counter's formulas; deterministic). "
+        f"Step "
         f"ratio: median over {meta['repeats']} rounds of (variant / hf-checkpointing) step time, variants "
         f"interleaved in one process, `torch.set_num_threads({meta['threads']})`, `nice`; machine load (1/5/15 min) "
         f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl.",
         "",
         "| model | depth | variant | peak MiB | activations MiB | act / hf-ckpt | non-p/g at peak MiB | recomputed "
-        "| step ms | step / hf-ckpt |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| GFLOP | GFLOP / hf-ckpt | aten ops | step ms | step / hf-ckpt |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["model"], r["depth"], r["variant"]): r for r in rows}
     for r in rows:
         hf = by[(r["model"], r["depth"], "hf-checkpointing")]
         step_ms = "-" if r["step_s"] is None else f"{1000 * r['step_s']:.0f}"
+        counted = r.get("gflop") is not None and hf.get("gflop")
+        flops = f"{r['gflop']:.2f} | {r['gflop'] / hf['gflop']:.3f} | {r['aten_ops']}" if counted else "- | - | -"
         lines.append(
             f"| {r['model']} | {r['depth']} | {r['variant']} | {mib(r['peak_bytes'])} | {mib(r['activation_bytes'])} "
             f"| {r['activation_bytes'] / hf['activation_bytes']:.2f} | {mib(r['non_param_grad_bytes_at_peak'])} "
-            f"| {r['recomputed_layers']} | {step_ms} | {ratio(r)} |"
+            f"| {r['recomputed_layers']} | {flops} | {step_ms} | {ratio(r)} |"
         )
     lines += ["", "## Verdicts (computed from the rows above)", ""]
     for model_name in sorted({r["model"] for r in rows}, key=list(MODELS).index):

@@ -198,6 +198,8 @@ def measure_stage(
 ) -> tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
     autograd), the next stage's input."""
+    from .execute import _roots  # execute imports this module
+
     tensors = list(tensor_leaves(x))
     if not tensors:
         raise TypeError(
@@ -272,19 +274,27 @@ def measure_stage(
             tracker = _tracker()
             # Known to the tracker, so that freeing them during the backward lowers its level.
             tracker.track_external(stage, *saved, *tensor_leaves(inp), *tensor_leaves(y), *grads)
-            del saved
+            # Emptied, not just unnamed: the list outlives this scope (the pack hook's closure), and the saved
+            # tensors it held would stay alive through the whole backward, where autograd frees each node's as
+            # it goes (the executor's backward does): measured so, a layer's bwd_tmp counted most of its saved
+            # activations a second time.
+            saved.clear()
             in_grad = tensor_bytes([t for t in tensor_leaves(inp) if t.requires_grad])
             with tracker:
                 start = _total(tracker.get_tracker_snapshot("current"), device)
+                # The backward as the executor runs it (execute._roots): from the outputs' gradient edges where
+                # torch takes them, so the output's values (x_{i+1}, counted in cbw) are freed before it runs.
+                roots, seeds = _roots(y, tuple(grads))
+                del y, outs, grads
                 backend.sync(device)
                 began = time.perf_counter()
-                if outs:
-                    torch.autograd.backward(outs, grads)
+                if roots:
+                    torch.autograd.backward(roots, seeds)
                 backend.sync(device)
                 bw_times.append(time.perf_counter() - began)
                 peak = _total(tracker.get_tracker_snapshot("peak"), device)
             bwd_tmp = max(0, peak - start - in_grad)
-            del y, outs, grads, inp
+            del roots, seeds, inp
     finally:
         for p, g in zip(params, kept_grads):
             p.grad = g
