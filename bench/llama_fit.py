@@ -161,11 +161,27 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 #: The reduced depth at which CI recompiles each shipped config (full width, sequence and batch).
 CHECK_OVERRIDES = ["model.overrides.n_layers=1"]
 
+#: The sequence length of a sharded config's CI check (``ci`` in its record). A sharded compile of one block at the
+#: config's own batch and sequence took 4 to 20 minutes and ~19 GB of host memory on the shared 2-core machine; at
+#: one row per batch shard and 64 positions it is the same program's structure (full width, one block, the
+#: config's slice topology and mesh) at a cost CI can pay.
+CI_SEQ_LEN = 64
 
-def record_configs(full: bool, names: str = "") -> None:
+
+def ci_overrides(cfg) -> list[str]:
+    """The overrides of a sharded config's CI check: one block, one row per batch shard (data x fsdp), and
+    :data:`CI_SEQ_LEN` positions; full width, the config's slice topology and mesh."""
+    from revlib_xla.sharding import BATCH_AXES, resolve_mesh
+
+    mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips)
+    return [*CHECK_OVERRIDES, f"data.batch_size={mesh.ways(BATCH_AXES)}", f"data.seq_len={CI_SEQ_LEN}"]
+
+
+def record_configs(full: bool, names: str = "", only_ci: bool = False) -> None:
     """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config (or those ``names`` lists, comma
-    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``) and, with ``full``,
-    at full depth."""
+    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``; a sharded config's
+    CI check is ``ci``: one row per batch shard, :data:`CI_SEQ_LEN` positions) and, with ``full``, at full depth.
+    ``only_ci``: the sharded configs' ``ci`` checks alone."""
     from revlib_xla.fit.strategies import size_strategies
 
     for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
@@ -179,6 +195,10 @@ def record_configs(full: bool, names: str = "") -> None:
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
         record.update(chip=chip.name, source=COMPILER_SOURCE, versions=dict(_versions()))
         runs = [("check", CHECK_OVERRIDES)] + ([("full", [])] if full else [])
+        if cfg.chip.chips > 1:
+            runs.insert(0, ("ci", ci_overrides(cfg)))
+        if only_ci:
+            runs = [(key, overrides) for key, overrides in runs if key == "ci"]
         for key, overrides in runs:
             start = time.perf_counter()
             [report] = size_strategies(str(path), overrides, chip, [STRATEGIES["config"]])
@@ -473,6 +493,9 @@ def main() -> int:
     parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
     parser.add_argument("--config-names", default="", help="with --configs: only these configs (comma separated)")
     parser.add_argument(
+        "--ci-only", action="store_true", help="with --configs: only the sharded configs' CI checks (`ci`)"
+    )
+    parser.add_argument(
         "--predict",
         metavar="JSONL",
         help="append per-strategy predictions from reduced-depth compiles (predict_rows) to JSONL instead",
@@ -493,7 +516,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.configs:
-        record_configs(args.full_configs, args.config_names)
+        record_configs(args.full_configs, args.config_names, args.ci_only)
         return 0
     if args.predict or args.verify:
         return predict_or_verify(args)
