@@ -404,10 +404,18 @@ llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16
 llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
 embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
 
-Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time):
-`plan` (budget auto) and `plan+fewbit` of either model on either chip (the planner compiles each stage of the
-model to measure it before the step's own full-size compile; not started for lack of time), llama-1b `checkpoint`
-on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict
+Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time;
+18 minutes for a pair of scanned batches at load 10 to 20 in the last session): `plan` (budget auto) and
+`plan+fewbit` of either model on either chip, llama-1b `checkpoint` on v5e (above: it cannot fit), and the other
+empty combinations. What a `plan` row costs: `strategy.budget=auto` is arithmetic (the chip's HBM less the
+parameters, gradients and optimizer state), but each batch tried traces the planned model, which measures its
+stages from their forward and backward programs compiled deviceless, then compiles the whole step at full size;
+a verified row is the answer and the next batch, after a search or a prediction (batches 1 and 2): four or more
+full-size compiles, more than the session had left after the rows above. Identical stages are already compiled
+once: `revlib_xla.memory.tpu_memory_results` keys each compile by the program's text and compiles each distinct
+text once, so llama-1b's 16 identical layers should cost one layer's pair of programs if their StableHLO texts are
+equal (read in the code, not measured at full size here). The planner's own predicted peak
+(`revlib-xla plan`) beside the compiled one is therefore not recorded either. `bench/llama_fit.py --predict
 bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
 the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
 at full size until both neighbours of the answer are compiled; `--table` writes this file.
