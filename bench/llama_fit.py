@@ -390,6 +390,14 @@ and batch 21 needs 34,117,423,168 (31.77 GiB, over the 31.75 GiB usable), both c
 torch_xla's batch** (1.29 GiB per sequence, the slope the unrolled walk showed between batches 4 and 5). A
 scanned compile took 7.5 to 9 minutes of wall time on the loaded machine (the unrolled batch 1: 17).
 
+**llama-1b on one v5e** (`reversible+offload+bf16+scan`), where plain torch_xla and checkpointing do not fit batch
+1: batch 10 fits in 16,161,148,928 bytes (15.05 GiB of the 15.75 GiB usable) and batch 11 needs 17,281,046,528
+(16.09 GiB), both compiled at full size; also compiled: batch 8 14,448,525,312 (13.46 GiB), 9 15,041,251,328
+(14.01 GiB), 12 18,502,602,240 (17.23 GiB), 13 at least 16 GiB (the compiler's out-of-memory figure). The step is
+not affine in the batch here: 0.59 GB from batch 8 to 9, then 1.12, 1.12 and 1.22 GB per sequence (the v6e's
+line through batches 1 and 20 is 1.36 GB); so the v5e's batch was found by compiling, not by the v6e's slope, which
+put it at 8. Each pair of batches took 18 minutes of wall time (one compiler process, load 10 to 20 on 2 cores).
+
 **torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
 one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
 in 29.43 GiB and batch 10 needs 32.16 GiB of the 31.75 GiB usable: 9x plain torch_xla's batch, with float32
