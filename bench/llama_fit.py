@@ -423,7 +423,12 @@ full-size compiles, more than the session had left after the rows above. Identic
 once: `revlib_xla.memory.tpu_memory_results` keys each compile by the program's text and compiles each distinct
 text once, so llama-1b's 16 identical layers should cost one layer's pair of programs if their StableHLO texts are
 equal (read in the code, not measured at full size here). The planner's own predicted peak
-(`revlib-xla plan`) beside the compiled one is therefore not recorded either. `bench/llama_fit.py --predict
+(`revlib-xla plan`) beside the compiled one is therefore not recorded either. One attempt ran: llama-1b `plan` on
+v6e at batch 1 (`--verify --batches 1`); the planner's stage measurement (all stage programs in one deviceless
+compiler process, `Checkpointable.measure` -> `tpu_memory_many`, whose child has a 600 s limit) did not finish in
+600 s at load ~17 on the 2-core machine (`TpuCompileError`), so the step itself was never compiled. Making it
+feasible needs a longer limit for the stage compiles (or the stages' sizes from shapes, not measured against
+the compiler here) and an idle machine. `bench/llama_fit.py --predict
 bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
 the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
 at full size until both neighbours of the answer are compiled; `--table` writes this file.
