@@ -161,11 +161,27 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 #: The reduced depth at which CI recompiles each shipped config (full width, sequence and batch).
 CHECK_OVERRIDES = ["model.overrides.n_layers=1"]
 
+#: The sequence length of a sharded config's CI check (``ci`` in its record). A sharded compile of one block at the
+#: config's own batch and sequence took 4 to 20 minutes and ~19 GB of host memory on the shared 2-core machine; at
+#: one row per batch shard and 64 positions it is the same program's structure (full width, one block, the
+#: config's slice topology and mesh) at a cost CI can pay.
+CI_SEQ_LEN = 64
 
-def record_configs(full: bool, names: str = "") -> None:
+
+def ci_overrides(cfg) -> list[str]:
+    """The overrides of a sharded config's CI check: one block, one row per batch shard (data x fsdp), and
+    :data:`CI_SEQ_LEN` positions; full width, the config's slice topology and mesh."""
+    from revlib_xla.sharding import BATCH_AXES, resolve_mesh
+
+    mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips)
+    return [*CHECK_OVERRIDES, f"data.batch_size={mesh.ways(BATCH_AXES)}", f"data.seq_len={CI_SEQ_LEN}"]
+
+
+def record_configs(full: bool, names: str = "", only_ci: bool = False) -> None:
     """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config (or those ``names`` lists, comma
-    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``) and, with ``full``,
-    at full depth."""
+    separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``; a sharded config's
+    CI check is ``ci``: one row per batch shard, :data:`CI_SEQ_LEN` positions) and, with ``full``, at full depth.
+    ``only_ci``: the sharded configs' ``ci`` checks alone."""
     from revlib_xla.fit.strategies import size_strategies
 
     for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
@@ -179,6 +195,10 @@ def record_configs(full: bool, names: str = "") -> None:
         record = json.loads(record_path.read_text()) if record_path.exists() else {}
         record.update(chip=chip.name, source=COMPILER_SOURCE, versions=dict(_versions()))
         runs = [("check", CHECK_OVERRIDES)] + ([("full", [])] if full else [])
+        if cfg.chip.chips > 1:
+            runs.insert(0, ("ci", ci_overrides(cfg)))
+        if only_ci:
+            runs = [(key, overrides) for key, overrides in runs if key == "ci"]
         for key, overrides in runs:
             start = time.perf_counter()
             [report] = size_strategies(str(path), overrides, chip, [STRATEGIES["config"]])
@@ -370,6 +390,14 @@ and batch 21 needs 34,117,423,168 (31.77 GiB, over the 31.75 GiB usable), both c
 torch_xla's batch** (1.29 GiB per sequence, the slope the unrolled walk showed between batches 4 and 5). A
 scanned compile took 7.5 to 9 minutes of wall time on the loaded machine (the unrolled batch 1: 17).
 
+**llama-1b on one v5e** (`reversible+offload+bf16+scan`), where plain torch_xla and checkpointing do not fit batch
+1: batch 10 fits in 16,161,148,928 bytes (15.05 GiB of the 15.75 GiB usable) and batch 11 needs 17,281,046,528
+(16.09 GiB), both compiled at full size; also compiled: batch 8 14,448,525,312 (13.46 GiB), 9 15,041,251,328
+(14.01 GiB), 12 18,502,602,240 (17.23 GiB), 13 at least 16 GiB (the compiler's out-of-memory figure). The step is
+not affine in the batch here: 0.59 GB from batch 8 to 9, then 1.12, 1.12 and 1.22 GB per sequence (the v6e's
+line through batches 1 and 20 is 1.36 GB); so the v5e's batch was found by compiling, not by the v6e's slope, which
+put it at 8. Each pair of batches took 18 minutes of wall time (one compiler process, load 10 to 20 on 2 cores).
+
 **torch_xla checkpointing** (every block, `strategy.activations=checkpoint`; the issue's second baseline), llama-1b on
 one v6e, compiled at full size: 19.01 GiB at batch 1 and 1.55 GiB more per sequence (batches 1 and 2); batch 9 fits
 in 29.43 GiB and batch 10 needs 32.16 GiB of the 31.75 GiB usable: 9x plain torch_xla's batch, with float32
@@ -384,10 +412,23 @@ llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16
 llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
 embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
 
-Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time):
-`plan` (budget auto) and `plan+fewbit` of either model on either chip (the planner compiles each stage of the
-model to measure it before the step's own full-size compile; not started for lack of time), llama-1b `checkpoint`
-on v5e (above: it cannot fit), and the other empty combinations. `bench/llama_fit.py --predict
+Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time;
+18 minutes for a pair of scanned batches at load 10 to 20 in the last session): `plan` (budget auto) and
+`plan+fewbit` of either model on either chip, llama-1b `checkpoint` on v5e (above: it cannot fit), and the other
+empty combinations. What a `plan` row costs: `strategy.budget=auto` is arithmetic (the chip's HBM less the
+parameters, gradients and optimizer state), but each batch tried traces the planned model, which measures its
+stages from their forward and backward programs compiled deviceless, then compiles the whole step at full size;
+a verified row is the answer and the next batch, after a search or a prediction (batches 1 and 2): four or more
+full-size compiles, more than the session had left after the rows above. Identical stages are already compiled
+once: `revlib_xla.memory.tpu_memory_results` keys each compile by the program's text and compiles each distinct
+text once, so llama-1b's 16 identical layers should cost one layer's pair of programs if their StableHLO texts are
+equal (read in the code, not measured at full size here). The planner's own predicted peak
+(`revlib-xla plan`) beside the compiled one is therefore not recorded either. One attempt ran: llama-1b `plan` on
+v6e at batch 1 (`--verify --batches 1`); the planner's stage measurement (all stage programs in one deviceless
+compiler process, `Checkpointable.measure` -> `tpu_memory_many`, whose child has a 600 s limit) did not finish in
+600 s at load ~17 on the 2-core machine (`TpuCompileError`), so the step itself was never compiled. Making it
+feasible needs a longer limit for the stage compiles (or the stages' sizes from shapes, not measured against
+the compiler here) and an idle machine. `bench/llama_fit.py --predict
 bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
 the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
 at full size until both neighbours of the answer are compiled; `--table` writes this file.
@@ -473,6 +514,9 @@ def main() -> int:
     parser.add_argument("--full-configs", action="store_true", help="with --configs: also compile at full depth")
     parser.add_argument("--config-names", default="", help="with --configs: only these configs (comma separated)")
     parser.add_argument(
+        "--ci-only", action="store_true", help="with --configs: only the sharded configs' CI checks (`ci`)"
+    )
+    parser.add_argument(
         "--predict",
         metavar="JSONL",
         help="append per-strategy predictions from reduced-depth compiles (predict_rows) to JSONL instead",
@@ -493,7 +537,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.configs:
-        record_configs(args.full_configs, args.config_names)
+        record_configs(args.full_configs, args.config_names, args.ci_only)
         return 0
     if args.predict or args.verify:
         return predict_or_verify(args)
