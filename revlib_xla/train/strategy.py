@@ -690,13 +690,17 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
             stack.enter_context(memory_efficient_intermediates(storage_device="cpu"))
         return stack
 
+    # DDP: one all-reduce per step, of the micro-batches' sum; not where the host takes each micro-batch's gradients
+    no_sync = getattr(model, "no_sync", None) if host is None else None
+
     def step(tokens: Tensor) -> Tensor:
         tokens = shard_batch(tokens.to(device))  # split over the mesh's data x fsdp, if there is one
         total: Tensor | None = None
-        for micro in tokens.chunk(accum):
-            with scope():
-                loss = lm_loss(model, micro) / accum
-            loss.backward()
+        for index, micro in enumerate(tokens.chunk(accum)):
+            with no_sync() if no_sync is not None and index < accum - 1 else contextlib.nullcontext():
+                with scope():
+                    loss = lm_loss(model, micro) / accum
+                loss.backward()
             if host is not None and accum > 1:
                 host.accumulate()
             total = loss.detach() if total is None else total + loss.detach()
