@@ -1239,6 +1239,13 @@ class ScannedStages(nn.Module):
                 f"ScannedStages ({self.extra_repr()}): the layers' input must be one tensor (the loop's carry), got "
                 f"{type(x).__name__}; pass scan=False to Checkpointable"
             )
+        for index, layer in enumerate(self.layers):  # what may have changed since scan_runs took the layers
+            if (why := _stage_refusal(layer)) is not None:  # e.g. model.train() after wrapping an eval-mode model
+                raise ScanUnsupported(
+                    f"ScannedStages ({self.extra_repr()}): layer {index} ({type(layer).__name__}): {why}; its "
+                    f"forward runs again in the backward. Pass scan=False to Checkpointable, or wrap the model in the "
+                    f"mode it runs in"
+                )
         params = list(self.parameters())
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return cast(Tensor, _ScannedStagesFn.apply(self, x, *params))

@@ -197,6 +197,12 @@ class DataParallelLM(nn.Module):
     def loss(self, tokens: Tensor) -> Tensor:
         return self.ddp(tokens) if torch.is_grad_enabled() else lm_loss(self.model, tokens)
 
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Forward and backward passes inside add to this process's gradients without averaging them over the
+        processes: the micro-batches before the last (:func:`revlib_xla.train.strategy.make_step`), so that one
+        all-reduce per step averages their sum."""
+        return self.ddp.no_sync()
+
 
 class _Loss(nn.Module):
     """The model's loss (or logits) as a module's forward: what DDP and FSDP2's root hooks run."""

@@ -59,6 +59,7 @@ __all__ = [
     "state_bytes_per_param",
     "plan_budget",
     "param_count",
+    "params_per_chip",
     "flops_per_token",
     "loss_chunk",
     "AUTO_LOSS_CHUNK",
@@ -275,17 +276,18 @@ def loss_chunk(cfg: RunConfig, sharded: bool = False) -> int:
 
 
 def plan_budget(cfg: RunConfig) -> int:
-    """The planner's budget in bytes: ``strategy.budget``, or for ``auto`` the HBM of ``chip.name`` less the
-    parameters, their gradients and the optimizer state (:func:`state_bytes_per_param`)."""
+    """The planner's budget in bytes per chip: ``strategy.budget``, or for ``auto`` the HBM of ``chip.name`` less
+    the parameters, their gradients and the optimizer state (:func:`state_bytes_per_param`) one chip holds: over
+    ``chip.chips > 1`` chips, each parameter's share of the config's mesh (:func:`params_per_chip`)."""
     given = cfg.strategy.budget_bytes()
     if given is not None:
         return given
     hbm, _ = chip_spec(cfg.chip.name)
-    held = param_count(cfg) * state_bytes_per_param(cfg)
+    held = params_per_chip(cfg) * state_bytes_per_param(cfg)
     if held >= hbm:
         raise StrategyError(
             f"strategy.budget=auto: the parameters, gradients and optimizer state of {cfg.model.name} "
-            f"({held / 2**30:.1f} GiB) leave nothing of chip.name={cfg.chip.name}'s {hbm / 2**30:.1f} GiB for "
+            f"({held / 2**30:.1f} GiB per chip) leave nothing of chip.name={cfg.chip.name}'s {hbm / 2**30:.1f} GiB for "
             f"activations; offload the optimizer state (strategy.offload.optimizer=true), a smaller model, or give "
             f"strategy.budget in bytes"
         )
@@ -311,6 +313,26 @@ def param_count(cfg: RunConfig) -> int:
     from ..models.llama import num_params
 
     return num_params(spec)
+
+
+def params_per_chip(cfg: RunConfig) -> int:
+    """The parameters one chip holds: all of them on one chip; over ``chip.chips > 1`` chips (SPMD over the
+    config's ``mesh``), each parameter's share as :func:`revlib_xla.sharding.parameter_spec` splits it (a weight of
+    the whole model's count split over fsdp x tensor is 1/(fsdp*tensor) per chip; what nothing divides stays
+    whole). Before, the whole model's count was charged to every chip: llama-1b with AdamW on 4 v5e chips
+    (fsdp=4) was refused for 18.4 GiB of state where each chip holds 4.6 GiB."""
+    if cfg.chip.chips == 1 or cfg.model.hf_config is not None:  # a transformers model is not split over a mesh
+        return param_count(cfg)
+    from ..models.llama import build_llama
+    from ..sharding import parameter_spec, resolve_mesh
+
+    mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips)
+    with torch.device("meta"):
+        lm = build_llama(model_config(cfg), "plain")
+    return sum(
+        p.numel() // math.prod(mesh.ways(entry) for entry in parameter_spec(name, p.shape, mesh))
+        for name, p in lm.named_parameters()
+    )
 
 
 def flops_per_token(cfg: RunConfig) -> float:
@@ -694,13 +716,17 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
             stack.enter_context(memory_efficient_intermediates(storage_device="cpu"))
         return stack
 
+    # DDP: one all-reduce per step, of the micro-batches' sum; not where the host takes each micro-batch's gradients
+    no_sync = getattr(model, "no_sync", None) if host is None else None
+
     def step(tokens: Tensor) -> Tensor:
         tokens = shard_batch(tokens.to(device))  # split over the mesh's data x fsdp, if there is one
         total: Tensor | None = None
-        for micro in tokens.chunk(accum):
-            with scope():
-                loss = lm_loss(model, micro) / accum
-            loss.backward()
+        for index, micro in enumerate(tokens.chunk(accum)):
+            with no_sync() if no_sync is not None and index < accum - 1 else contextlib.nullcontext():
+                with scope():
+                    loss = lm_loss(model, micro) / accum
+                loss.backward()
             if host is not None and accum > 1:
                 host.accumulate()
             total = loss.detach() if total is None else total + loss.detach()
