@@ -159,17 +159,18 @@ def test_gradient_of_gradient_keeps_its_own_error():
 def test_threads_each_with_its_own_stack(measured):
     results = {}
 
-    def run(name, make, x):
+    def run(name, model, x):
         try:
-            model = make()
             model(x).float().sum().backward()
             results[name] = flat_grads(model)
         except revlib.ReversibleError as err:
             results[name] = err
 
+    # Built here, not in the threads: both draw their weights from the one global generator after manual_seed(0),
+    # and two threads drawing at once would interleave the draws (the good stack then differs from its reference).
     threads = [
-        threading.Thread(target=run, args=("bad", bad_stack, BAD_INPUT)),
-        threading.Thread(target=run, args=("good", good_stack, good_input())),
+        threading.Thread(target=run, args=("bad", bad_stack(), BAD_INPUT)),
+        threading.Thread(target=run, args=("good", good_stack(), good_input())),
     ]
     for t in threads:
         t.start()
