@@ -319,8 +319,7 @@ def params_per_chip(cfg: RunConfig) -> int:
     """The parameters one chip holds: all of them on one chip; over ``chip.chips > 1`` chips (SPMD over the
     config's ``mesh``), each parameter's share as :func:`revlib_xla.sharding.parameter_spec` splits it (a weight of
     the whole model's count split over fsdp x tensor is 1/(fsdp*tensor) per chip; what nothing divides stays
-    whole). Before, the whole model's count was charged to every chip: llama-1b with AdamW on 4 v5e chips
-    (fsdp=4) was refused for 18.4 GiB of state where each chip holds 4.6 GiB."""
+    whole)."""
     if cfg.chip.chips == 1 or cfg.model.hf_config is not None:  # a transformers model is not split over a mesh
         return param_count(cfg)
     from ..models.llama import build_llama
