@@ -994,7 +994,7 @@ def tpu_memory(
     device_index: int = 0,
     cache: bool = True,
     disk_cache: bool | str | os.PathLike[str] | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = None,
     hbm_only: bool = False,
     liveness: bool = False,
 ) -> CompiledMemory:
@@ -1037,6 +1037,26 @@ def tpu_memory(
     )[0]
 
 
+_TIMEOUT_ENV = "REVLIB_XLA_COMPILE_TIMEOUT"
+
+
+def compile_timeout() -> float:
+    """Seconds a deviceless compile's child process may run when the caller gives no ``timeout``:
+    ``$REVLIB_XLA_COMPILE_TIMEOUT``, else 600. Callers deep in the library (the planner measuring stages for
+    ``strategy.budget=auto``) take this default, so the variable is how a full-size run on a small machine gets
+    more time."""
+    raw = os.environ.get(_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return 600.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{_TIMEOUT_ENV}={raw!r} is not a positive number of seconds; unset it for the default 600")
+    return seconds
+
+
 def tpu_memory_many(
     stablehlo_texts: Sequence[str],
     generation: str = "v5e",
@@ -1045,7 +1065,7 @@ def tpu_memory_many(
     device_index: int = 0,
     cache: bool = True,
     disk_cache: bool | str | os.PathLike[str] | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = None,
     hbm_only: bool = False,
     liveness: bool = False,
 ) -> list[CompiledMemory]:
@@ -1054,7 +1074,7 @@ def tpu_memory_many(
     ``cache``: reuse results for StableHLO already compiled with the same compiler versions, topology and flags
     (in memory; and on disk when ``disk_cache`` is true, a directory, or ``None`` with ``$REVLIB_XLA_CACHE`` set -
     ``True`` means ``$REVLIB_XLA_CACHE`` or ``~/.cache/revlib_xla``). ``timeout`` bounds the child process, in
-    seconds. ``hbm_only``, ``liveness``: see :func:`tpu_memory`.
+    seconds (default: :func:`compile_timeout`). ``hbm_only``, ``liveness``: see :func:`tpu_memory`.
 
     """
     results = tpu_memory_results(
@@ -1080,7 +1100,7 @@ def tpu_memory_results(
     device_index: int = 0,
     cache: bool = True,
     disk_cache: bool | str | os.PathLike[str] | None = None,
-    timeout: float = 600.0,
+    timeout: float | None = None,
     hbm_only: bool = False,
     liveness: bool = False,
     raise_errors: bool = False,
@@ -1098,6 +1118,7 @@ def tpu_memory_results(
     for i, text in enumerate(texts):
         _check_stablehlo(text, f"tpu_memory_many (module {i})")
     _require(("jax", "jaxlib", "libtpu"), _TPU_EXTRA_HINT, "tpu_memory (the deviceless TPU compile)")
+    timeout = compile_timeout() if timeout is None else timeout
     tc = _compile_helpers()
     topo = _resolve_topology(generation, topology)
     directory = compile_cache.directory_for(disk_cache)
@@ -1189,7 +1210,8 @@ def _run_tpu_worker(
             proc = subprocess.run(command, env=env, capture_output=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired as exc:
             raise TpuCompileError(
-                f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; "
+                f"the deviceless TPU compile ({topology}) did not finish in {timeout:.0f} s; a full-size step "
+                f"can take longer on a small machine: pass timeout= or set ${_TIMEOUT_ENV} (seconds); "
                 f"stderr tail:\n{_stderr_tail(exc.stderr)}"
             ) from None
         if proc.returncode != 0 or not result.exists():

@@ -684,3 +684,16 @@ def test_tpu_compile_leaves_no_log_files_behind(monkeypatch):
     assert seen["files"], "libtpu wrote no log where TPU_LOG_DIR pointed"
     assert seen["dir"].name == "tpu_logs" and seen["dir"].parent.name.startswith("revlib_xla_tpu_")
     assert not seen["dir"].exists()  # deleted with the worker's temporary directory
+
+
+def test_compile_timeout_reads_the_environment_and_refuses_a_bad_value(monkeypatch):
+    from revlib_xla.memory import compile_timeout
+
+    monkeypatch.delenv("REVLIB_XLA_COMPILE_TIMEOUT", raising=False)
+    assert compile_timeout() == 600.0
+    monkeypatch.setenv("REVLIB_XLA_COMPILE_TIMEOUT", "5400")
+    assert compile_timeout() == 5400.0
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("REVLIB_XLA_COMPILE_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="REVLIB_XLA_COMPILE_TIMEOUT.*positive number of seconds"):
+            compile_timeout()
