@@ -445,6 +445,26 @@ class SavedBuffers:
         finally:
             self.put_back(tensors, current)
 
+    @contextlib.contextmanager
+    def on_copies(self, buffers: Sequence[tuple[torch.nn.Module, Tensor]]) -> Iterator[None]:
+        """Within the block, each changed buffer of the unit (``buffers``: its ``(owner, buffer)`` pairs, see
+        :func:`owned_buffers`) is replaced in its module by a copy holding its value from before the forward; at
+        exit the buffers are back in place, holding what the forward left. Nothing is written into a buffer, so a
+        graph built within (which may save the copies) stays valid whatever runs afterwards: another unit sharing
+        the buffer recomputed before this one's backward, or a second backward (``create_graph=True``)."""
+        restore = []
+        try:
+            with torch.no_grad():
+                for k, before in zip(self.positions, self.before):
+                    owner, tensor = buffers[k]
+                    name = next(n for n, b in owner._buffers.items() if b is tensor)
+                    owner._buffers[name] = before.clone()
+                    restore.append((owner, name, tensor))
+            yield
+        finally:
+            for owner, name, tensor in restore:
+                owner._buffers[name] = tensor
+
 
 class _Watch:
     __slots__ = ("copies", "fresh", "keys", "tensors", "versions")

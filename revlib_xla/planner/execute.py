@@ -27,13 +27,16 @@ from torch import nn
 from .. import backend, fsdp
 from .._grad_destination import GradDestination, grad_destination
 from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
+from ..early_stop import DeferredSaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 from .chain import Chain
 from .measure import grad_leaves
 from .schedule import OPERATIONS, Op, OpKind, Schedule, ScheduleError, Value, ValueKind, simulate
 from .stages import check_one_input, flatten_sequential, inverse_of
 
-__all__ = ["ScheduleExecutor", "StagesToRun", "run_schedule", "check_schedule"]
+__all__ = ["ScheduleExecutor", "StagesToRun", "run_schedule", "check_schedule", "deferrable_stages"]
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 class StagesToRun(Protocol):
@@ -77,6 +80,7 @@ def _takes_edges() -> bool:
 
 
 _EDGE_ROOTS = _takes_edges()
+_DEFERRED = object()  # x̄_{i+1} of a deferred stage: its graph is in _Run.deferred
 
 
 @functools.lru_cache(maxsize=64)
@@ -123,6 +127,56 @@ class _Structure:
         return tree_unflatten(leaves, self.spec)
 
 
+def deferrable_stages(schedule: Schedule) -> set[int]:
+    """The stages whose last recomputation can stop at the last tensor their backward needs
+    (:mod:`revlib_xla.early_stop`): the forward phase runs stage i as ``CF_i`` (x_i kept as a checkpoint), the
+    backward phase runs ``Fe_i`` immediately followed by ``B_i`` (plain option), and x_i stays stored in between
+    (no ``Fn_i``, ``Fr_i``, ``WM_i``, ``Br_{i-1}`` or other ``B_i`` drops it). Such a stage's first run can then
+    build its graph without keeping activations, its graph's input (x_i) being live anyway until ``B_i``, and the
+    pair ``Fe_i B_i`` becomes the backward of that graph, recomputing what it reads. The output of stage i is not
+    needed there: nothing after ``B_i`` reads x_{i+1}."""
+    ops = list(schedule.ops)
+    loss_at = next(k for k, op in enumerate(ops) if op.kind is OpKind.L)
+    checkpointed: dict[int, int] = {}  # stage -> position of its forward-phase CF
+    seen: set[int] = set()
+    for k, op in enumerate(ops[:loss_at]):
+        if op.kind in (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR) and op.index not in seen:
+            seen.add(op.index)
+            if op.kind is OpKind.CF:
+                checkpointed[op.index] = k
+    found = set()
+    for k in range(loss_at + 2, len(ops)):
+        op, before = ops[k], ops[k - 1]
+        i = op.index
+        if not (op.kind is OpKind.B and before == Op(OpKind.FE, i) and op.option == 0 and i in checkpointed):
+            continue
+        drops = {Op(OpKind.FN, i), Op(OpKind.FR, i), Op(OpKind.WM, i), Op(OpKind.B, i)}
+        between = ops[checkpointed[i] + 1 : k - 1]
+        if not any(o in drops or (o.kind is OpKind.BR and o.index == i - 1) for o in between):
+            found.add(i)
+    return found
+
+
+def _can_stop_early(stage: nn.Module) -> bool:
+    """Whether a stage's recomputation may be stopped midway: not where a module's forward hooks would miss their
+    forward's end, or FSDP2 units their reshard."""
+    unit_type = fsdp.fsdp_module_type()
+    return not any(
+        m._forward_hooks or m._forward_pre_hooks or (unit_type is not None and isinstance(m, unit_type))
+        for m in stage.modules()
+    )
+
+
+class _Deferred:
+    """Stage i's graph from its first run, without saved activations (:class:`~revlib_xla.early_stop.DeferredSaves`):
+    its input leaves, the gradient edges of its output tensors (None where one needs no gradient), and its slots."""
+
+    __slots__ = ("edges", "inp", "saves")
+
+    def __init__(self, inp: Any, edges: list[Any], saves: DeferredSaves) -> None:
+        self.inp, self.edges, self.saves = inp, edges, saves
+
+
 class _Run:
     """One execution of a schedule: the live values between its forward phase and its backward phase (``x``: stage
     inputs, ``xbar``: what a stage run with autograd keeps, as (input, output) of its graph, ``grad``: gradients of
@@ -147,7 +201,6 @@ class _Run:
         self.replay = CallReplay(device, owner.preserve_rng_state)
         self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
         self.saved: dict[int, SavedBuffers | None] = {}  # per stage: the buffers its first run changed
-        self.to_put_back: dict[int, list[torch.Tensor]] = {}  # per stage: their values to restore after its backward
         self.replaying = False  # the forward phase run again, for a second backward: every stage is a recomputation
         self.in_backward = False  # running the operations after the loss
         self.used = False  # its backward phase has run
@@ -156,6 +209,11 @@ class _Run:
         self.capture: list[torch.Tensor] = []
         self.captured: list[torch.Tensor | None] = []
         self.out_grads: dict[int, torch.Tensor | None] = {}  # kept by take_output_grads for the backward phase
+        # Stages whose last recomputation stops at the last tensor their backward reads (deferrable_stages), on
+        # devices that run operations eagerly (set by forward_phase); their graphs from the first run.
+        self.deferrable = {i for i in deferrable_stages(schedule) if _EDGE_ROOTS and _can_stop_early(self.stages[i])}
+        self.stop_early = False
+        self.deferred: dict[int, _Deferred] = {}
 
     def live(self) -> set[Value]:
         """The values this run holds, in the cost model's terms (:class:`~revlib_xla.planner.Simulation`)."""
@@ -177,27 +235,14 @@ class _Run:
             self.saved[i] = state.changed(watch, f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
             return out
         saved = self.saved.get(i)
-        tensors = [b for _, b in self.buffers[i]]
-        current = saved.swap_in(tensors) if saved is not None else None
-        with self.replay.rerun(i), fsdp.recomputing(stage) if torch.is_grad_enabled() else contextlib.nullcontext():
-            out = fn(x)
-        if saved is not None and current is not None:
-            if torch.is_grad_enabled():  # the stage's backward may read them: put back after it
-                self.to_put_back.setdefault(i, current)
-            else:
-                saved.put_back(tensors, current)
-        return out
-
-    def _put_back(self, i: int) -> None:
-        """After stage ``i``'s backward: its buffers get the values its first run left again."""
-        current = self.to_put_back.pop(i, None)
-        saved = self.saved.get(i)
-        if current is not None and saved is not None:
-            saved.put_back([b for _, b in self.buffers[i]], current)
-
-    def _put_back_all(self) -> None:
-        for i in list(self.to_put_back):
-            self._put_back(i)
+        # The buffers the first run changed: the recomputation sees their values from before it, on copies, so
+        # that nothing is written into them while a graph that read them waits for its backward.
+        with (
+            saved.on_copies(self.buffers[i]) if saved is not None else _NO_CONTEXT,
+            self.replay.rerun(i),
+            fsdp.recomputing(stage) if torch.is_grad_enabled() else _NO_CONTEXT,
+        ):
+            return fn(x)
 
     def _barrier(self, i: int, *extra: Any) -> Any:
         """Before a recomputation on XLA: stop the compiler from merging it with the forward (CSE), and from
@@ -240,6 +285,13 @@ class _Run:
     def forward(self, i: int, *, grad: bool, option: int = 0) -> None:
         recompute = self.in_backward or self.replaying
         x = self._source(i)
+        if i in self.deferred and grad and self.in_backward and option == 0:
+            self.deferred[i].saves.recompute = functools.partial(self._recompute, i, x)
+            self.xbar[i + 1] = (None, _DEFERRED)
+            return
+        if not grad and not self.in_backward and self.stop_early and i in self.deferrable:
+            self._first_run_deferred(i, x, recompute)
+            return
         if not grad:
             with torch.no_grad():
                 out = self._call(i, x, recompute=recompute)
@@ -253,6 +305,25 @@ class _Run:
             out = self._call(i, inp, recompute=recompute, option=option)
         self.xbar[i + 1] = (inp, out)
 
+    def _first_run_deferred(self, i: int, x: Any, recompute: bool) -> None:
+        """``CF_i`` of a deferrable stage: its graph without activations, kept for its backward; x_{i+1} as
+        ``CF_i`` leaves it."""
+        inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
+        del x
+        saves = DeferredSaves(f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
+        with torch.enable_grad(), saves.recording():
+            out = self._call(i, inp, recompute=recompute)
+            edges = [
+                torch.autograd.graph.get_gradient_edge(o.view_as(o)) if o.requires_grad else None
+                for o in tensor_leaves(out)
+            ]
+        self.deferred[i] = _Deferred(inp, edges, saves)
+        self.x[i + 1] = detached(out)
+
+    def _recompute(self, i: int, x: Any) -> None:
+        """Stage i run again from x_i for its deferred graph's slots (stopped at the last one)."""
+        self._call(i, grad_leaves(x, self.input_needs_grad if i == 0 else None), recompute=True)
+
     def free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
             self.x.pop(i, None)
@@ -263,10 +334,16 @@ class _Run:
 
     def backward(self, i: int) -> None:
         inp, out = self.xbar.pop(i + 1)
+        if out is _DEFERRED:
+            deferred = self.deferred.pop(i)
+            grads = self.grad.pop(i + 1)
+            pairs = [(e, g) for e, g in zip(deferred.edges, grads) if e is not None and g is not None]
+            self._backward([e for e, _ in pairs], [g for _, g in pairs], deferred.inp)
+            self.grad[i] = _input_grads(deferred.inp)
+            return
         roots, seeds = _roots(out, self.grad.pop(i + 1))
         del out  # the backward needs its graph, not the output's values: freed before it runs
         self._backward(roots, seeds, inp)
-        self._put_back(i)
         self.grad[i] = _input_grads(inp)
 
     def rebuild_backward(self, i: int, option: int) -> None:
@@ -282,7 +359,6 @@ class _Run:
         roots, seeds = _roots(out, self.grad.pop(i + 1))
         del out
         self._backward(roots, seeds, inp)
-        self._put_back(i)
         self.grad[i] = _input_grads(inp)
         if i in self.held:
             self.x[i] = detached(rebuilt)
@@ -339,6 +415,10 @@ class _Run:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
         self.input_needs_grad = [t.requires_grad for t in inputs]
+        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop).
+        self.stop_early = bool(self.deferrable) and all(
+            backend.holds_data(t) and not backend.is_tracing_lazily(t) for t in inputs
+        )
         self.run(self.schedule.ops[: self.loss_at], backward=False)
         out = self._input(len(self.stages))
         self.run(self.schedule.ops[self.loss_at : self.loss_at + 1], backward=False)
@@ -363,10 +443,7 @@ class _Run:
         ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
         self.route(params)
         self.grad[len(self.stages)] = self.output_grads(grads)
-        try:
-            self.run(self.schedule.ops[self.loss_at + 1 :], backward=True)
-        finally:
-            self._put_back_all()
+        self.run(self.schedule.ops[self.loss_at + 1 :], backward=True)
         self.used = True
         input_grads = self.grad.pop(0)
         self.x.clear()
@@ -379,7 +456,7 @@ class _Run:
         statistics untouched)."""
         fresh = copy.copy(self)
         fresh.x, fresh.xbar, fresh.grad, fresh.host, fresh.held = {}, {}, {}, {}, set()
-        fresh.to_put_back = {}
+        fresh.deferred = {}
         fresh.replaying, fresh.used = True, False
         fresh.forward_phase(inputs)
         return fresh
@@ -401,28 +478,26 @@ class _Run:
         self.x.clear()
         self.xbar.clear()
         self.host.clear()
+        self.deferred.clear()
         self.used = True
         x = self.input_structure.rebuild(inputs)
         grads = self.output_grads(grads)
         wanted = [p for p in params if grad_destination(p) is not GradDestination.UNUSED]
         got: list[torch.Tensor | None]
-        try:
-            with torch.enable_grad():
-                for i in range(len(self.stages)):
-                    x = self._call(i, x, recompute=True)
-                pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
-                wrt = [t for t in inputs if t.requires_grad] + wanted
-                got = (
-                    list(
-                        torch.autograd.grad(
-                            [o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True, allow_unused=True
-                        )
+        with torch.enable_grad():
+            for i in range(len(self.stages)):
+                x = self._call(i, x, recompute=True)
+            pairs = [(o, g) for o, g in zip(tensor_leaves(x), grads) if o.requires_grad and g is not None]
+            wrt = [t for t in inputs if t.requires_grad] + wanted
+            got = (
+                list(
+                    torch.autograd.grad(
+                        [o for o, _ in pairs], wrt, [g for _, g in pairs], create_graph=True, allow_unused=True
                     )
-                    if pairs and wrt
-                    else [None] * len(wrt)
                 )
-        finally:
-            self._put_back_all()
+                if pairs and wrt
+                else [None] * len(wrt)
+            )
         by_input = iter(got)
         input_grads = [next(by_input) if t.requires_grad else None for t in inputs]
         by_param = dict(zip(map(id, wanted), by_input))
