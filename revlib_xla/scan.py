@@ -172,6 +172,12 @@ def repeat_period(layers: Sequence[ReversibleModule], describe: Callable[[int], 
     if best is None:
         return n  # a single layer: nothing repeats, one iteration
     i, period, how = best
+    if n < 4:  # no group of layers can repeat: e.g. one transformer block, an attention layer and an MLP layer
+        raise ScanUnsupported(
+            f"{n} layers make no repeating group: a scan stacks identical layers, or identical groups of layers "
+            f"(e.g. blocks of an attention and an MLP layer), at least two of them; here {describe(i)} differs "
+            f"from {describe(i % period)} ({how}). Scan a deeper model, or run this one unscanned"
+        )
     raise ScanUnsupported(
         f"the layers are not identical in structure: {describe(i)} differs from {describe(i % period)} ({how})"
     )

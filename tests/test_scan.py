@@ -412,6 +412,9 @@ def test_stacked_layers_refuse_what_they_cannot_run():
     stack = revlib.scan.stack_layers
     with pytest.raises(ReversibleError, match=r"stack_layers: the layers are not identical in structure: layer 2"):
         stack(_model(None, lambda: [Scaled(), Scaled(), Scaled(hidden=16), Scaled()]))
+    # Two different layers (one transformer block: attention, MLP) repeat nothing: said so, not only "differs".
+    with pytest.raises(ReversibleError, match=r"stack_layers: 2 layers make no repeating group.*layer 1 .* differs"):
+        stack(_model(None, lambda: [Scaled(), Scaled(hidden=16)]))
     with pytest.raises(ReversibleError, match="stack_layers: fused_optimizer"):
         stack(_model(None, _same_layers(), fused_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)))
     shared = Scaled()

@@ -247,6 +247,10 @@ def test_host_optimizer_state_by_host_copies_equals_adamw():
             ["strategy=plan", "strategy.budget=1kB"],
             r"strategy.budget: Checkpointable: mem_limit 1000 .*raise strategy.budget",
         ),
+        (
+            ["strategy=reversible", "model.scan=true", "model.overrides.n_layers=1"],
+            r"model.scan=true: stack_layers: 2 layers make no repeating group.*n_layers=2 or more, or model.scan=false",
+        ),
     ],
 )
 def test_unsupported_combinations_name_the_keys(overrides, expected):

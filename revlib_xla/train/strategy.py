@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import backend
+from ..reversible import ReversibleError
 from .config import RunConfig
 
 __all__ = [
@@ -388,7 +389,14 @@ def build_model(
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
         stacked = {"scan": None} if cfg.model.scan else {}  # None: the loop on XLA, layer by layer on cpu/cuda
-        lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
+        try:
+            lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
+        except ReversibleError as exc:
+            if not cfg.model.scan:
+                raise
+            raise StrategyError(
+                f"model.scan=true: {exc}. With this config: model.overrides.n_layers=2 or more, or model.scan=false"
+            ) from None
     write: ShardedWriter | None = None
     if not on_meta:
         lm.to_empty(device="cpu" if s.offload.params else target)
