@@ -77,6 +77,47 @@ def test_plan_equals_the_original_in_float64(name):
     assert_same(got, want, 1e-10)
 
 
+LAST_PROJECTION = {"gpt2-tiny": "c_proj", "gpt-neox-tiny": "dense_4h_to_h"}  # else down_proj
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_plan_of_every_layer_stops_each_recomputation_before_the_mlps_last_projection(name):
+    """Every layer checkpointed, as transformers' gradient checkpointing does: each layer's recomputation just
+    before its backward stops at the last tensor the backward reads (revlib_xla.early_stop), so the MLP's output
+    projection runs once per layer (its first run), as in transformers' own checkpointing; logits and gradients
+    equal the original's (float64)."""
+    from revlib_xla.planner import Op, Schedule, simulate
+    from revlib_xla.planner.execute import deferrable_stages
+
+    ref = tiny(name, depth=3)
+    model = memory_efficient(copy.deepcopy(ref), "plan")
+    step(model)  # measures and plans
+    cp = model.revlib_xla_conversion.checkpointable
+    n = cp.chain.length
+    ops = [Op("CF", i) for i in range(n)] + [Op("L", n)]
+    ops += [op for i in reversed(range(n)) for op in (Op("Fe", i), Op("B", i))]
+    cp.sequence = Schedule(tuple(ops), *simulate(cp.chain, ops), cp.chain)
+    assert deferrable_stages(cp.sequence) == set(range(n))
+    calls = []
+    for k, stage in enumerate(cp.stages):
+        (last,) = [
+            m for path, m in stage.named_modules() if path.endswith("mlp." + LAST_PROJECTION.get(name, "down_proj"))
+        ]
+        plain = last.forward
+
+        def counted(x, plain=plain, k=k):
+            out = plain(x)
+            calls.append(k)
+            return out
+
+        last.forward = counted
+    out, got = step(model)
+    ref_out, want = step(ref)
+    assert sorted(calls) == list(range(n))  # the forward's runs only
+    assert max_rel_err(out.logits, ref_out.logits) <= 1e-10
+    assert_same(got, want, 1e-10)
+
+
 def test_plan_replays_dropout_in_the_recomputation():
     model = memory_efficient(tiny("gpt2-tiny", dropout=True), "plan")
     step(model)
