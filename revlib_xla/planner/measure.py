@@ -150,8 +150,10 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         outs = differentiable(stage(inp))
         if not outs:
             return StagePrograms(forward, forward, ())
-        # Made on the host and moved: device data, so arguments of the program (not constants it could fold).
-        dys = [torch.zeros(o.shape, dtype=o.dtype).to(o.device) for o in outs]
+        from .sizing import device_argument  # (sizing imports this module)
+
+        # Device data: arguments of the program, not constants it could fold.
+        dys = [device_argument(o.shape, o.dtype, o.device) for o in outs]
         fenced = backend.optimization_barrier(outs + dys)
         outs, dys = fenced[: len(outs)], fenced[len(outs) :]
         torch.autograd.backward(outs, dys)

@@ -160,10 +160,19 @@ def _as_device_data(x: Any) -> Any:
         return x
 
     def stand_in(t: torch.Tensor) -> torch.Tensor:
-        fresh = backend.zero_copy_device_tensor(torch.empty(t.shape, dtype=t.dtype), t.device)
-        return fresh.requires_grad_(t.requires_grad)
+        return device_argument(t.shape, t.dtype, t.device).requires_grad_(t.requires_grad)
 
     return map_tensors(stand_in, x)
+
+
+def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Device data of ``shape`` for a lazy program to take as an argument (not a constant it could fold): within
+    :func:`without_execution`, over untouched host memory (a llama-1b head's logits gradient is 1 GiB a sequence;
+    at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
+    to the device."""
+    if _WITHOUT_EXECUTION[-1]:
+        return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
+    return torch.zeros(shape, dtype=dtype).to(device)
 
 
 def compiled_sizes(
