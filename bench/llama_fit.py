@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from revlib_xla.fit import chips
-from revlib_xla.fit.report import COMPILER_SOURCE, compile_steps
+from revlib_xla.fit.report import COMPILER_SOURCE, PLANNER_SOURCE, compile_steps
 from revlib_xla.fit.strategies import (
     DEFAULT_COMPARISON,
     STRATEGIES,
@@ -266,6 +266,11 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
             best = next(r for r in mine if r["batch"] == max(fits))
             after = next(r for r in mine if r["batch"] == best["batch"] + 1)
             how = f"verified ({after['batch']} needs {format_bytes(after['at_least_bytes'])})"
+            if after.get("source") == PLANNER_SOURCE:
+                how = (
+                    f"verified ({after['batch']} needs at least {format_bytes(after['at_least_bytes'])}: no plan fits "
+                    f"the budget, by the planner's sizes, not compiled)"
+                )
             row.update(largest_batch=best["batch"], how=how, shown=best)
         elif fits and guess is not None and guess["predicted_batch"] <= max(fits):
             best = next(r for r in mine if r["batch"] == max(fits))
@@ -477,6 +482,7 @@ def predict_or_verify(args: argparse.Namespace) -> int:
                         "temporaries_bytes": r.temporaries,
                         "host_bytes": r.host,
                         "error": r.error,
+                        "source": r.source,
                     }
                     for r in reports
                 ]

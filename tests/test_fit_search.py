@@ -66,3 +66,22 @@ def test_nothing_fits_and_the_limit_caps():
     assert capped.best == 64 and capped.capped and capped.smallest_failure is None
     with pytest.raises(ValueError, match="limit=0"):
         max_batch(trace_at, CHIP, limit=0, compile_fn=compile_fn)
+
+
+def test_a_batch_no_plan_fits_is_a_failure_not_a_crash():
+    """strategy=plan at a batch whose smallest checkpointing schedule exceeds what the chip leaves: tracing raises
+    StepDoesNotFit (the planner's InfeasibleBudget), and the search takes it as a batch that does not fit, with the
+    planner's lower bound, instead of ending with a traceback (found searching llama-1b plan on a v6e)."""
+    from revlib_xla.fit.report import PLANNER_SOURCE, StepDoesNotFit
+
+    def planned(batch: int) -> TracedStep:
+        if batch >= 6:
+            raise StepDoesNotFit("no schedule fits", 9_000 + 500 * batch, 100, 0)
+        return trace_at(batch)
+
+    compile_fn, compiled = stand_in(lambda b: 100 + 1_000 * b)
+    found = max_batch(planned, CHIP, label="plan", compile_fn=compile_fn)
+    assert found.best == 5 and found.smallest_failure.batch == 6
+    refused = found.smallest_failure
+    assert not refused.fits and refused.total is None and refused.at_least == 12_000
+    assert refused.source == PLANNER_SOURCE and 6 not in compiled

@@ -35,6 +35,7 @@ from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 
 __all__ = [
     "FitReport",
+    "StepDoesNotFit",
     "fit_report",
     "compile_steps",
     "format_table",
@@ -120,6 +121,27 @@ class FitReport:
             if self.error
             else ("yes" if self.fits else "NO") + f" ({format_bytes(self.chip.usable_bytes)})",
         }
+
+
+#: Where a refused step's figures come from (:class:`StepDoesNotFit`).
+PLANNER_SOURCE = "the planner's sizes (no schedule fits the budget the chip leaves; not compiled)"
+
+
+class StepDoesNotFit(Exception):
+    """Raised while tracing a step known not to fit before it is compiled: its planned checkpointing finds no
+    schedule within the memory the chip leaves beside the parameters, gradients and optimizer state. ``at_least``:
+    bytes per chip the step needs at least (that state and the smallest plan's activations), of which
+    ``parameters`` and ``optimizer``."""
+
+    def __init__(self, message: str, at_least: int, parameters: int, optimizer: int) -> None:
+        super().__init__(message)
+        self.at_least, self.parameters, self.optimizer = at_least, parameters, optimizer
+
+    def report(self, chip: Chip, label: str = "", batch: int = 0) -> FitReport:
+        """The step's :class:`FitReport`: it does not fit; ``at_least`` from the planner, not the compiler."""
+        return FitReport(
+            chip, label, batch, None, self.at_least, self.parameters, self.optimizer, 0, 0, None, 0, PLANNER_SOURCE
+        )
 
 
 def fit_report(

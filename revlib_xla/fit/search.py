@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 from .chips import Chip
-from .report import FitReport, compile_steps
+from .report import FitReport, StepDoesNotFit, compile_steps
 from .trace import TracedStep
 
 __all__ = ["BatchSearch", "max_batch"]
@@ -75,9 +75,15 @@ def max_batch(
     reports: dict[int, FitReport] = {}
 
     def compile_batches(batches: set[int]) -> None:
-        todo = sorted(b for b in batches if b not in reports and 1 <= b <= limit)
+        todo, traced = [], []
+        for b in sorted(b for b in batches if b not in reports and 1 <= b <= limit):
+            try:
+                traced.append(trace_at(b))
+                todo.append(b)
+            except StepDoesNotFit as refused:  # e.g. no checkpointing plan fits: known without compiling
+                reports[b] = refused.report(chip, label, b)
         if todo:
-            made = compile_fn([trace_at(b) for b in todo], chip, [label] * len(todo), todo)
+            made = compile_fn(traced, chip, [label] * len(todo), todo)
             reports.update(zip(todo, made))
 
     compile_batches({1, min(2, limit)})

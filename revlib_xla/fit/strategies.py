@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .chips import Chip
-from .report import FitReport, compile_steps
+from .report import FitReport, StepDoesNotFit, compile_steps
 from .search import BatchSearch, max_batch
 from .trace import TracedStep, trace_step
 
@@ -144,19 +144,35 @@ def trace_config(cfg: Any) -> TracedStep:
     """The steady-state training step of run config ``cfg``, traced at full size without allocating it. Over
     ``chip.chips > 1`` chips, the step is split over the config's ``mesh`` of them
     (:func:`revlib_xla.sharding.shard_step`): compiled, its figures are per chip."""
+    from ..planner import InfeasibleBudget
     from ..sharding import resolve_mesh, shard_step
     from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
 
     mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips, backend_name=f"{cfg.chip.chips}-chip {cfg.chip.name} slice")
     model = train_strategy.build_model(cfg, "meta")
     tokens = torch.empty(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64, device="meta")
-    traced = trace_step(
-        model,
-        lambda m: train_strategy.build_optimizer(cfg, m),
-        lambda m, optimizer: train_strategy.make_step(cfg, m, optimizer),  # type: ignore[arg-type]
-        [tokens],
-    )
+    try:
+        traced = trace_step(
+            model,
+            lambda m: train_strategy.build_optimizer(cfg, m),
+            lambda m, optimizer: train_strategy.make_step(cfg, m, optimizer),  # type: ignore[arg-type]
+            [tokens],
+        )
+    except InfeasibleBudget as exc:  # the planner's smallest schedule exceeds what the chip leaves it
+        raise _does_not_fit(cfg, exc) from None
     return shard_step(traced, mesh)
+
+
+def _does_not_fit(cfg: Any, exc: Any) -> StepDoesNotFit:
+    """The :class:`StepDoesNotFit` of ``cfg``'s planned step whose smallest schedule needs ``exc.minimum`` bytes of
+    activations: the parameters, gradients and optimizer state one chip holds come on top."""
+    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]
+
+    count = train_strategy.params_per_chip(cfg)
+    held = count * train_strategy.state_bytes_per_param(cfg)
+    parameters = count * (2 if cfg.strategy.param_dtype == "bf16" else 4)
+    optimizer = 0 if cfg.strategy.offload.optimizer else 8 * count
+    return StepDoesNotFit(str(exc), held + int(exc.minimum), parameters, optimizer)
 
 
 def size_strategies(
@@ -164,8 +180,19 @@ def size_strategies(
 ) -> list[FitReport]:
     """Each strategy's step at the config's batch, compiled for ``chip`` (one compiler process for all)."""
     configs = [load(config, overrides, s) for s in strategies]
-    traced = [trace_config(cfg) for cfg in configs]
-    return compile_steps(traced, chip, [s.name for s in strategies], [cfg.data.batch_size for cfg in configs])
+    reports: dict[int, FitReport] = {}
+    traced, compiled = [], []
+    for k, cfg in enumerate(configs):
+        try:
+            traced.append(trace_config(cfg))
+            compiled.append(k)
+        except StepDoesNotFit as refused:
+            reports[k] = refused.report(chip, strategies[k].name, cfg.data.batch_size)
+    made = compile_steps(
+        traced, chip, [strategies[k].name for k in compiled], [configs[k].data.batch_size for k in compiled]
+    )
+    reports.update(zip(compiled, made))
+    return [reports[k] for k in range(len(configs))]
 
 
 def search_strategies(
