@@ -85,3 +85,26 @@ def test_a_batch_no_plan_fits_is_a_failure_not_a_crash():
     refused = found.smallest_failure
     assert not refused.fits and refused.total is None and refused.at_least == 12_000
     assert refused.source == PLANNER_SOURCE and 6 not in compiled
+
+
+def test_sizing_strategies_reports_a_refused_one_in_its_place(monkeypatch):
+    """revlib-xla memory at the config's batch: a strategy whose plan cannot fit is reported (does not fit, the
+    planner's bound) in its place among the compiled ones."""
+    from revlib_xla.fit import strategies
+    from revlib_xla.fit.report import PLANNER_SOURCE, StepDoesNotFit
+
+    def traced_or_refused(cfg):
+        if cfg.strategy.activations == "plan":
+            raise StepDoesNotFit("no schedule fits", 123_456, 100, 0)
+        return trace_at(cfg.data.batch_size)
+
+    def compiled(traced, chip, labels, batches):
+        return [FitReport(chip, lab, b, 500, 500, 100, 0, 0, 0, 400, 0) for lab, b in zip(labels, batches)]
+
+    monkeypatch.setattr(strategies, "trace_config", traced_or_refused)
+    monkeypatch.setattr(strategies, "compile_steps", compiled)
+    chosen = [strategies.STRATEGIES[n] for n in ("none", "plan", "reversible")]
+    reports = strategies.size_strategies(None, ["model.name=llama-tiny"], CHIP, chosen)
+    assert [r.label for r in reports] == ["none", "plan", "reversible"]
+    assert [r.fits for r in reports] == [True, False, True]
+    assert reports[1].at_least == 123_456 and reports[1].source == PLANNER_SOURCE
