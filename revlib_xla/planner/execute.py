@@ -34,7 +34,7 @@ from .measure import grad_leaves
 from .schedule import OPERATIONS, Op, OpKind, Schedule, ScheduleError, Value, ValueKind, simulate
 from .stages import check_one_input, flatten_sequential, inverse_of
 
-__all__ = ["ScheduleExecutor", "StagesToRun", "run_schedule", "check_schedule", "deferrable_stages"]
+__all__ = ["ScheduleExecutor", "StagesToRun", "run_schedule", "check_schedule", "deferred_runs", "deferrable_stages"]
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -127,34 +127,34 @@ class _Structure:
         return tree_unflatten(leaves, self.spec)
 
 
-def deferrable_stages(schedule: Schedule) -> set[int]:
-    """The stages whose last recomputation can stop at the last tensor their backward needs
-    (:mod:`revlib_xla.early_stop`): the forward phase runs stage i as ``CF_i`` (x_i kept as a checkpoint), the
-    backward phase runs ``Fe_i`` immediately followed by ``B_i`` (plain option), and x_i stays stored in between
-    (no ``Fn_i``, ``Fr_i``, ``WM_i``, ``Br_{i-1}`` or other ``B_i`` drops it). Such a stage's first run can then
-    build its graph without keeping activations, its graph's input (x_i) being live anyway until ``B_i``, and the
-    pair ``Fe_i B_i`` becomes the backward of that graph, recomputing what it reads. The output of stage i is not
-    needed there: nothing after ``B_i`` reads x_{i+1}."""
+def deferred_runs(schedule: Schedule) -> dict[int, int]:
+    """The ``CF`` operations (their positions in ``schedule.ops``, with their stage) whose stage's next run is its
+    last recomputation, ``Fe_i`` immediately followed by ``B_i`` (plain option), with x_i stored in between: no
+    ``Fn_i``, ``Fr_i``, ``WM_i``, ``B_i`` or ``Br_{i-1}`` drops it. Such a ``CF_i`` (in the forward phase or a
+    recomputation in the backward phase) builds the stage's graph without keeping activations, its input being
+    live anyway until ``B_i``, and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what
+    it reads (:mod:`revlib_xla.early_stop`): the stage's output is not needed there, nothing after ``B_i`` reads
+    x_{i+1}."""
     ops = list(schedule.ops)
-    loss_at = next(k for k, op in enumerate(ops) if op.kind is OpKind.L)
-    checkpointed: dict[int, int] = {}  # stage -> position of its forward-phase CF
-    seen: set[int] = set()
-    for k, op in enumerate(ops[:loss_at]):
-        if op.kind in (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR) and op.index not in seen:
-            seen.add(op.index)
-            if op.kind is OpKind.CF:
-                checkpointed[op.index] = k
-    found = set()
-    for k in range(loss_at + 2, len(ops)):
+    runs = (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
+    found: dict[int, int] = {}
+    for k in range(2, len(ops)):
         op, before = ops[k], ops[k - 1]
         i = op.index
-        if not (op.kind is OpKind.B and before == Op(OpKind.FE, i) and op.option == 0 and i in checkpointed):
+        if not (op.kind is OpKind.B and op.option == 0 and before == Op(OpKind.FE, i)):
             continue
-        drops = {Op(OpKind.FN, i), Op(OpKind.FR, i), Op(OpKind.WM, i), Op(OpKind.B, i)}
-        between = ops[checkpointed[i] + 1 : k - 1]
-        if not any(o in drops or (o.kind is OpKind.BR and o.index == i - 1) for o in between):
-            found.add(i)
+        last = next((p for p in range(k - 2, -1, -1) if ops[p].index == i and ops[p].kind in runs), None)
+        if last is None or ops[last].kind is not OpKind.CF:
+            continue
+        drops = {Op(OpKind.WM, i)}
+        if not any(o in drops or (o.kind is OpKind.BR and o.index == i - 1) for o in ops[last + 1 : k - 1]):
+            found[last] = i
     return found
+
+
+def deferrable_stages(schedule: Schedule) -> set[int]:
+    """The stages whose last recomputation stops early (:func:`deferred_runs`)."""
+    return set(deferred_runs(schedule).values())
 
 
 def _can_stop_early(stage: nn.Module) -> bool:
@@ -209,9 +209,13 @@ class _Run:
         self.capture: list[torch.Tensor] = []
         self.captured: list[torch.Tensor | None] = []
         self.out_grads: dict[int, torch.Tensor | None] = {}  # kept by take_output_grads for the backward phase
-        # Stages whose last recomputation stops at the last tensor their backward reads (deferrable_stages), on
+        # The CF operations that build their stage's graph for a recomputation stopping at the last tensor the
+        # backward reads (deferred_runs, by position in the schedule), on
         # devices that run operations eagerly (set by forward_phase); their graphs from the first run.
-        self.deferrable = {i for i in deferrable_stages(schedule) if _EDGE_ROOTS and _can_stop_early(self.stages[i])}
+        self.deferrable = {
+            k: i for k, i in deferred_runs(schedule).items() if _EDGE_ROOTS and _can_stop_early(self.stages[i])
+        }
+        self.position = 0  # of the running operation in schedule.ops
         self.stop_early = False
         self.deferred: dict[int, _Deferred] = {}
 
@@ -289,7 +293,7 @@ class _Run:
             self.deferred[i].saves.recompute = functools.partial(self._recompute, i, x)
             self.xbar[i + 1] = (None, _DEFERRED)
             return
-        if not grad and not self.in_backward and self.stop_early and i in self.deferrable:
+        if not grad and self.stop_early and self.deferrable.get(self.position) == i:
             self._first_run_deferred(i, x, recompute)
             return
         if not grad:
@@ -306,8 +310,8 @@ class _Run:
         self.xbar[i + 1] = (inp, out)
 
     def _first_run_deferred(self, i: int, x: Any, recompute: bool) -> None:
-        """``CF_i`` of a deferrable stage: its graph without activations, kept for its backward; x_{i+1} as
-        ``CF_i`` leaves it."""
+        """``CF_i`` before stage i's last recomputation (:func:`deferred_runs`): its graph without activations,
+        kept for its backward; x_{i+1} as ``CF_i`` leaves it."""
         inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
         del x
         saves = DeferredSaves(f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
@@ -371,9 +375,11 @@ class _Run:
         structure, copies = self.host.pop(i)
         self.x[i] = structure.rebuild([backend.to_device(c) for c in copies])
 
-    def run(self, ops: Sequence[Op], backward: bool) -> None:
+    def run(self, start: int, stop: int, backward: bool) -> None:
+        """Run ``schedule.ops[start:stop]``."""
         self.in_backward = backward
-        for op in ops:
+        for self.position in range(start, stop):
+            op = self.schedule.ops[self.position]
             OPERATIONS[op.kind].execute(self, op)
 
     def _backward(self, roots: list[Any], seeds: list[torch.Tensor], inp: Any) -> None:
@@ -419,9 +425,9 @@ class _Run:
         self.stop_early = bool(self.deferrable) and all(
             backend.holds_data(t) and not backend.is_tracing_lazily(t) for t in inputs
         )
-        self.run(self.schedule.ops[: self.loss_at], backward=False)
+        self.run(0, self.loss_at, backward=False)
         out = self._input(len(self.stages))
-        self.run(self.schedule.ops[self.loss_at : self.loss_at + 1], backward=False)
+        self.run(self.loss_at, self.loss_at + 1, backward=False)
         return out
 
     def route(self, params: Sequence[torch.Tensor]) -> None:
@@ -443,7 +449,7 @@ class _Run:
         ``params`` the backward captures (None for the others, which went to ``.grad`` or nowhere)."""
         self.route(params)
         self.grad[len(self.stages)] = self.output_grads(grads)
-        self.run(self.schedule.ops[self.loss_at + 1 :], backward=True)
+        self.run(self.loss_at + 1, len(self.schedule.ops), backward=True)
         self.used = True
         input_grads = self.grad.pop(0)
         self.x.clear()
