@@ -417,23 +417,25 @@ llama-1b 9.21 GiB, llama-3b 23.94 GiB (over one v5e before any activation); bf16
 llama-1b 4.60 GiB, llama-3b 11.97 GiB. `reversible+fused` keeps float32 parameters and AdamW state with untied
 embeddings: llama-1b 16.75 GiB (over one v5e), llama-3b 40.31 GiB (over one v6e).
 
-Not compiled (a full-size compile took 2 to 45 minutes of wall time on the shared 2-core machine, one at a time;
-18 minutes for a pair of scanned batches at load 10 to 20 in the last session): `plan` (budget auto) and
-`plan+fewbit` of either model on either chip, llama-1b `checkpoint` on v5e (above: it cannot fit), and the other
-empty combinations. What a `plan` row costs: `strategy.budget=auto` is arithmetic (the chip's HBM less the
-parameters, gradients and optimizer state), but each batch tried traces the planned model, which measures its
-stages from their forward and backward programs compiled deviceless, then compiles the whole step at full size;
-a verified row is the answer and the next batch, after a search or a prediction (batches 1 and 2): four or more
-full-size compiles, more than the session had left after the rows above. Identical stages are already compiled
-once: `revlib_xla.memory.tpu_memory_results` keys each compile by the program's text and compiles each distinct
-text once, so llama-1b's 16 identical layers should cost one layer's pair of programs if their StableHLO texts are
-equal (read in the code, not measured at full size here). The planner's own predicted peak
-(`revlib-xla plan`) beside the compiled one is therefore not recorded either. One attempt ran: llama-1b `plan` on
-v6e at batch 1 (`--verify --batches 1`); the planner's stage measurement (all stage programs in one deviceless
-compiler process, `Checkpointable.measure` -> `tpu_memory_many`, whose child has a 600 s limit) did not finish in
-600 s at load ~17 on the 2-core machine (`TpuCompileError`), so the step itself was never compiled. Making it
-feasible needs a longer limit for the stage compiles (or the stages' sizes from shapes, not measured against
-the compiler here) and an idle machine. `bench/llama_fit.py --predict
+**`plan` (budget auto)**, llama-1b on one v6e, searched at full size (`--verify --batches auto --limit 12`, with
+`REVLIB_XLA_COMPILE_TIMEOUT=5400`; 19 minutes on the idle 2-core machine): batch 6 fits in 29,425,903,328 bytes
+(27.41 GiB); at batch 7 the planner finds no schedule within what the chip leaves beside the 13.81 GiB of float32
+weights and AdamW state and the 4.60 GiB of gradients (its smallest schedule needs 32.33 GiB in all, by its sizes:
+not compiled, `StepDoesNotFit`). 6x plain torch_xla's batch, but fewer than torch_xla checkpointing's 9: at batch 6
+the compiled step has 4.34 GiB to spare, so the planner's sizes are pessimistic at this size. Likely where (not
+isolated): the head's stage (2048 x 128256 float32 logits, 1 GiB a sequence, its log-softmax and gradient) measured
+alone, as a stage program, where the whole step's compile fuses the loss into it. The plan's total is not monotone
+in the batch (28.24 GiB at 1, 27.35 at 2, 25.39 at 4, 25.60 at 5): budget auto keeps every activation where they
+fit and recomputes more as the batch grows. On one v5e `plan` cannot start: the weights, gradients and AdamW state
+alone are 18.41 GiB (budget auto refuses it, naming the key); llama-3b's exceed both chips.
+**`plan+fewbit`** (2-bit FewBit derivatives of the MLP's SiLU), the same search (29 minutes): batch 6 fits in
+31,154,138,336 bytes (29.01 GiB) and batch 7 has no schedule, by the same bound as `plan` (32.33 GiB): the smallest
+schedule's size is set by what FewBit does not touch (the head's stage and the attention), and at batch 6 the
+budget keeps more activations than `plan` does (29.01 against 27.41 GiB). The largest batch is 6 for both.
+
+Not compiled: llama-1b `checkpoint` on v5e (above: it cannot fit) and the other empty combinations. A full-size
+compile took 2 to 45 minutes of wall time on the shared 2-core machine.
+`bench/llama_fit.py --predict
 bench/results/llama_fit-tpu-deviceless-predicted.jsonl` compiles batches 1 and 2 at full size and predicts from
 the line through them; `--verify bench/results/llama_fit-tpu-deviceless-verified.jsonl --batches auto` searches
 at full size until both neighbours of the answer are compiled; `--table` writes this file.
