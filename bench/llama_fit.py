@@ -359,22 +359,24 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
 
 #: Written below the table: what the session could not compile, and the bytes that decide the rest.
 HEADLINE_NOTES = """
-**llama-3b on one v5e** (`reversible+offload+bf16`, compiled at full size): batch 1 takes 14,690,500,096 bytes
-(13.68 GiB of the 15.75 GiB usable): the bf16 weights (program arguments) 6,425,499,648 bytes (5.98 GiB); the
-compiler's peak beyond the arguments 8,256,589,824 bytes (7.69 GiB), of which the bf16 gradients sent to the host
-(program outputs) are 5.98 GiB and activations and temporaries the other 1.71 GiB; inputs and scalars 8.4 MB.
-Batch 2 needs 17,288,620,544 bytes (16.10 GiB): 2.42 GiB more per sequence (attention's 24 x 2048 x 2048 scores of
-one layer at a time, and its backward, dominate; the loss adds a 256-position chunk of logits at a time, not
-1 GiB of float32 logits per sequence). Plain torch_xla, checkpointing and reversible with float32 weights need
-35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter count, what
-`host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12 bytes per
-weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied embedding:
-1.47 GiB): 40,128,933,888 bytes (40.13 GB, 37.37 GiB) in all. The one-chip v5e VM (machine type
-`ct5lp-hightpu-1t`, accelerator type v5litepod-1) has 24 vCPUs and 48 GB of RAM (Cloud TPU docs, "TPU v5e", VM
-types table: https://cloud.google.com/tpu/docs/v5e); that leaves about 7.9 GB for the OS, Python, torch_xla and the
-data pipeline: it fits on paper, tightly (not run on a TPU). The 4-chip VM (`ct5lp-hightpu-4t`, v5litepod-4:
-112 vCPUs, 192 GB) and the 8-chip VM (`ct5lp-hightpu-8t`, v5litepod-8: 224 vCPUs, 384 GB) leave ample room. Colab's
-TPU v5e-1 runtime: its RAM is not stated in the documentation found; check `free -g` (about 40 GB free needed).
+**llama-3b on one v5e** (`reversible+offload+bf16`, compiled at full size): batch 1 takes 15,124,544,000 bytes
+(14.09 GiB of the 15.75 GiB usable): the bf16 weights (program arguments) 6,425,499,648 bytes (5.98 GiB); the
+compiler's peak beyond the arguments 8,690,633,216 bytes (8.09 GiB), of which the bf16 gradients sent to the host
+(program outputs) are 5.98 GiB and activations and temporaries the other 2.11 GiB; inputs and scalars 8.4 MB.
+Recompiled (9 minutes, idle machine) after the chunked loss summed the bf16 head's gradient in float32: +0.40 GiB
+over the earlier 14,690,500,096 bytes (13.68 GiB; the one-block compile's +0.99 GiB bounded it). Batch 2 needed
+17,288,620,544 bytes (16.10 GiB) before that change, which only adds memory: 2.42 GiB more per sequence (attention's
+24 x 2048 x 2048 scores of one layer at a time, and its backward, dominate; the loss adds a 256-position chunk of
+logits at a time, not 1 GiB of float32 logits per sequence). Plain torch_xla, checkpointing and reversible with
+float32 weights need 35.91 GiB for the weights and AdamW state alone. Host memory (arithmetic from the parameter
+count, what `host_state_bytes` and `host_step_bytes` report): float32 master weights and AdamW's two moments, 12
+bytes per weight = 38.55 GB (35.91 GiB), plus one weight's float32 gradient during the host step (the tied
+embedding: 1.47 GiB): 40,128,933,888 bytes (40.13 GB, 37.37 GiB) in all. The one-chip v5e VM (machine type
+`ct5lp-hightpu-1t`, accelerator type v5litepod-1) has 24 vCPUs and 48 GB of RAM (Cloud TPU docs, "TPU v5e", VM types
+table: https://cloud.google.com/tpu/docs/v5e); that leaves about 7.9 GB for the OS, Python, torch_xla and the data
+pipeline: it fits on paper, tightly (not run on a TPU). The 4-chip VM (`ct5lp-hightpu-4t`, v5litepod-4: 112 vCPUs,
+192 GB) and the 8-chip VM (`ct5lp-hightpu-8t`, v5litepod-8: 224 vCPUs, 384 GB) leave ample room. Colab's TPU v5e-1
+runtime: its RAM is not stated in the documentation found; check `free -g` (about 40 GB free needed).
 
 **llama-1b on one v6e**: plain torch_xla fits batch 1 (26.31 GiB) and not batch 2 (>= 35.10 GiB), both compiled at
 full size. `reversible+offload+bf16` compiles at full size to 8.01 GiB at batch 1, 8.00 GiB at batch 2 (at small
