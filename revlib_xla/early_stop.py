@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -103,10 +103,8 @@ class DeferredSaves:
         k = 0
         total = len(self.slots)
 
-        def fill(t: torch.Tensor) -> None:
+        def fill(t: torch.Tensor) -> None:  # the recomputation's pack hook; _Stop at the last slot
             nonlocal k
-            if k >= total:  # pragma: no cover - _Stop is raised at the last one
-                raise RecomputationMismatch(f"{self.where}: its recomputation saved more tensors than its first run")
             slot = self.slots[k]()
             if slot is not None:
                 if slot.meta != _meta(t):
@@ -119,7 +117,8 @@ class DeferredSaves:
             if k == total:
                 raise _Stop
 
-        with contextlib.suppress(_Stop), _filling(fill), torch.enable_grad():
+        hooks = torch.autograd.graph.saved_tensors_hooks(fill, _never_unpacked)
+        with contextlib.suppress(_Stop), hooks, torch.enable_grad():
             self.recompute()
             raise RecomputationMismatch(
                 f"{self.where}: its recomputation saved {k} tensors for the backward, its first run {total}; "
@@ -127,16 +126,8 @@ class DeferredSaves:
             )
 
 
-@contextlib.contextmanager
-def _filling(fill: Callable[[torch.Tensor], None]) -> Iterator[None]:
-    def pack(t: torch.Tensor) -> None:
-        fill(t)
-
-    def unpack(_: None) -> torch.Tensor:  # pragma: no cover - the recomputation's own graph is never run
-        raise RuntimeError("a recomputation's own graph has no saved tensors")
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+def _never_unpacked(_: None) -> torch.Tensor:  # pragma: no cover - the recomputation's own graph is never run
+    raise RuntimeError("a recomputation's own graph has no saved tensors")
 
 
 def _describe(meta: tuple[torch.Size, torch.dtype, torch.device]) -> str:

@@ -129,9 +129,9 @@ class _Structure:
 
 def deferred_runs(schedule: Schedule) -> dict[int, int]:
     """The ``CF`` operations (their positions in ``schedule.ops``, with their stage) whose stage's next run is its
-    last recomputation, ``Fe_i`` immediately followed by ``B_i`` (plain option), with x_i stored in between: no
-    ``Fn_i``, ``Fr_i``, ``WM_i``, ``B_i`` or ``Br_{i-1}`` drops it. Such a ``CF_i`` (in the forward phase or a
-    recomputation in the backward phase) builds the stage's graph without keeping activations, its input being
+    last recomputation, ``Fe_i`` immediately followed by ``B_i`` (plain option), with x_i stored in between (no
+    ``WM_i`` or ``Br_{i-1}`` drops it; no other run of stage i comes between). Such a ``CF_i`` (in the forward phase
+    or a recomputation in the backward phase) builds the stage's graph without keeping activations, its input being
     live anyway until ``B_i``, and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what
     it reads (:mod:`revlib_xla.early_stop`): the stage's output is not needed there, nothing after ``B_i`` reads
     x_{i+1}."""
@@ -146,8 +146,8 @@ def deferred_runs(schedule: Schedule) -> dict[int, int]:
         last = next((p for p in range(k - 2, -1, -1) if ops[p].index == i and ops[p].kind in runs), None)
         if last is None or ops[last].kind is not OpKind.CF:
             continue
-        drops = {Op(OpKind.WM, i)}
-        if not any(o in drops or (o.kind is OpKind.BR and o.index == i - 1) for o in ops[last + 1 : k - 1]):
+        between = ops[last + 1 : k - 1]
+        if not any(o == Op(OpKind.WM, i) or (o.kind is OpKind.BR and o.index == i - 1) for o in between):
             found[last] = i
     return found
 
@@ -302,17 +302,21 @@ class _Run:
             del x
             self.x[i + 1] = out
             return
-        # The model's input needs a gradient only where the caller's tensor does.
-        inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
+        inp = self._leaves(i, x)
         del x
         with torch.enable_grad():
             out = self._call(i, inp, recompute=recompute, option=option)
         self.xbar[i + 1] = (inp, out)
 
+    def _leaves(self, i: int, x: Any) -> Any:
+        """x_i as the input of stage i run with autograd; the model's input needs a gradient only where the
+        caller's tensor does."""
+        return grad_leaves(x, self.input_needs_grad if i == 0 else None)
+
     def _first_run_deferred(self, i: int, x: Any, recompute: bool) -> None:
         """``CF_i`` before stage i's last recomputation (:func:`deferred_runs`): its graph without activations,
         kept for its backward; x_{i+1} as ``CF_i`` leaves it."""
-        inp = grad_leaves(x, self.input_needs_grad if i == 0 else None)
+        inp = self._leaves(i, x)
         del x
         saves = DeferredSaves(f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
         with torch.enable_grad(), saves.recording():
@@ -326,7 +330,7 @@ class _Run:
 
     def _recompute(self, i: int, x: Any) -> None:
         """Stage i run again from x_i for its deferred graph's slots (stopped at the last one)."""
-        self._call(i, grad_leaves(x, self.input_needs_grad if i == 0 else None), recompute=True)
+        self._call(i, self._leaves(i, x), recompute=True)
 
     def free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
