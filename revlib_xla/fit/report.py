@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
 from ..tpu_compile import slice_topology
@@ -36,6 +36,7 @@ from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 __all__ = [
     "FitReport",
     "StepDoesNotFit",
+    "compile_or_refuse",
     "fit_report",
     "compile_steps",
     "format_table",
@@ -142,6 +143,30 @@ class StepDoesNotFit(Exception):
         return FitReport(
             chip, label, batch, None, self.at_least, self.parameters, self.optimizer, 0, 0, None, 0, PLANNER_SOURCE
         )
+
+
+def compile_or_refuse(
+    tracers: Sequence[Callable[[], TracedStep]],
+    chip: Chip,
+    labels: Sequence[str],
+    batches: Sequence[int],
+    compile_fn: Callable[[list[TracedStep], Chip, list[str], list[int]], list[FitReport]],
+) -> list[FitReport]:
+    """Each step traced (``tracers``) and compiled together by ``compile_fn``, its report in its place; a step
+    whose tracing refuses it (:class:`StepDoesNotFit`: e.g. no checkpointing plan fits) is reported as not fitting,
+    without compiling."""
+    reports: dict[int, FitReport] = {}
+    traced, kept = [], []
+    for k, trace in enumerate(tracers):
+        try:
+            traced.append(trace())
+            kept.append(k)
+        except StepDoesNotFit as refused:
+            reports[k] = refused.report(chip, labels[k], batches[k])
+    if kept:
+        made = compile_fn(traced, chip, [labels[k] for k in kept], [batches[k] for k in kept])
+        reports.update(zip(kept, made))
+    return [reports[k] for k in range(len(tracers))]
 
 
 def fit_report(

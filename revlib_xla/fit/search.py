@@ -13,10 +13,11 @@ compiled twice, and the compile cache (:func:`revlib_xla.memory.tpu_memory`) mak
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from .chips import Chip
-from .report import FitReport, StepDoesNotFit, compile_steps
+from .report import FitReport, compile_or_refuse, compile_steps
 from .trace import TracedStep
 
 __all__ = ["BatchSearch", "max_batch"]
@@ -75,16 +76,9 @@ def max_batch(
     reports: dict[int, FitReport] = {}
 
     def compile_batches(batches: set[int]) -> None:
-        todo, traced = [], []
-        for b in sorted(b for b in batches if b not in reports and 1 <= b <= limit):
-            try:
-                traced.append(trace_at(b))
-                todo.append(b)
-            except StepDoesNotFit as refused:  # e.g. no checkpointing plan fits: known without compiling
-                reports[b] = refused.report(chip, label, b)
-        if todo:
-            made = compile_fn(traced, chip, [label] * len(todo), todo)
-            reports.update(zip(todo, made))
+        todo = sorted(b for b in batches if b not in reports and 1 <= b <= limit)
+        tracers = [functools.partial(trace_at, b) for b in todo]
+        reports.update(zip(todo, compile_or_refuse(tracers, chip, [label] * len(todo), todo, compile_fn)))
 
     compile_batches({1, min(2, limit)})
     while True:

@@ -10,6 +10,7 @@ The step is exactly the one ``revlib-xla train`` runs: the model of :func:`revli
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from .chips import Chip
-from .report import FitReport, StepDoesNotFit, compile_steps
+from .report import FitReport, StepDoesNotFit, compile_or_refuse, compile_steps
 from .search import BatchSearch, max_batch
 from .trace import TracedStep, trace_step
 
@@ -170,8 +171,8 @@ def _does_not_fit(cfg: Any, exc: Any) -> StepDoesNotFit:
 
     count = train_strategy.params_per_chip(cfg)
     held = count * train_strategy.state_bytes_per_param(cfg)
-    parameters = count * (2 if cfg.strategy.param_dtype == "bf16" else 4)
-    optimizer = 0 if cfg.strategy.offload.optimizer else 8 * count
+    parameters = count * train_strategy.weight_bytes_per_param(cfg)
+    optimizer = count * train_strategy.optimizer_bytes_per_param(cfg)
     return StepDoesNotFit(str(exc), held + int(exc.minimum), parameters, optimizer)
 
 
@@ -180,19 +181,9 @@ def size_strategies(
 ) -> list[FitReport]:
     """Each strategy's step at the config's batch, compiled for ``chip`` (one compiler process for all)."""
     configs = [load(config, overrides, s) for s in strategies]
-    reports: dict[int, FitReport] = {}
-    traced, compiled = [], []
-    for k, cfg in enumerate(configs):
-        try:
-            traced.append(trace_config(cfg))
-            compiled.append(k)
-        except StepDoesNotFit as refused:
-            reports[k] = refused.report(chip, strategies[k].name, cfg.data.batch_size)
-    made = compile_steps(
-        traced, chip, [strategies[k].name for k in compiled], [configs[k].data.batch_size for k in compiled]
-    )
-    reports.update(zip(compiled, made))
-    return [reports[k] for k in range(len(configs))]
+    tracers = [functools.partial(trace_config, cfg) for cfg in configs]
+    labels, batches = [s.name for s in strategies], [cfg.data.batch_size for cfg in configs]
+    return compile_or_refuse(tracers, chip, labels, batches, compile_steps)
 
 
 def search_strategies(

@@ -58,6 +58,8 @@ __all__ = [
     "LanguageModel",
     "lm_loss",
     "state_bytes_per_param",
+    "weight_bytes_per_param",
+    "optimizer_bytes_per_param",
     "plan_budget",
     "param_count",
     "params_per_chip",
@@ -258,11 +260,19 @@ def compute_device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def weight_bytes_per_param(cfg: RunConfig) -> int:
+    """Device bytes of a weight (and of its gradient): float32, or bfloat16 with ``param_dtype=bf16``."""
+    return 2 if cfg.strategy.param_dtype == "bf16" else 4
+
+
+def optimizer_bytes_per_param(cfg: RunConfig) -> int:
+    """Device bytes of AdamW's two float32 moments per parameter; none when the optimizer state is offloaded."""
+    return 0 if cfg.strategy.offload.optimizer else 8
+
+
 def state_bytes_per_param(cfg: RunConfig) -> int:
-    """Device bytes per parameter outside the activations: weight and gradient (float32, or bfloat16 with
-    ``param_dtype=bf16``), and AdamW's two float32 moments unless the optimizer state is offloaded."""
-    held = 4 if cfg.strategy.param_dtype == "bf16" else 8
-    return held if cfg.strategy.offload.optimizer else held + 8
+    """Device bytes per parameter outside the activations: weight and gradient, and the optimizer state."""
+    return 2 * weight_bytes_per_param(cfg) + optimizer_bytes_per_param(cfg)
 
 
 def loss_chunk(cfg: RunConfig, sharded: bool = False) -> int:
