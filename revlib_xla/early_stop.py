@@ -88,12 +88,14 @@ class DeferredSaves:
                     f"does not compute the same thing twice. Keep this stage's activations instead of recomputing "
                     f"it (e.g. a schedule that runs it with Fe in the forward phase)"
                 )
-            self._fill()
+            self.fill()
         value = slot.value
         assert value is not None
         return value
 
-    def _fill(self) -> None:
+    def fill(self) -> None:
+        """Run the recomputation, filling the slots, up to the last one: what the backward's first read of a
+        slot does (called directly, it times that recomputation)."""
         if self.recompute is None:
             raise RuntimeError(
                 f"{self.where}: its backward ran before the engine set up its recomputation (an internal error); "

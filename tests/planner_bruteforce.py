@@ -53,7 +53,9 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
 
     ``chains`` holds ``cw`` [B, L+2] (x_{L+1} padded with 0), ``fw`` [B, L], ``ftmp`` [B, L], per-option
     ``ofw``, ``obw``, ``ocbw``, ``oftmp``, ``obtmp`` [B, L+1, K] (ofw infinite where a stage lacks the option;
-    the loss is stage L), ``rev`` [B, L] bool, ``inv`` [B, L], ``off`` [B, L] (infinite: not allowed).
+    the loss is stage L), ``rev`` [B, L] bool, ``inv`` [B, L], ``off`` [B, L] (infinite: not allowed), and
+    optionally ``sfw`` [B, L]: the time of a plain ``Fe_i`` directly followed by ``B_i`` whose stage's run before
+    was a ``CF_i``, its input never offloaded or dropped since (a recomputation that stops early).
     """
     cw = chains["cw"]
     batch = cw.shape[0]
@@ -66,6 +68,8 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
     owned = {("x", 0)}
     host = set()
     held = set()  # x_{i+1} after Fr_i, needed by Br_i
+    previous: dict[int, str] = {}  # stage -> the kind of its latest run
+    moved = set()  # stages whose input was written to the host or dropped by a Br since their latest run
     live[("d", n + 1)] = np.zeros(batch)
 
     def put(key, size):
@@ -78,7 +82,22 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
         nonlocal level
         level = level - live.pop(key)
 
-    for kind, i, c in ops:
+    for k, (kind, i, c) in enumerate(ops):
+        stops = (
+            kind == "Fe"
+            and c == 0
+            and tuple(ops[k + 1 : k + 2]) == (("B", i, 0),)
+            and previous.get(i) == "CF"
+            and i not in moved
+            and "sfw" in chains
+        )
+        if kind in ("Fn", "CF", "Fr", "Fe", "Br", "B"):
+            previous[i] = kind
+            moved.discard(i)
+        if kind == "WM":
+            moved.add(i)
+        if kind == "Br":
+            moved.add(i + 1)
         if kind in ("Fn", "CF", "Fr"):
             assert ("x", i) in live or ("xb", i) in live
             peak = np.maximum(peak, level + cw[:, i + 1] + chains["ftmp"][:, i])
@@ -96,7 +115,7 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
             size = chains["ocbw"][:, i, c]
             peak = np.maximum(peak, level + size + chains["oftmp"][:, i, c])
             put(("xb", i + 1), size)
-            time = time + chains["ofw"][:, i, c]
+            time = time + (chains["sfw"][:, i] if stops else chains["ofw"][:, i, c])
         elif kind in ("B", "L"):
             peak = np.maximum(peak, level + cw[:, i] + chains["obtmp"][:, i, c])
             if kind == "B":

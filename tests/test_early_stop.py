@@ -221,6 +221,53 @@ def test_lazy_devices_recompute_whole_stages(device):
     planned(x).sum().backward()
     backend.sync(device)
     assert Counted.calls == expected
+    if expected == 8:  # the planner prices what the executor does (times on eager devices: the fake clock's test)
+        assert planned.chain.stopped_fw == planned.chain.fw
+
+
+class _Clock:
+    """A stand-in for ``time.perf_counter`` that only the measured stage advances."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class _Timed(nn.Module):
+    """A stage that takes 1 unit of the fake clock up to its last saved tensor (tanh's result) and 10 after it."""
+
+    def __init__(self, clock: _Clock) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.clock = clock
+
+    def forward(self, x):
+        self.clock.now += 1
+        h = torch.tanh(self.lin(x))
+        self.clock.now += 10  # e.g. an output projection of a layer whose backward reads nothing of it
+        return h + 1  # saves nothing
+
+
+def test_the_planner_prices_a_recomputation_stopped_at_its_last_save(monkeypatch):
+    """``stopped_fw`` is the stage's forward time scaled by the share its stopped recomputation runs (1 unit of
+    11 here, with a clock only the stage advances); a stage with a forward hook, which the executor recomputes in
+    full, is priced in full; the solver's makespan counts the stopped runs."""
+    import revlib_xla.planner.measure as measure
+
+    clock = _Clock()
+    monkeypatch.setattr(measure, "time", clock)
+    stages = nn.Sequential(_Timed(clock), _Timed(clock))
+    chain = revlib.planner.measure_chain(list(stages), torch.randn(3, 4)).chain
+    assert chain.fw == (11.0, 11.0)
+    assert chain.stopped_fw == pytest.approx((1.0, 1.0))
+    ops = _every_block_checkpointed(2)
+    assert simulate(chain, ops)[0] == pytest.approx(2 * 11 + 2 * 1 + sum(chain.bw))
+
+    stages[1].register_forward_hook(lambda *args: None)
+    chain = revlib.planner.measure_chain(list(stages), torch.randn(3, 4)).chain
+    assert chain.stopped_fw == pytest.approx((1.0, 11.0))
 
 
 def test_double_backward_with_running_statistics_equals_plain_autograd():

@@ -75,24 +75,24 @@ def random_chain(rng, length, extended=False, options=1):
             ]
             for i in range(length)
         ]
-    return Chain(
-        [rng.randint(1, 5) for _ in range(length)],
-        [rng.randint(1, 8) for _ in range(length + 1)],
-        cw,
-        cbw,
-        [rng.randint(0, 2) for _ in range(length)],
-        [rng.randint(0, 2) for _ in range(length + 1)],
-        **kw,
-    )
+    fw = [rng.randint(1, 5) for _ in range(length)]
+    bw = [rng.randint(1, 8) for _ in range(length + 1)]
+    fwd_tmp = [rng.randint(0, 2) for _ in range(length)]
+    bwd_tmp = [rng.randint(0, 2) for _ in range(length + 1)]
+    # Recomputations that stop early (revlib_xla.early_stop) skip up to the whole forward.
+    kw["stopped_fw"] = [f - rng.randint(0, f) for f in fw]
+    return Chain(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, **kw)
 
 
 def as_arrays(chains, options):
     """The chains in the brute force's batched layout."""
     n = chains[0].length
-    out = {key: [] for key in ("cw", "fw", "ftmp", "ofw", "obw", "ocbw", "oftmp", "obtmp", "rev", "inv", "off")}
+    keys = ("cw", "fw", "sfw", "ftmp", "ofw", "obw", "ocbw", "oftmp", "obtmp", "rev", "inv", "off")
+    out = {key: [] for key in keys}
     for chain in chains:
         out["cw"].append(list(chain.cw) + [0])
         out["fw"].append(list(chain.fw))
+        out["sfw"].append(list(chain.stopped_fw))
         out["ftmp"].append(list(chain.fwd_tmp))
         table = {key: np.zeros((n + 1, options)) for key in ("ofw", "obw", "ocbw", "oftmp", "obtmp")}
         table["ofw"][:] = np.inf

@@ -28,6 +28,7 @@ from revlib_xla.planner import (
     min_memory,
     no_checkpoint_memory,
     plan,
+    simulate,
     solve,
 )
 from revlib_xla.planner.execute import deferrable_stages
@@ -155,6 +156,32 @@ def test_simulator_and_executor_agree_for_every_operation_kind(monkeypatch):
                 assert live == modelled, (str(schedule), str(op))
                 assert held == level, (str(schedule), str(op))
     assert seen == set(OpKind) and stopped_early
+
+
+def test_the_cost_model_prices_early_stopped_recomputations_where_the_executor_stops():
+    """``Fe_i`` costs ``stopped_fw[i]`` where it is stage i's last recomputation right after a ``CF_i`` with x_i
+    stored meanwhile (the executor's deferred runs), and ``fw[i]`` elsewhere: after an offload of x_i, after
+    ``Fn_i``, or not followed by ``B_i``."""
+    from revlib_xla.planner import early_stops
+    from revlib_xla.planner.execute import deferred_runs
+
+    chain = Chain(
+        [4, 8, 16], [1, 2, 3, 0], [1, 1, 1, 1], [0, 2, 2, 2], [0, 0, 0], [0, 0, 0, 0], stopped_fw=[3, 5, 9]
+    ).with_bandwidth(1.0, stages=[1])  # each transfer of x_1 costs 1
+    ops = [Op(k, i) for k, i in [("CF", 0), ("CF", 1), ("WM", 1), ("Fn", 2), ("L", 3), ("RM", 1)]]
+    ops += [Op(k, i) for k, i in [("Fe", 1), ("Fe", 2), ("B", 2), ("B", 1), ("Fe", 0), ("B", 0)]]
+    assert early_stops(ops) == {10: 0}  # Fe_0 stops (its CF_0 at position 0); Fe_1 follows WM_1, Fe_2 an Fn_2
+    schedule = Schedule(tuple(ops), *simulate(chain, ops), chain)
+    assert deferred_runs(schedule) == {0: 0}
+    forward = 4 + 8 + 16
+    assert schedule.makespan == forward + 2 + (8 + 16) + (3 + 2 + 1) + 3
+    # The same schedule with x_1 kept on the device: Fe_1 is still not stage 1's last run before its B_1.
+    kept = [op for op in ops if op.kind not in (OpKind.WM, OpKind.RM)]
+    assert early_stops(kept) == {8: 0}
+    # Every stage checkpointed, HF's way: every recomputation stops.
+    hf = [Op("CF", i) for i in range(3)] + [Op("L", 3)] + [op for i in (2, 1, 0) for op in (Op("Fe", i), Op("B", i))]
+    assert sorted(early_stops(hf)) == [4, 6, 8]
+    assert simulate(chain, hf)[0] == forward + (3 + 5 + 9) + (1 + 2 + 3)
 
 
 def test_operation_kinds_are_an_enum_with_one_row_each():

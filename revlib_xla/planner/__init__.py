@@ -14,7 +14,19 @@
 
 from .chain import Chain, StageOption
 from .execute import ScheduleExecutor, check_schedule, run_schedule
-from .schedule import KINDS, OPERATIONS, Op, Operation, OpKind, Schedule, ScheduleError, Simulation, ValueKind, simulate
+from .schedule import (
+    KINDS,
+    OPERATIONS,
+    Op,
+    Operation,
+    OpKind,
+    Schedule,
+    ScheduleError,
+    Simulation,
+    ValueKind,
+    early_stops,
+    simulate,
+)
 from .sizing import MeasuredChain, Sizing, fit_budget, measure_chain
 from .solver import InfeasibleBudget, min_memory, no_checkpoint_memory, plan, solve
 from .stages import atomic, flatten_sequential
@@ -31,6 +43,7 @@ __all__ = [
     "ScheduleError",
     "Simulation",
     "simulate",
+    "early_stops",
     "KINDS",
     "solve",
     "plan",

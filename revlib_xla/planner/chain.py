@@ -15,6 +15,8 @@ field       entries  meaning
 ``fwd_tmp`` L        transient memory of stage i's forward, above its output
 ``grad_fwd_tmp`` L   transient memory of stage i's forward with autograd, above x̄_{i+1} (default: ``fwd_tmp``)
 ``bwd_tmp`` L+1      transient memory of stage i's backward, above its input gradient and x̄_{i+1}
+``stopped_fw`` L     time of stage i's last recomputation where it stops at its last saved tensor (default:
+                     ``fw``; see below)
 =========== ======== =========================================================================================
 
 Beyond rotor, a stage may offer more ways to run:
@@ -26,6 +28,10 @@ Beyond rotor, a stage may offer more ways to run:
   costs that time (``None``: not allowed). :meth:`Chain.with_bandwidth` derives it from a bandwidth.
 * ``options[i]``: alternative ways to run stage i with autograd (few-bit or low-precision saved activations),
   each with its own times and sizes; the plan picks per stage.
+* ``stopped_fw[i]``: where stage i's input stays stored from a ``CF_i`` to its last recomputation ``Fe_i B_i``,
+  the executor stops that recomputation at the last tensor the backward reads (:mod:`revlib_xla.early_stop`: a
+  Llama layer's ``down_proj`` is not run again), so that ``Fe_i`` costs ``stopped_fw[i]``, not ``fw[i]``
+  (:func:`~revlib_xla.planner.schedule.early_stops` finds those ``Fe``; at most ``fw[i]``).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class Chain:
     names: tuple[str, ...]
     #: None: the forward with autograd has ``fwd_tmp`` too (:meth:`stage_options` reads it either way).
     grad_fwd_tmp: tuple[float, ...] | None
+    stopped_fw: tuple[float, ...]
 
     def __init__(
         self,
@@ -100,6 +107,7 @@ class Chain:
         options: Sequence[Sequence[StageOption]] | None = None,
         names: Sequence[str] | None = None,
         grad_fwd_tmp: Sequence[float] | None = None,
+        stopped_fw: Sequence[float] | None = None,
     ) -> None:
         length = len(tuple(fw))
         if length < 1:
@@ -145,6 +153,14 @@ class Chain:
         object.__setattr__(self, "names", stage_names)
         grad_tmp = None if grad_fwd_tmp is None else _floats("grad_fwd_tmp", grad_fwd_tmp, length)
         object.__setattr__(self, "grad_fwd_tmp", grad_tmp)
+        stopped = fields["fw"] if stopped_fw is None else _floats("stopped_fw", stopped_fw, length)
+        for i, (s, f) in enumerate(zip(stopped, fields["fw"])):
+            if s > f:
+                raise ValueError(
+                    f"Chain: stopped_fw[{i}] = {s} > fw[{i}] = {f}: a recomputation stopped early runs a part "
+                    f"of the forward"
+                )
+        object.__setattr__(self, "stopped_fw", stopped)
         for i in range(length):
             if self.cbw[i + 1] < self.cw[i + 1]:
                 raise ValueError(
@@ -167,7 +183,8 @@ class Chain:
         return self.replace(offload_time=off)
 
     def replace(self, **changes: Any) -> Chain:
-        """A copy with some fields changed (same keywords as the constructor)."""
+        """A copy with some fields changed (same keywords as the constructor). New forward times ``fw`` without
+        ``stopped_fw`` reset it to them (the old ones describe other forwards)."""
         fields: dict[str, Any] = dict(
             fw=self.fw,
             bw=self.bw,
@@ -181,7 +198,10 @@ class Chain:
             options=self.options,
             names=self.names,
             grad_fwd_tmp=self.grad_fwd_tmp,
+            stopped_fw=self.stopped_fw,
         )
+        if "fw" in changes and "stopped_fw" not in changes:
+            fields["stopped_fw"] = None
         fields.update(changes)
         return Chain(**fields)
 

@@ -31,10 +31,18 @@ from ..early_stop import DeferredSaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 from .chain import Chain
 from .measure import grad_leaves
-from .schedule import OPERATIONS, Op, OpKind, Schedule, ScheduleError, Value, ValueKind, simulate
+from .schedule import OPERATIONS, OpKind, Schedule, ScheduleError, Value, ValueKind, early_stops, simulate
 from .stages import check_one_input, flatten_sequential, inverse_of
 
-__all__ = ["ScheduleExecutor", "StagesToRun", "run_schedule", "check_schedule", "deferred_runs", "deferrable_stages"]
+__all__ = [
+    "ScheduleExecutor",
+    "StagesToRun",
+    "run_schedule",
+    "check_schedule",
+    "deferred_runs",
+    "deferrable_stages",
+    "stops_early",
+]
 
 _NO_CONTEXT = contextlib.nullcontext()
 
@@ -128,28 +136,9 @@ class _Structure:
 
 
 def deferred_runs(schedule: Schedule) -> dict[int, int]:
-    """The ``CF`` operations (their positions in ``schedule.ops``, with their stage) whose stage's next run is its
-    last recomputation, ``Fe_i`` immediately followed by ``B_i`` (plain option), with x_i stored in between (no
-    ``WM_i`` or ``Br_{i-1}`` drops it; no other run of stage i comes between). Such a ``CF_i`` (in the forward phase
-    or a recomputation in the backward phase) builds the stage's graph without keeping activations, its input being
-    live anyway until ``B_i``, and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what
-    it reads (:mod:`revlib_xla.early_stop`): the stage's output is not needed there, nothing after ``B_i`` reads
-    x_{i+1}."""
-    ops = list(schedule.ops)
-    runs = (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
-    found: dict[int, int] = {}
-    for k in range(2, len(ops)):
-        op, before = ops[k], ops[k - 1]
-        i = op.index
-        if not (op.kind is OpKind.B and op.option == 0 and before == Op(OpKind.FE, i)):
-            continue
-        last = next((p for p in range(k - 2, -1, -1) if ops[p].index == i and ops[p].kind in runs), None)
-        if last is None or ops[last].kind is not OpKind.CF:
-            continue
-        between = ops[last + 1 : k - 1]
-        if not any(o == Op(OpKind.WM, i) or (o.kind is OpKind.BR and o.index == i - 1) for o in between):
-            found[last] = i
-    return found
+    """The ``CF`` operations that build their stage's graph for a last recomputation that stops early
+    (:func:`~revlib_xla.planner.schedule.early_stops`), as {position in ``schedule.ops``: stage}."""
+    return {cf: schedule.ops[cf].index for cf in early_stops(schedule.ops).values()}
 
 
 def deferrable_stages(schedule: Schedule) -> set[int]:
@@ -157,11 +146,12 @@ def deferrable_stages(schedule: Schedule) -> set[int]:
     return set(deferred_runs(schedule).values())
 
 
-def _can_stop_early(stage: nn.Module) -> bool:
-    """Whether a stage's recomputation may be stopped midway: not where a module's forward hooks would miss their
-    forward's end, or FSDP2 units their reshard."""
+def stops_early(stage: nn.Module) -> bool:
+    """Whether the executor stops this stage's last recomputation at the last tensor its backward reads, on an
+    eager device: where torch's backward takes gradient edges as roots, and not where a module's forward hooks
+    would miss their forward's end, or FSDP2 units their reshard."""
     unit_type = fsdp.fsdp_module_type()
-    return not any(
+    return _EDGE_ROOTS and not any(
         m._forward_hooks or m._forward_pre_hooks or (unit_type is not None and isinstance(m, unit_type))
         for m in stage.modules()
     )
@@ -212,9 +202,7 @@ class _Run:
         # The CF operations that build their stage's graph for a recomputation stopping at the last tensor the
         # backward reads (deferred_runs, by position in the schedule), on
         # devices that run operations eagerly (set by forward_phase); their graphs from the first run.
-        self.deferrable = {
-            k: i for k, i in deferred_runs(schedule).items() if _EDGE_ROOTS and _can_stop_early(self.stages[i])
-        }
+        self.deferrable = {k: i for k, i in deferred_runs(schedule).items() if stops_early(self.stages[i])}
         self.position = 0  # of the running operation in schedule.ops
         self.stop_early = False
         self.deferred: dict[int, _Deferred] = {}

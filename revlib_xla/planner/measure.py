@@ -62,6 +62,9 @@ class StageMeasurement:
     #: the transient memory of the forward with autograd alone, above what it keeps (``fwd_tmp`` covers the
     #: forward without autograd too); None where it is not measured apart (XLA: from the compiled programs)
     grad_fwd_tmp: int | None = None
+    #: the time of the stage's last recomputation where the executor stops it at the last saved tensor
+    #: (:mod:`revlib_xla.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
+    stopped_fw: float | None = None
 
 
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -73,6 +76,37 @@ def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
         backend.sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int) -> float:
+    """The share of a stage's forward that a recomputation stopping at its last saved tensor runs
+    (:class:`~revlib_xla.early_stop.DeferredSaves`): the median time of that recomputation over the median time of
+    the run that recorded the slots, both with autograd and saved-tensor hooks, so that the share applies to the
+    plain forward's time (at most 1)."""
+    from ..early_stop import DeferredSaves, RecomputationMismatch
+
+    full, stopped = [], []
+    for _ in range(max(1, repeats)):
+        saves = DeferredSaves(f"measuring {type(stage).__name__}")
+        backend.sync(device)
+        start = time.perf_counter()
+        with torch.enable_grad(), saves.recording():
+            out = stage(grad_leaves(x))
+        backend.sync(device)
+        full.append(time.perf_counter() - start)
+        del out  # the graph and its slots: the recomputation below runs as far as it would, filling nothing
+        if not saves.count:
+            return 0.0  # the backward reads nothing: the recomputation never runs
+        saves.recompute = lambda: stage(grad_leaves(x))
+        backend.sync(device)
+        start = time.perf_counter()
+        try:
+            saves.fill()
+        except RecomputationMismatch:
+            return 1.0  # priced in full; the executor refuses such a stage where it runs (naming it)
+        backend.sync(device)
+        stopped.append(time.perf_counter() - start)
+    return min(1.0, statistics.median(stopped) / max(statistics.median(full), 1e-12))
 
 
 def _flops(fn: Callable[[], Any]) -> float:
@@ -196,11 +230,12 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def measure_stage(
-    stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False
+    stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False, early_stop: bool = True
 ) -> tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
-    autograd), the next stage's input."""
-    from .execute import _roots  # execute imports this module
+    autograd), the next stage's input. ``early_stop``: time its recomputation stopped at the last saved tensor
+    too, where the executor does that (:func:`~revlib_xla.planner.execute.stops_early`)."""
+    from .execute import _roots, stops_early  # execute imports this module
 
     tensors = list(tensor_leaves(x))
     if not tensors:
@@ -250,6 +285,7 @@ def measure_stage(
     if reversible:
         with torch.no_grad():
             inverse_time = _median_time(lambda: inverse_of(stage)(out), device, repeats)
+    stopped_fw = fw * _stopped_share(stage, x, device, repeats) if early_stop and stops_early(stage) else None
     # Parameter gradients exist before measuring (as in a training step after the first), so accumulating into
     # them is not counted; the caller's gradients are put back afterwards.
     kept_grads = [p.grad for p in params]
@@ -301,4 +337,4 @@ def measure_stage(
         for p, g in zip(params, kept_grads):
             p.grad = g
     bw = statistics.median(bw_times)
-    return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp), out
+    return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp, stopped_fw), out

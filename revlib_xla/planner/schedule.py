@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from .chain import Chain, StageOption
@@ -41,6 +41,7 @@ __all__ = [
     "Schedule",
     "Simulation",
     "simulate",
+    "early_stops",
     "ScheduleError",
     "KINDS",
 ]
@@ -120,8 +121,10 @@ class Simulation:
     will rebuild from (x_{i+1} after ``Fr_i``) is held until that ``Br``.
     """
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self, chain: Chain, stopped: Collection[int] = ()) -> None:
         self.chain = chain
+        self.stopped = frozenset(stopped)  # positions of the Fe that stop early (early_stops), priced stopped_fw
+        self.position = 0  # of the next operation
         self.cw = chain.cw + (0.0,)
         n = chain.length
         self.live: dict[Value, float] = {(ValueKind.X, 0): self.cw[0], (ValueKind.GRAD, n + 1): 0.0}
@@ -175,7 +178,9 @@ class Simulation:
         self.need(0 <= op.option < len(options), f"no option {op.option}", op)
         operation = OPERATIONS[op.kind]
         operation.simulate(self, i, op, options[op.option])
-        self.time += operation.time(self.chain, i, options[op.option])
+        stops = op.kind is OpKind.FE and self.position in self.stopped
+        self.time += self.chain.stopped_fw[i] if stops else operation.time(self.chain, i, options[op.option])
+        self.position += 1
 
     def result(self) -> tuple[float, float]:
         """The total time and the peak, once the whole schedule has run."""
@@ -463,10 +468,44 @@ class Schedule:
         return "\n".join(lines)
 
 
+def early_stops(ops: Sequence[Op]) -> dict[int, int]:
+    """The recomputations that stop at the last tensor their backward reads (:mod:`revlib_xla.early_stop`), as
+    {position of ``Fe_i``: position of the ``CF_i`` that builds its graph}, positions in ``ops``.
+
+    Such an ``Fe_i`` is stage i's last recomputation, immediately followed by ``B_i`` (plain option), and stage i's
+    run before it is a ``CF_i`` with x_i stored in between (no ``WM_i`` or ``Br_{i-1}`` drops it): that ``CF_i``
+    builds the stage's graph without keeping activations, its input being live anyway until ``B_i``, and the pair
+    ``Fe_i B_i`` becomes the backward of that graph, recomputing only what it reads: nothing after ``B_i`` reads
+    x_{i+1}, so the recomputation need not produce it."""
+    runs = (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
+    found: dict[int, int] = {}
+    last_run: dict[int, int] = {}  # stage -> position of its latest run
+    dropped: set[int] = set()  # stages whose stored input left the device (or a Br dropped it) since that run
+    for k, op in enumerate(ops):
+        i = op.index
+        if op.kind is OpKind.WM:
+            dropped.add(i)
+        elif op.kind is OpKind.BR:
+            dropped.add(i + 1)
+        if (
+            op == Op(OpKind.FE, i)
+            and k + 1 < len(ops)
+            and ops[k + 1] == Op(OpKind.B, i)
+            and i in last_run
+            and ops[last_run[i]].kind is OpKind.CF
+            and i not in dropped
+        ):
+            found[k] = last_run[i]
+        if op.kind in runs:
+            last_run[i] = k
+            dropped.discard(i)
+    return found
+
+
 def simulate(chain: Chain, ops: Sequence[Op]) -> tuple[float, float]:
     """Run ``ops`` on the cost model (:class:`Simulation`): the total time and the peak memory (x_0 counted), or
-    :class:`ScheduleError`."""
-    sim = Simulation(chain)
+    :class:`ScheduleError`. ``Fe`` operations that stop early (:func:`early_stops`) cost ``stopped_fw``."""
+    sim = Simulation(chain, early_stops(ops))
     for op in ops:
         sim.step(op)
     return sim.result()

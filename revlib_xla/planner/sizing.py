@@ -100,7 +100,7 @@ def measure_chain(
             except Exception as exc:
                 raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}") from exc
             for (name, _), module in zip(options.get(i, []), alternatives):
-                alt, _ = measure_stage(module, x)
+                alt, _ = measure_stage(module, x, early_stop=False)  # options run only as Fe, in full
                 cbw = max(alt.cbw, value_bytes(out))
                 opts.append(StageOption(name, alt.fw, alt.bw, cbw, _with_autograd(alt), alt.bwd_tmp))
         stage_options.append(opts)
@@ -126,6 +126,7 @@ def measure_chain(
         options=stage_options,
         names=[type(s).__name__ for s in stages],
         grad_fwd_tmp=[_with_autograd(m) for m in measured],
+        stopped_fw=[m.fw if m.stopped_fw is None else m.stopped_fw for m in measured],
     )
     if sizing.offload_bandwidth:
         chain = chain.with_bandwidth(sizing.offload_bandwidth, stages=range(1, n))

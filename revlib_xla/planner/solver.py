@@ -4,7 +4,8 @@
 loss) with ``m`` memory slots free, x_i held outside them and the gradient of x_{l+1} inside them. A persistent
 schedule for ``[i, l]`` is one of:
 
-* base (``i == l``): ``Fe_i B_i`` (or the loss ``L``);
+* base (``i == l``): ``Fe_i B_i`` (or the loss ``L``); right after ``CF_i`` (the earlier segment of a leaf at
+  ``j = i + 1``), the plain ``Fe_i`` stops early and costs ``stopped_fw[i]`` (:func:`~.schedule.early_stops`);
 * chain: ``Fe_i``, then ``[i+1, l]`` with ``m - |x̄_{i+1}|``, then ``B_i``;
 * leaf at ``j`` (``i < j <= l``): ``CF_i Fn_{i+1} .. Fn_{j-1}``, then ``[j, l]`` with ``m - |x_j|``, then
   ``[i, j-1]`` with ``m``;
@@ -55,6 +56,7 @@ class _Arrays:
         size = lambda v: rounding(v / unit)
         self.cw = torch.tensor([size(v) for v in chain.cw] + [0], dtype=torch.float64)
         self.fw = torch.tensor(list(chain.fw) + [0.0], dtype=torch.float64)
+        self.sfw = torch.tensor(list(chain.stopped_fw) + [0.0], dtype=torch.float64)
         self.ftmp = torch.tensor([size(v) for v in chain.fwd_tmp] + [0], dtype=torch.float64)
         self.rev = torch.tensor(list(chain.reversible) + [False])
         self.inv = torch.tensor(list(chain.inverse_time) + [0.0], dtype=torch.float64)
@@ -88,11 +90,16 @@ class _Arrays:
         self.fmax_list = self.fmax.tolist()
         self.lists = {
             name: getattr(self, name).tolist()
-            for name in ("cw", "fw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")
+            for name in ("cw", "fw", "sfw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")
         }
 
     # What an operation needs of segment [i, l]'s budget (x_i held outside it), for stage i's option c. The tables
     # compute the same for all i and m at once.
+    def base_time(self, i: int, c: int, after_cf: bool) -> float:
+        """``Fe_i B_i`` with option c; right after ``CF_i`` the plain ``Fe_i`` stops early."""
+        fw = self.lists["sfw"][i] if after_cf and c == 0 else self.lists["ofw"][i][c]
+        return fw + self.lists["obw"][i][c]
+
     def fe_b_need(self, i: int, l: int, c: int) -> float:
         """``Fe_i`` with the gradient of x_{l+1} held, then ``B_i`` (the base case when ``l == i``)."""
         cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
@@ -126,7 +133,8 @@ def _shifted(values: torch.Tensor, shift: torch.Tensor, slots: int) -> torch.Ten
 
 
 class _Tables:
-    """Opt for inputs that can be freed (``free``) and that cannot (``kept``), indexed ``[l - i, i, m]``.
+    """Opt for inputs that can be freed (``free``) and that cannot (``kept``), indexed ``[l - i, i, m]``, and the
+    base case run right after ``CF_i`` (``after_cf[i, m]``: its plain ``Fe_i`` stops early).
 
     Only values are stored; :func:`_rebuild` finds the choices again for the few states a schedule visits. Besides
     ``free``, two copies make every operand of the leaf candidate a strided view with no copy: ``free`` shifted by
@@ -158,9 +166,14 @@ class _Tables:
         # Base: Fe_i B_i (the loss for i = L).
         i = torch.arange(n + 1)
         need = torch.maximum(a.cw[i + 1, None] + a.oxb + a.oft, a.cw[i, None] + a.cw[i + 1, None] + a.oxb + a.obt)
+        unfit_base = m < need.to(dtype).unsqueeze(-1)
         vals = (a.ofw + a.obw).to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
-        best = vals.masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
+        best = vals.masked_fill_(unfit_base, _INF).amin(dim=1)
         store(0, best, best)
+        stopped = (a.ofw + a.obw).clone()
+        stopped[:, 0] = a.sfw + a.obw[:, 0]
+        vals = stopped.to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
+        self.after_cf = vals.masked_fill_(unfit_base, _INF).amin(dim=1)
 
         for d in range(1, n + 1):
             count = n + 1 - d
@@ -173,7 +186,10 @@ class _Tables:
             fwd = (a.prefix[j] - a.prefix[i, None]).to(dtype).unsqueeze(-1)
             unfit = m < (a.cw[l + 1, None] + a.fmax[i[:, None], j]).to(dtype).unsqueeze(-1)
             base = (later + fwd).masked_fill_(unfit, _INF)
-            best_free = (base + rfree.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
+            leaf = base + rfree.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)
+            # j = i + 1: the earlier segment is stage i's base case right after CF_i.
+            leaf[:, -1] = base[:, -1] + self.after_cf[:count]
+            best_free = leaf.amin(dim=1)
             # Chain: Fe_i (option c), [i+1, l] with m - |x̄_{i+1}|, B_i.
             after = _shifted(self.kept[d - 1, 1 : count + 1].unsqueeze(1), a.oxb[i].to(dtype), s)
             need = torch.maximum(
@@ -184,8 +200,9 @@ class _Tables:
             best_free = torch.minimum(best_free, chain_best)
             best_kept = best_free
             if extended:
-                leaf_kept = (base + rkept.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)).amin(dim=1)
-                best_kept = torch.minimum(leaf_kept, chain_best)
+                leaf_kept = base + rkept.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)
+                leaf_kept[:, -1] = leaf[:, -1]
+                best_kept = torch.minimum(leaf_kept.amin(dim=1), chain_best)
                 # Reversible: Fr_i, [i+1, l] with m + |x_i| - |x_{i+1}|, Br_i (option c).
                 sub = _shifted(self.free[d - 1, 1 : count + 1], (a.cw[i + 1] - a.cw[i]).to(dtype), s).unsqueeze(1)
                 need = torch.maximum(
@@ -206,19 +223,23 @@ class _Tables:
                     best_free = torch.minimum(best_free, moved.amin(dim=1))
             store(d, best_free, best_kept)
 
-    def value(self, free: bool, i: int, l: int, m: int) -> float:
+    def value(self, free: bool, i: int, l: int, m: int, after_cf: bool = False) -> float:
         if m < 0 or m >= self.free.shape[-1]:
             return _INF
+        if after_cf:
+            return float(self.after_cf[i, m])
         return float((self.free if free else self.kept)[l - i, i, m])
 
 
 class _Segment(NamedTuple):
-    """Segment [i, l] to run with m slots, its input x_i freeable or not (see :class:`_Tables`)."""
+    """Segment [i, l] to run with m slots, its input x_i freeable or not (see :class:`_Tables`); ``after_cf``: a
+    base case right after ``CF_i``."""
 
     free: bool
     i: int
     l: int
     m: int
+    after_cf: bool = False
 
 
 # A choice's operations and sub-segments, built only for the choice taken (lambdas bind their loop values as
@@ -226,7 +247,9 @@ class _Segment(NamedTuple):
 _Steps = Callable[..., Sequence["Op | _Segment"]]
 
 
-def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int) -> Iterator[tuple[float, _Steps]]:
+def _choices(
+    t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int, after_cf: bool = False
+) -> Iterator[tuple[float, _Steps]]:
     """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
     in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
@@ -235,7 +258,7 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int) -> Iter
         for c in range(a.k):
             if m >= a.fe_b_need(i, i, c):
                 yield (
-                    ofw[i][c] + obw[i][c],
+                    a.base_time(i, c, after_cf),
                     (lambda c=c: [Op(OpKind.L, a.n)] if i == a.n else [Op(OpKind.FE, i, c), Op(OpKind.B, i, c)]),
                 )
         return
@@ -246,9 +269,12 @@ def _choices(t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int) -> Iter
 
     for j in range(i + 1, l + 1):
         if m >= cw[l + 1] + fmax[i][j]:
+            stops = j == i + 1  # the earlier segment is stage i's base case right after CF_i
             yield (
-                prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m),
-                lambda j=j: forward(j) + [_Segment(True, j, l, m - int(cw[j])), _Segment(free, i, j - 1, m)],
+                prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m, stops),
+                lambda j=j, stops=stops: (
+                    forward(j) + [_Segment(True, j, l, m - int(cw[j])), _Segment(free, i, j - 1, m, stops)]
+                ),
             )
     for c in range(a.k):
         if m >= a.fe_b_need(i, l, c):
@@ -295,14 +321,14 @@ def _rebuild(t: _Tables, a: _Arrays, top: int) -> list[Op]:
         if isinstance(item, Op):
             ops.append(item)
             continue
-        free, i, l, m = item
-        target = t.value(free, i, l, m)
+        free, i, l, m, after_cf = item
+        target = t.value(free, i, l, m, after_cf)
         # The table was computed in its own precision and order of additions: accept the first choice within it.
         slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
         steps = next(
             (
                 steps
-                for value, steps in _choices(t, a, free, i, l, m)
+                for value, steps in _choices(t, a, free, i, l, m, after_cf)
                 if value <= target + slack * max(1.0, abs(target))
             ),
             None,
