@@ -82,12 +82,12 @@ def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int)
     """The share of a stage's forward that a recomputation stopping at its last saved tensor runs
     (:class:`~revlib_xla.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
     the run that recorded the slots, both with autograd and saved-tensor hooks, so that the share applies to the
-    plain forward's time (at most 1). The least of a few runs after a first one not counted: a ratio of two
-    short times, the noise of a shared machine only lengthens either."""
+    plain forward's time (at most 1). The least of a few runs: the noise of a shared machine (and a first run's
+    allocations) only lengthens either time of the ratio."""
     from ..early_stop import DeferredSaves, RecomputationMismatch
 
     full, stopped = [], []
-    for _ in range(1 + max(1, repeats)):
+    for _ in range(max(2, repeats)):
         saves = DeferredSaves(f"measuring {type(stage).__name__}")
         backend.sync(device)
         start = time.perf_counter()
@@ -107,7 +107,7 @@ def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int)
             return 1.0  # priced in full; the executor refuses such a stage where it runs (naming it)
         backend.sync(device)
         stopped.append(time.perf_counter() - start)
-    return min(1.0, min(stopped[1:]) / max(min(full[1:]), 1e-12))
+    return min(1.0, min(stopped) / max(min(full), 1e-12))
 
 
 def _flops(fn: Callable[[], Any]) -> float:
