@@ -5,6 +5,7 @@
   the same for a budget that also holds values outside the chain;
 * schedules: :class:`Schedule` lists :class:`Op` s of the kinds :class:`OpKind`, each with one row in
   :data:`OPERATIONS` (its time, its rule on the cost model :class:`Simulation`, its rule on the executor);
+  :func:`early_stops` says which recomputations stop at their last saved tensor (priced ``Chain.stopped_fw``);
 * sizing: :func:`measure_chain` measures a model's stages into a chain (eager, or the TPU compiler on XLA),
   :func:`fit_budget` searches a budget whose compiled step fits a TPU;
 * execution: :func:`run_schedule` and :class:`ScheduleExecutor` run a schedule on a model's stages.
