@@ -146,6 +146,33 @@ def test_backward_forms_equal_the_recompute_everything_run(how):
             assert max_rel_err(g, w) <= 1e-10
 
 
+def test_under_autocast_with_a_grad_scaler_equals_the_run_that_keeps_every_activation():
+    """CPU bfloat16 autocast and a GradScaler, with dropout and batch norms: the recomputations that stop early run
+    in the first run's autocast state (they save bfloat16 tensors, as it did; another state would be refused as a
+    mismatch), so the scaled gradients and running statistics equal those of the same blocks in float32 with every
+    activation kept."""
+    weights = torch.randn(16, WIDTH)
+    reference, model = _model().float(), _model().float()
+    x_ref, x = _x().float().detach().requires_grad_(), _x().float().detach().requires_grad_()
+    kept = [Op("Fe", i) for i in range(4)] + [Op("L", 4)] + [Op("B", i) for i in reversed(range(4))]
+    plain = _planned(reference, x_ref.detach(), kept)
+    planned = _planned(model, x.detach())
+    assert deferrable_stages(planned.sequence) == {0, 1, 2, 3}
+    for module, inp in ((plain, x_ref), (planned, x)):
+        Counted.calls = 0
+        scaler = torch.amp.GradScaler("cpu")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _step(module, inp, weights)
+        scaler.scale(loss).backward()
+    assert Counted.calls == 4  # the output projections ran in the forward phase only
+    for got, want in zip(model.parameters(), reference.parameters()):
+        assert got.grad.dtype == torch.float32
+        assert max_rel_err(got.grad, want.grad) <= 1e-6
+    assert max_rel_err(x.grad, x_ref.grad) <= 1e-6
+    for got, want in zip(model.buffers(), reference.buffers()):
+        assert torch.equal(got, want)
+
+
 class Flaky(nn.Module):
     """A block whose forward saves differently shaped tensors on its second call (data-dependent control flow the
     engine cannot replay)."""
