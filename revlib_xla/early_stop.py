@@ -105,7 +105,7 @@ class DeferredSaves:
         k = 0
         total = len(self.slots)
 
-        def fill(t: torch.Tensor) -> None:  # the recomputation's pack hook; _Stop at the last slot
+        def pack(t: torch.Tensor) -> None:  # the recomputation's pack hook; _Stop at the last slot
             nonlocal k
             slot = self.slots[k]()
             if slot is not None:
@@ -119,7 +119,7 @@ class DeferredSaves:
             if k == total:
                 raise _Stop
 
-        hooks = torch.autograd.graph.saved_tensors_hooks(fill, _never_unpacked)
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked)
         with contextlib.suppress(_Stop), hooks, torch.enable_grad():
             self.recompute()
             raise RecomputationMismatch(

@@ -67,15 +67,17 @@ class StageMeasurement:
     stopped_fw: float | None = None
 
 
+def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
+    """The time ``fn`` takes on ``device``, synchronised before and after."""
+    backend.sync(device)
+    start = time.perf_counter()
+    fn()
+    backend.sync(device)
+    return time.perf_counter() - start
+
+
 def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        backend.sync(device)
-        start = time.perf_counter()
-        fn()
-        backend.sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
 def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int) -> float:
@@ -89,24 +91,21 @@ def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int)
     full, stopped = [], []
     for _ in range(max(2, repeats)):
         saves = DeferredSaves(f"measuring {type(stage).__name__}")
-        backend.sync(device)
-        start = time.perf_counter()
-        with torch.enable_grad(), saves.recording():
-            out = stage(grad_leaves(x))
-        backend.sync(device)
-        full.append(time.perf_counter() - start)
-        del out  # the graph and its slots: the recomputation below runs as far as it would, filling nothing
+
+        def record(saves: DeferredSaves = saves) -> None:
+            # The output is dropped with its graph and slots: the recomputation then runs as far as it would,
+            # filling nothing.
+            with torch.enable_grad(), saves.recording():
+                stage(grad_leaves(x))
+
+        full.append(_seconds(record, device))
         if not saves.count:
             return 0.0  # the backward reads nothing: the recomputation never runs
         saves.recompute = lambda: stage(grad_leaves(x))
-        backend.sync(device)
-        start = time.perf_counter()
         try:
-            saves.fill()
+            stopped.append(_seconds(saves.fill, device))
         except RecomputationMismatch:
             return 1.0  # priced in full; the executor refuses such a stage where it runs (naming it)
-        backend.sync(device)
-        stopped.append(time.perf_counter() - start)
     return min(1.0, min(stopped) / max(min(full), 1e-12))
 
 

@@ -167,13 +167,17 @@ class _Tables:
         i = torch.arange(n + 1)
         need = torch.maximum(a.cw[i + 1, None] + a.oxb + a.oft, a.cw[i, None] + a.cw[i + 1, None] + a.oxb + a.obt)
         unfit_base = m < need.to(dtype).unsqueeze(-1)
-        vals = (a.ofw + a.obw).to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
-        best = vals.masked_fill_(unfit_base, _INF).amin(dim=1)
+
+        def fastest(times: torch.Tensor) -> torch.Tensor:  # [stage, option] -> [stage, m]: the best that fits
+            vals = times.to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
+            return vals.masked_fill_(unfit_base, _INF).amin(dim=1)
+
+        times = a.ofw + a.obw
+        best = fastest(times)
         store(0, best, best)
-        stopped = (a.ofw + a.obw).clone()
+        stopped = times.clone()
         stopped[:, 0] = a.sfw + a.obw[:, 0]
-        vals = stopped.to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
-        self.after_cf = vals.masked_fill_(unfit_base, _INF).amin(dim=1)
+        self.after_cf = fastest(stopped)
 
         for d in range(1, n + 1):
             count = n + 1 - d
