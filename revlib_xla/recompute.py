@@ -395,7 +395,9 @@ class CallReplay:
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:
-        with self.scope() as reseed:
+        """The unit's random numbers, recorded; no autocast weight-cast cache (:func:`backend.autocast_cache_off`:
+        a first run without autograd would leave casts without history for a later run with it)."""
+        with self.scope() as reseed, backend.autocast_cache_off():
             reseed(self.unit_seed(unit))
             yield
 

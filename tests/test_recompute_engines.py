@@ -128,3 +128,36 @@ def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, sett
             for p, r in zip(params, ref_params):
                 p -= 0.1 * p.grad
                 r -= 0.1 * r.grad
+
+
+def _checkpointable_measured_in_step(dtype):
+    """Measured and planned by its first call, inside the step's autocast region."""
+    model = revlib.Checkpointable(nn.Sequential(*[_block(WIDTH) for _ in range(UNITS)]).to(dtype))
+    return model, SeededUnits(copy.deepcopy(list(model.stages)))
+
+
+@pytest.mark.parametrize("engine", [*ENGINES, "checkpointable_measured_in_step"])
+def test_under_autocast_with_the_backward_in_the_region_every_parameter_gets_its_gradient(engine):
+    """Autocast caches its weight casts for the whole region, and torch <= 2.9 caches one made under no_grad without
+    its autograd history: a later run with autograd in the region reuses it and the weight gets no gradient,
+    silently. The engines run modules without autograd inside the region (Checkpointable's measuring first call,
+    a plan's forwards that store only their output, the reversible forward) and again with it (the first run
+    after measuring; every recomputation when the backward is taken inside the region too): each gives the plain
+    model's gradients, every parameter one."""
+    factory = ENGINES.get(engine, _checkpointable_measured_in_step)
+    tol = SETTINGS["bf16_autocast"][2].get(engine, 1e-6)
+    torch.manual_seed(0)
+    model, reference = factory(torch.float32)
+    model.train(), reference.train()
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    grads = []
+    for module in (model, reference):
+        torch.manual_seed(10)
+        module.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            module(x).float().square().sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert len(grads[0]) == len(grads[1]) == 4 * UNITS
+    for k, (g, r) in enumerate(zip(*grads)):
+        assert g is not None, k
+        assert max_rel_err(g, r) <= tol, (k, max_rel_err(g, r))

@@ -117,6 +117,22 @@ class AutocastState:
             yield
 
 
+@contextlib.contextmanager
+def autocast_cache_off() -> Iterator[None]:
+    """Run without autocast's weight-cast cache (its flag is per thread, for every device type).
+
+    A module run under ``no_grad`` inside an autocast region caches its weights' casts without their autograd
+    history, and a later run with autograd in the same region (the stage a plan measured, then runs) reuses them:
+    its parameters get no gradient, silently (torch <= 2.9; pytorch/pytorch#158232). Engines run their own first
+    runs and measurements under this."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def _cpu_type() -> str:
     kind = backend_for(_CPU).autocast_device_type
     assert kind is not None  # the CPU backend has autocast

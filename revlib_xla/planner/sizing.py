@@ -85,8 +85,9 @@ def measure_chain(
         rev = sizing.reversible and callable(getattr(stage, "inverse", None))
         opts = []
         # Measuring runs the stage (and its options) several times: it must leave no trace (buffers, the
-        # stage's own generators, torch's global generators).
-        with probe(tensor_leaves(x)[0].device, list(stage.buffers()), i):
+        # stage's own generators, torch's global generators, autocast's weight-cast cache: a cast made without
+        # autograd would be reused by the step's runs with it, and the stage's parameters get no gradient).
+        with probe(tensor_leaves(x)[0].device, list(stage.buffers()), i), backend.autocast_cache_off():
             try:
                 m, out = measure_stage(stage, x, reversible=rev)
             except InPlaceInput:
