@@ -116,8 +116,11 @@ def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     """The planner's sizes of a transformers layer stack bound what the step measures, tightly enough that within
     transformers' checkpointing's measured peak the plan recomputes no more layers than it does: a layer's forward
     with autograd is charged its own transient memory (1 boundary, not the forward without autograd's 7), and the
-    LM head and loss are the chain's loss stage (logits, float32 log-probabilities and both gradients), held on top
-    of whatever the schedule keeps when the loss runs."""
+    LM head and loss are the chain's loss stage (the logits, and what the chunked loss holds: the head input's
+    gradient, the float32 sum of the weight's gradient, one chunk's float32 tensors), held on top of whatever the
+    schedule keeps when the loss runs."""
+    from revlib_xla.hf.head import chunk_bytes
+
     torch.manual_seed(0)
     depth, ids = 4, torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
     model = model_from_config("llama-tiny", num_hidden_layers=depth).train()
@@ -125,7 +128,8 @@ def test_plan_finds_hf_checkpointings_schedule_within_its_peak():
     hf, planned = hf_checkpointed_and_planned(model, ids)
     cp = planned.revlib_xla_conversion.checkpointable
     chain = cp.chain
-    assert chain.bwd_tmp[-1] == ids.numel() * 256 * (4 + 4 + 4 + 4)  # vocabulary 256, float32
+    hidden, tokens = model.config.hidden_size, ids.numel()  # vocabulary 256, float32
+    assert chain.bwd_tmp[-1] == tokens * (256 + hidden) * 4 + chunk_bytes(tokens, hidden, 256) + 4 * 256 * hidden
     assert chain.grad_fwd_tmp is not None and chain.grad_fwd_tmp[0] < chain.fwd_tmp[0] / 4
     # transformers' schedule in the planner's terms: keep every layer's input, recompute each layer once
     hf_ops = [Op("CF", i) for i in range(depth)] + [Op("L", depth)]

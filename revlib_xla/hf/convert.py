@@ -21,6 +21,7 @@ The reversible and momentum stacks run their memory-saving backward only in trai
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
@@ -39,6 +40,7 @@ from ..planner import Chain
 from ..planner.sizing import measure_chain
 from ..reversible import ReversibleSequential
 from ..utils import momentum_net
+from . import head as _head
 from .layers import Branches, HFConversionError, find_layer_stack
 
 __all__ = ["STRATEGIES", "DEFAULT_BETA", "ConvertedLayers", "Conversion", "memory_efficient"]
@@ -208,35 +210,52 @@ def _same_shapes(layers: list[nn.Module]) -> bool:
     return all(s == shapes[0] for s in shapes)
 
 
-def head_bytes_per_token(model: nn.Module) -> int:
-    """What the model's LM head and loss hold at once, per token, above the stack's output: the logits (kept in
-    the model's output), the float32 log-probabilities the cross entropy saves, their gradient and the logits'
-    gradient. 0 for a model without an output embedding (a bare encoder)."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    weight = getattr(head, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return 0
-    vocab = weight.shape[0]
-    logits = weight.element_size()  # the head's dtype; the loss works in float32 (transformers upcasts)
-    return vocab * (2 * logits + 2 * 4)
+@dataclasses.dataclass(frozen=True)
+class HeadBytes:
+    """What a model's LM head and loss hold at once for a number of tokens, above the stack's output: the logits
+    (kept in the model's output) and, with transformers' loss, the float32 log-probabilities the cross entropy
+    saves, their gradient and the logits' gradient; with the chunked loss (:mod:`revlib_xla.hf.head`), the head
+    input's gradient, the float32 sum of the weight's gradient (and a chunk's product in a lower precision) and one
+    chunk's float32 tensors instead."""
+
+    vocab: int = 0
+    hidden: int = 0
+    element_size: int = 4  # the head's dtype; the loss works in float32 (transformers upcasts)
+    chunked: bool = False
+
+    @classmethod
+    def of(cls, model: nn.Module, chunked: bool) -> HeadBytes:
+        """The model's output embedding's sizes; nothing for a model without one (a bare encoder)."""
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            return cls()
+        return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked)
+
+    def __call__(self, tokens: int) -> int:
+        if self.chunked:
+            weight_grad = self.vocab * self.hidden * (4 + (self.element_size if self.element_size < 4 else 0))
+            chunk = _head.chunk_bytes(tokens, self.hidden, self.vocab) + weight_grad
+            return tokens * (self.vocab + self.hidden) * self.element_size + chunk
+        return tokens * self.vocab * (2 * self.element_size + 2 * 4)
 
 
 class _LayerCheckpointable(Checkpointable):
     """A Checkpointable over layers of one class with the same shapes: they cost the same, so the first is
     measured and its costs repeated (a 32-layer model is measured in the time of one layer).
 
-    ``head_per_token``: the bytes the LM head and loss hold at once per token (:func:`head_bytes_per_token`), the
+    ``head``: the bytes the LM head and loss hold at once for a number of tokens (:class:`HeadBytes`), the
     chain's loss stage: the loss runs while the chain holds what its schedule keeps at its end (a last layer's
     saved activations, say), so a plan that ignored the head would peak above its budget there."""
 
-    def __init__(self, stages: nn.Sequential, mem_limit: float | None, head_per_token: int = 0) -> None:
+    def __init__(self, stages: nn.Sequential, mem_limit: float | None, head: HeadBytes = HeadBytes()) -> None:
         super().__init__(stages, mem_limit=mem_limit)
-        self.head_per_token = head_per_token
+        self.head = head
 
     def measure(self, sample_input: Any) -> Chain:
         hidden = sample_input[0]
-        self.loss_tmp_memory_usage = self.head_per_token * (hidden.numel() // max(hidden.shape[-1], 1))
+        self.loss_tmp_memory_usage = self.head(hidden.numel() // max(hidden.shape[-1], 1))
         layers = [cast(_Stage, stage).layer for stage in self.stages]
         if not _same_shapes(layers) or len(self.stages) == 1:
             return super().measure(sample_input)
@@ -255,9 +274,9 @@ class _LayerCheckpointable(Checkpointable):
 class _Planned(_Runner):
     strategy = "plan"
 
-    def __init__(self, layers: list[nn.Module], budget: float | None, head_per_token: int = 0) -> None:
+    def __init__(self, layers: list[nn.Module], budget: float | None, head: HeadBytes = HeadBytes()) -> None:
         stages = nn.Sequential(*[_Stage(layer) for layer in layers])
-        self.checkpointable = _LayerCheckpointable(stages, budget, head_per_token)
+        self.checkpointable = _LayerCheckpointable(stages, budget, head)
 
     def takes_over(self, layers: ConvertedLayers) -> bool:
         return layers.training and torch.is_grad_enabled() and not _capturing_outputs()
@@ -417,11 +436,15 @@ class ConvertedLayers(nn.ModuleList):
 class Conversion:
     """What :func:`memory_efficient` did to a model (``model.revlib_xla_conversion``)."""
 
-    def __init__(self, strategy: str, path: str, layer_class: str, runner: _Runner) -> None:
+    def __init__(
+        self, strategy: str, path: str, layer_class: str, runner: _Runner, loss: _head.ChunkedLoss | None = None
+    ) -> None:
         self.strategy = strategy
         self.path = path
         self.layer_class = layer_class
         self.runner = runner
+        #: The chunked causal-LM loss now the model's ``loss_function`` (:mod:`revlib_xla.hf.head`), else None.
+        self.loss = loss
 
     @property
     def checkpointable(self) -> Checkpointable | None:
@@ -434,7 +457,10 @@ class Conversion:
         return self.runner.net if isinstance(self.runner, _TwoStream) else None
 
     def __repr__(self) -> str:
-        return f"Conversion(strategy={self.strategy!r}, path={self.path!r}, layer_class={self.layer_class!r})"
+        return (
+            f"Conversion(strategy={self.strategy!r}, path={self.path!r}, layer_class={self.layer_class!r}, "
+            f"chunked_loss={self.loss is not None})"
+        )
 
 
 def _disable_hf_checkpointing(model: nn.Module, layers: list[nn.Module]) -> None:
@@ -485,6 +511,7 @@ def memory_efficient(
     budget: float | str = "auto",
     beta: float = DEFAULT_BETA,
     fewbit: int = 0,
+    chunked_loss: bool = True,
 ) -> nn.Module:
     """Run a transformers model's layer stack with less activation memory; returns ``model``, changed in place.
 
@@ -501,6 +528,10 @@ def memory_efficient(
         fewbit: bits (1-4) of the few-bit derivative of the MLP activations (transformers' activation classes
             included); 0 keeps them (GPT-2's tanh GELU then runs as one operation, :class:`TanhGELU`: the same
             function, and a fifth of what autograd saves for it).
+        chunked_loss: compute a causal LM's loss (transformers' ``ForCausalLMLoss`` after a plain linear head) in
+            chunks of tokens, with no tensor of the vocabulary's size kept for the backward
+            (:mod:`revlib_xla.hf.head`: the same gradients; the loss has no second derivative). False keeps
+            transformers' loss.
 
     Train with ``use_cache=False``: a training forward drops an empty KV cache with a warning (the backward
     recomputes the layers) and refuses one that holds tokens. Under ``torch.no_grad()`` the KV cache works as usual.
@@ -525,7 +556,7 @@ def memory_efficient(
     fuse_layer_activations(layers)  # after fewbit, which replaces the activations it knows
     if strategy == "plan":
         limit = None if budget == "auto" else parse_bytes(budget, "memory_efficient: budget")
-        runner = _Planned(layers, limit, head_bytes_per_token(model))
+        runner = _Planned(layers, limit, HeadBytes.of(model, chunked_loss and _head.applies(model)))
     elif strategy == "reversible":
         blocks = [block for b in branches for block in (b.f, b.g)]
         runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None), 1.0)
@@ -541,5 +572,6 @@ def memory_efficient(
     stack.owner.register_forward_hook(converted.leave, always_call=True)
     if _takes_causal_mask(model):
         model.register_forward_pre_hook(_causal_mask_on_lazy_devices, with_kwargs=True)
-    model.__dict__["revlib_xla_conversion"] = Conversion(strategy, stack.path, type(layers[0]).__name__, runner)
+    loss = _head.chunked_loss(model) if chunked_loss else None
+    model.__dict__["revlib_xla_conversion"] = Conversion(strategy, stack.path, type(layers[0]).__name__, runner, loss)
     return model

@@ -1,0 +1,243 @@
+"""A causal LM's loss without autograd's vocabulary-sized tensors: the cross entropy in chunks of tokens.
+
+transformers computes the loss from the logits: ``logits.float()``, ``log_softmax`` (which autograd saves, a float32
+tensor of the logits' size) and, in the backward, two more float32 tensors of that size (the gradients of the
+log-probabilities and of the logits). With a real vocabulary these dominate a checkpointed model's peak: a Llama-3
+batch of 4096 tokens has 0.5 G logits, some 8 GiB in those tensors, against 1 GiB of stored layer inputs for all its
+32 layers.
+
+:class:`ChunkedLoss` replaces the model's ``loss_function`` (transformers' ``ForCausalLMLoss``) where the logits come
+straight from a plain ``nn.Linear`` LM head: it runs torch's own cross entropy on a few tokens at a time and turns
+each chunk's gradient at once into the gradients of the head's input, weight and bias. The backward then only scales
+them by the loss's gradient. The logits the model returns are unchanged; nothing of the vocabulary's size outlives a
+chunk. Each chunk computes what transformers computes for those rows (the same float32 kernels, the same
+``1 / count`` or ``1 / num_items_in_batch`` scale), so the head's input gradient is the same per row and the weight's
+gradient differs only by the order of the sum over tokens.
+
+Where the fused path does not apply the original loss runs: the logits were changed after the head (soft-capping),
+the head is not a plain ``nn.Linear`` (quantized), the logits are float16 (a gradient scaler's scale must reach the
+float32 gradients before they are rounded to float16), nothing needs a gradient, or the model is sharded with FSDP2.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import fsdp
+from .layers import HFConversionError
+
+__all__ = ["ChunkedLoss", "applies", "chunked_loss", "rows_per_chunk", "chunk_bytes"]
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def rows_per_chunk(tokens: int, hidden: int, vocab: int) -> int:
+    """Tokens per chunk: a chunk's float32 logits hold about half the bytes of the head's float32 input (at least
+    16 tokens, at most all of them)."""
+    return max(1, min(tokens, max(16, (tokens * hidden) // (2 * max(vocab, 1)))))
+
+
+def chunk_bytes(tokens: int, hidden: int, vocab: int) -> int:
+    """What one chunk holds at once: its float32 logits, log-probabilities and their gradient."""
+    return 3 * 4 * vocab * rows_per_chunk(tokens, hidden, vocab)
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def _causal_lm_loss() -> Callable[..., Any] | None:
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:  # pragma: no cover - transformers without the loss module (< 4.46)
+        return None
+    return ForCausalLMLoss  # type: ignore[no-any-return]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """loss = sum over tokens of cross_entropy(logits_t, target_t) / denom, with the gradients of the head's input,
+    weight and bias computed chunk by chunk in the forward (``logits`` is only read)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        denom: Any,
+        ignore_index: int,
+        rows: int,
+    ) -> torch.Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        h = hidden.reshape(-1, hidden.shape[-1])
+        z = logits.reshape(-1, logits.shape[-1])
+        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_w else None
+        grad_b = torch.zeros(z.shape[-1], dtype=accumulate, device=z.device) if need_b else None
+        total = torch.zeros((), dtype=torch.float32, device=z.device)
+        # transformers' loss would run its backward outside any autocast region: the chunks' gradients are too.
+        with torch.autocast(z.device.type, enabled=False):
+            for start in range(0, z.shape[0], rows):
+                stop = min(start + rows, z.shape[0])
+                # The chunk's own graph lives and dies here: the saved-tensor hooks around the loss (an offload
+                # to the host, a memory counter) see only what the backward keeps (``save_for_backward`` below).
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+                    chunk = z[start:stop].detach().float().requires_grad_(True)
+                    summed = nn.functional.cross_entropy(
+                        chunk, target[start:stop], ignore_index=ignore_index, reduction="sum"
+                    )
+                    (g,) = torch.autograd.grad(summed / denom, chunk)
+                total = total + summed.detach()
+                g = g.to(z.dtype)
+                if grad_h is not None:
+                    grad_h[start:stop] = g @ weight.to(g.dtype)
+                if grad_w is not None and g.dtype == accumulate:
+                    grad_w.addmm_(g.t(), h[start:stop])
+                elif grad_w is not None:  # a low-precision product, summed in float32 in place
+                    grad_w.add_(g.t() @ h[start:stop].to(g.dtype))
+                if grad_b is not None:
+                    grad_b += g.sum(0).to(accumulate)
+                del chunk, summed, g
+        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(
+            *(t if t is not None else torch.empty(0, device=z.device) for t in (grad_h, grad_w, grad_b))
+        )
+        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
+        return total / denom
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        if torch.is_grad_enabled():
+            raise HFConversionError(
+                "revlib_xla.hf: the chunked LM loss has no second derivative (backward with create_graph=True). "
+                "Convert the model with memory_efficient(..., chunked_loss=False) to differentiate its loss twice."
+            )
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        has_h, has_w, has_b = ctx.present
+        shape, h_dtype, w_dtype, b_dtype = ctx.shapes
+        scale = grad_loss.to(torch.float32)
+        out_h = (grad_h * scale.to(grad_h.dtype)).to(h_dtype).reshape(shape) if has_h else None
+        out_w = (grad_w * scale.to(grad_w.dtype)).to(w_dtype) if has_w else None
+        out_b = (grad_b * scale.to(grad_b.dtype)).to(b_dtype) if has_b else None
+        return out_h, out_w, out_b, None, None, None, None, None
+
+
+class ChunkedLoss:
+    """A causal LM's ``loss_function`` that computes transformers' ``ForCausalLMLoss`` in chunks of tokens (see the
+    module docstring); ``original`` runs wherever the chunked path does not apply.
+
+    It learns the head's input from a forward hook on the head (weak references: nothing outlives the forward) and
+    takes the chunked path only for the logits that hook saw leave the head, untouched."""
+
+    def __init__(self, head: nn.Linear, original: Callable[..., Any]) -> None:
+        self.head = head
+        self.original = original
+        self._last: tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]] | None = None
+        head.register_forward_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._last = None
+        if isinstance(output, torch.Tensor) and args and isinstance(args[0], torch.Tensor):
+            self._last = (weakref.ref(output), weakref.ref(args[0]))
+
+    def _fused_input(self, logits: Any, vocab_size: int) -> torch.Tensor | None:
+        last, self._last = self._last, None
+        if last is None or last[0]() is not logits or not torch.is_grad_enabled():
+            return None
+        hidden, head = last[1](), self.head
+        if hidden is None or not isinstance(logits, torch.Tensor):
+            return None
+        if logits.dtype not in _FUSED_DTYPES or logits.shape[-1] != vocab_size:
+            return None
+        if not any(t is not None and t.requires_grad for t in (hidden, head.weight, head.bias)):
+            return None
+        unit = fsdp.fsdp_module_type()
+        if unit is not None and isinstance(head, unit):
+            return None
+        return hidden
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        hidden = self._fused_input(logits, vocab_size)
+        if hidden is None:
+            return self.original(
+                logits,
+                labels,
+                vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
+        if shift_labels is None:  # tokens < n predict n, as transformers shifts them
+            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
+            shift_labels = labels[..., 1:].contiguous()
+        target = shift_labels.reshape(-1).to(logits.device)
+        rows = logits.numel() // vocab_size
+        if target.numel() != rows or hidden.numel() // hidden.shape[-1] != rows:
+            return self.original(  # transformers' own error for mismatched shapes
+                logits,
+                labels,
+                vocab_size,
+                num_items_in_batch=num_items_in_batch,
+                ignore_index=ignore_index,
+                shift_labels=shift_labels,
+                **kwargs,
+            )
+        if num_items_in_batch is None:
+            denom: Any = (target != ignore_index).sum().to(torch.float32)  # cross_entropy's "mean" weight
+        elif torch.is_tensor(num_items_in_batch):
+            denom = num_items_in_batch.to(logits.device)
+        else:
+            denom = num_items_in_batch
+        chunk = rows_per_chunk(rows, hidden.shape[-1], vocab_size)
+        head = self.head
+        return _ChunkedCrossEntropy.apply(
+            hidden, head.weight, head.bias, logits.detach(), target, denom, ignore_index, chunk
+        )
+
+
+def applies(model: nn.Module) -> bool:
+    """Whether :func:`chunked_loss` would change ``model``: its head is a plain ``nn.Linear`` and its loss
+    transformers' ``ForCausalLMLoss``."""
+    causal = _causal_lm_loss()
+    if type(_output_head(model)) is not nn.Linear or causal is None:
+        return False
+    try:
+        return getattr(model, "loss_function", None) is causal
+    except AttributeError:  # a loss_function property that needs a config field the model lacks
+        return False
+
+
+def chunked_loss(model: nn.Module) -> ChunkedLoss | None:
+    """Give ``model`` a :class:`ChunkedLoss` as its ``loss_function`` where :func:`applies`; returns it, or None
+    where the model keeps its loss."""
+    if not applies(model):
+        return None
+    head = _output_head(model)
+    assert isinstance(head, nn.Linear)
+    loss = ChunkedLoss(head, getattr(model, "loss_function"))  # noqa: B009 (nn.Module types it as a tensor)
+    setattr(model, "loss_function", loss)  # noqa: B010
+    return loss
