@@ -21,6 +21,7 @@ float32 gradients before they are rounded to float16), nothing needs a gradient,
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import fsdp
+from .. import backend, fsdp
 from .layers import HFConversionError
 
 __all__ = ["ChunkedLoss", "applies", "chunked_loss", "rows_per_chunk", "chunk_bytes"]
@@ -90,7 +91,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(z.shape[-1], dtype=accumulate, device=z.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=z.device)
         # transformers' loss would run its backward outside any autocast region: the chunks' gradients are too.
-        with torch.autocast(z.device.type, enabled=False):
+        kind = backend.backend_for(z.device).autocast_device_type
+        with torch.autocast(kind, enabled=False) if kind is not None else contextlib.nullcontext():
             for start in range(0, z.shape[0], rows):
                 stop = min(start + rows, z.shape[0])
                 # The chunk's own graph lives and dies here: the saved-tensor hooks around the loss (an offload
