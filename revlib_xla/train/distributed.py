@@ -114,7 +114,8 @@ class Processes:
             torch.distributed.destroy_process_group()
 
 
-def _world_from_env() -> int:
+def world_from_env() -> int:
+    """The number of processes torchrun started (``WORLD_SIZE``; 1 outside torchrun)."""
     try:
         return int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:
@@ -124,7 +125,7 @@ def _world_from_env() -> int:
 def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | None, torch.device]:
     """Join the process group ``torchrun`` describes in the environment (``WORLD_SIZE`` > 1), refusing what several
     processes cannot run; returns this process's place (``None`` for a single process) and its device."""
-    world = _world_from_env()
+    world = world_from_env()
     if world <= 1:
         return None, device
     s = cfg.strategy

@@ -289,12 +289,13 @@ def loss_chunk(cfg: RunConfig, sharded: bool = False) -> int:
 def plan_budget(cfg: RunConfig) -> int:
     """The planner's budget in bytes per chip: ``strategy.budget``, or for ``auto`` the HBM of ``chip.name`` less
     the parameters, their gradients and the optimizer state (:func:`state_bytes_per_param`) one chip holds: over
-    ``chip.chips > 1`` chips, each parameter's share of the config's mesh (:func:`params_per_chip`)."""
+    ``chip.chips > 1`` chips, each parameter's share of the config's mesh; under torchrun with FSDP2, its shard
+    (:func:`params_per_chip`), and the whole weights FSDP2 gathers at once (:func:`fsdp2_gathered_params`)."""
     given = cfg.strategy.budget_bytes()
     if given is not None:
         return given
     hbm, _ = chip_spec(cfg.chip.name)
-    held = params_per_chip(cfg) * state_bytes_per_param(cfg)
+    held = params_per_chip(cfg) * state_bytes_per_param(cfg) + fsdp2_gathered_params(cfg) * weight_bytes_per_param(cfg)
     if held >= hbm:
         raise StrategyError(
             f"strategy.budget=auto: the parameters, gradients and optimizer state of {cfg.model.name} "
@@ -326,19 +327,49 @@ def param_count(cfg: RunConfig) -> int:
     return num_params(spec)
 
 
+def fsdp2_world(cfg: RunConfig) -> int:
+    """The processes FSDP2 shards the weights over: torchrun's ``WORLD_SIZE`` with ``strategy.data_parallel=fsdp2``
+    (a model of ``revlib_xla.models``; transformers models are refused there), else 1."""
+    if cfg.strategy.data_parallel != "fsdp2" or cfg.model.hf_config is not None:
+        return 1
+    from .distributed import world_from_env
+
+    return max(1, world_from_env())
+
+
+def _meta_llama(cfg: RunConfig) -> nn.Module:
+    from ..models.llama import build_llama
+
+    with torch.device("meta"):
+        return build_llama(model_config(cfg), "plain")
+
+
+def fsdp2_gathered_params(cfg: RunConfig) -> int:
+    """The parameters FSDP2 holds whole on each process at once, beyond its shards (0 without FSDP2): the root's
+    (embedding, final norm, head: gathered for the forward and kept for the backward) and three blocks' worth (the
+    block running, the next one prefetched, and a block's whole gradients before they are reduce-scattered)."""
+    if fsdp2_world(cfg) == 1:
+        return 0
+    lm = _meta_llama(cfg)
+    blocks = [sum(p.numel() for p in block.parameters()) for block in cast(nn.ModuleList, lm.layers)]
+    return param_count(cfg) - sum(blocks) + 3 * max(blocks)
+
+
 def params_per_chip(cfg: RunConfig) -> int:
     """The parameters one chip holds: all of them on one chip; over ``chip.chips > 1`` chips (SPMD over the
     config's ``mesh``), each parameter's share as :func:`revlib_xla.sharding.parameter_spec` splits it (a weight of
     the whole model's count split over fsdp x tensor is 1/(fsdp*tensor) per chip; what nothing divides stays
-    whole)."""
+    whole); under torchrun with FSDP2 over ``W`` processes, each parameter's shard (``ceil(rows / W)`` of its
+    first dimension, as FSDP2 pads it)."""
+    world = fsdp2_world(cfg)
+    if world > 1:
+        return sum(-(-p.shape[0] // world) * (p.numel() // max(p.shape[0], 1)) for p in _meta_llama(cfg).parameters())
     if cfg.chip.chips == 1 or cfg.model.hf_config is not None:  # a transformers model is not split over a mesh
         return param_count(cfg)
-    from ..models.llama import build_llama
     from ..sharding import parameter_spec, resolve_mesh
 
     mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips)
-    with torch.device("meta"):
-        lm = build_llama(model_config(cfg), "plain")
+    lm = _meta_llama(cfg)
     return sum(
         p.numel() // math.prod(mesh.ways(entry) for entry in parameter_spec(name, p.shape, mesh))
         for name, p in lm.named_parameters()
