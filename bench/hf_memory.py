@@ -166,9 +166,11 @@ def plan_at(
     return model, best[1], best[0]
 
 
-def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -> dict[str, tuple[float, float]]:
-    """Per variant: the median step time and the median of its per-round ratios to hf-checkpointing's (variants
-    interleaved round by round: a load change hits all of them alike)."""
+def timed(
+    models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int
+) -> dict[str, tuple[float, float, list[float]]]:
+    """Per variant: the median step time, the median of its per-round ratios to hf-checkpointing's (variants
+    interleaved round by round: a load change hits all of them alike) and those ratios."""
     times: dict[str, list[float]] = {k: [] for k in models}
     for _ in range(repeats):
         for name, model in models.items():
@@ -177,10 +179,8 @@ def timed(models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int) -
             step(model, ids)
             times[name].append(time.perf_counter() - start)
     hf = times["hf-checkpointing"]
-    return {
-        k: (statistics.median(v), statistics.median(t / h for t, h in zip(v, hf, strict=True)))
-        for k, v in times.items()
-    }
+    ratios = {k: [t / h for t, h in zip(v, hf, strict=True)] for k, v in times.items()}
+    return {k: (statistics.median(v), statistics.median(ratios[k]), ratios[k]) for k, v in times.items()}
 
 
 def load() -> str:
@@ -252,6 +252,7 @@ def run(
                         else recomputed(models[variant]),
                         "step_s": times[variant][0] if variant in times else None,
                         "step_ratio_hf": times[variant][1] if variant in times else None,
+                        "step_ratios_hf": times[variant][2] if variant in times else None,
                         "gflop": counts[variant].flops / 1e9,
                         "aten_ops": counts[variant].ops,
                         "flop_ops": counts[variant].flop_ops,
@@ -270,8 +271,19 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def above_one(r: dict[str, Any]) -> str:
+    """How many timed rounds were not faster than hf-checkpointing's."""
+    rounds = r.get("step_ratios_hf") or []
+    return f"; {sum(x >= 1.0 for x in rounds)} of {len(rounds)} rounds at or above 1" if rounds else ""
+
+
 def ratio(r: dict[str, Any]) -> str:
-    return "-" if r["step_ratio_hf"] is None else f"{r['step_ratio_hf']:.2f}"
+    """The median per-round ratio, and the rounds' range where recorded."""
+    if r["step_ratio_hf"] is None:
+        return "-"
+    rounds = r.get("step_ratios_hf")
+    spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds and len(rounds) > 1 else ""
+    return f"{r['step_ratio_hf']:.3f}{spread}"
 
 
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -285,7 +297,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"the gradients that exist at the moment of the peak. Recomputed: layer forwards beyond one per layer. GFLOP "
         f"and aten ops: one step's, counted by a dispatch mode (torch.utils.flop_counter's formulas; deterministic). "
         f"Step "
-        f"ratio: median over {meta['repeats']} rounds of (variant / hf-checkpointing) step time, variants "
+        f"ratio: median over {meta['repeats']} rounds of (variant / hf-checkpointing) step time (in brackets: the "
+        f"rounds' lowest and highest), variants "
         f"interleaved in one process, `torch.set_num_threads({meta['threads']})`, `nice`; machine load (1/5/15 min) "
         f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl.",
         "",
@@ -313,7 +326,8 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         act_ratio = rev["activation_bytes"] / hf["activation_bytes"]
         timed = rev["step_ratio_hf"] is not None
         rev_time = (
-            f"at {ratio(rev)}x its step time ({'met' if timed and rev['step_ratio_hf'] <= 1.0 else 'NOT met'}: <= 1)"
+            f"at {ratio(rev)}x its step time ({'met' if timed and rev['step_ratio_hf'] <= 1.0 else 'NOT met'}: "
+            f"median <= 1{above_one(rev)})"
         )
         fewer = plan["recomputed_layers"] < hf["recomputed_layers"]
         faster = fewer and (not timed or plan["step_ratio_hf"] < 1.0)
@@ -327,7 +341,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"{mib(hf['peak_bytes'])}), {plan['recomputed_layers']} recomputed layers (hf-checkpointing "
             f"{hf['recomputed_layers']}), {ratio(plan)}x its step time "
             f"({'met' if plan['peak_bytes'] <= hf['peak_bytes'] and faster else 'NOT met'}: peak <= hf's, fewer "
-            f"recomputed layers, time < 1{'' if timed else '; time not measured'}).",
+            f"recomputed layers, median time < 1{above_one(plan) if timed else '; time not measured'}).",
         ]
         above = by.get((model_name, deepest, "plan@hf+layer"))
         if above is not None:
