@@ -2,7 +2,8 @@
 ForCausalLMLoss on tiny models built from configs (float64, several chunks), with its keywords (ignore_index,
 num_items_in_batch, shift_labels), gradients through the returned logits, autograd.grad, a frozen head, bfloat16
 autocast with a gradient scaler; transformers' loss wherever the chunked one does not apply; a clear error for a
-second derivative; and the bytes it saves, measured."""
+second derivative; and the bytes it saves, measured. Also: under autocast, every strategy's first training step
+(which measures or checks the layers) gives the gradients of the next."""
 
 import copy
 
@@ -242,3 +243,27 @@ def test_at_a_real_vocabulary_the_head_no_longer_dominates_the_peak():
 
     peaks = {c: memory.eager_peak(train_step, build(c), ids, fake=True).total for c in (False, True)}
     assert peaks[False] - peaks[True] >= 2 * tokens * vocab * 4 - vocab * hidden * 6, peaks
+
+
+@pytest.mark.parametrize("strategy", ["plan", "reversible", "momentum"])
+@pytest.mark.parametrize("backward_in_region", [False, True], ids=["backward_after", "backward_inside"])
+def test_under_autocast_the_first_step_gives_the_gradients_of_the_next(strategy, backward_in_region):
+    """The first training step measures (plan) or checks (reversible, momentum) the layers, running them without
+    autograd inside the caller's autocast region: on torch <= 2.9 that cached weight casts without their history,
+    and plan's first step gave its first layer no gradient. Without dropout and without an optimizer step between
+    them, two steps on the same batch give the same gradients, every parameter one."""
+    model = memory_efficient(tiny("llama-tiny", dtype=torch.float32), strategy)
+    grads = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(IDS, labels=IDS, use_cache=False).loss
+            if backward_in_region:
+                loss.backward()
+        if not backward_in_region:
+            loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    first, second = grads
+    assert all(g is not None for g in first.values()), [n for n, g in first.items() if g is None]
+    for name in second:
+        assert max_rel_err(first[name], second[name]) <= 1e-6, name
