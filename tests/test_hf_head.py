@@ -267,3 +267,16 @@ def test_under_autocast_the_first_step_gives_the_gradients_of_the_next(strategy,
     assert all(g is not None for g in first.values()), [n for n, g in first.items() if g is None]
     for name in second:
         assert max_rel_err(first[name], second[name]) <= 1e-6, name
+
+
+def test_logits_that_do_not_match_the_labels_get_transformers_own_error():
+    """logits_to_keep=1 with a whole sequence of labels: the shapes disagree; transformers' loss raises its own
+    error, as it does for the unconverted model."""
+    ref = tiny("llama-tiny")
+    model = converted(ref)
+    errors = []
+    for m in (model, ref):
+        with pytest.raises(Exception) as info:
+            m(IDS, labels=IDS, use_cache=False, logits_to_keep=1)
+        errors.append((type(info.value), str(info.value)))
+    assert errors[0] == errors[1]

@@ -194,9 +194,10 @@ class ChunkedLoss:
                 **kwargs,
             )
         if shift_labels is None:  # tokens < n predict n, as transformers shifts them
-            labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
-            shift_labels = labels[..., 1:].contiguous()
-        target = shift_labels.reshape(-1).to(logits.device)
+            target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+        else:
+            target = shift_labels.reshape(-1)
+        target = target.to(logits.device)
         rows = logits.numel() // vocab_size
         if target.numel() != rows or hidden.numel() // hidden.shape[-1] != rows:
             return self.original(  # transformers' own error for mismatched shapes
