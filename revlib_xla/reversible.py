@@ -1479,10 +1479,13 @@ def check_invertible(
 
 
 @torch.no_grad()
+@backend.autocast_cache_off()
 def _check_plan(
     plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor], tolerance: float | None = None
 ) -> InvertibilityReport:
-    """:func:`check_invertible` on prepared streams; every error is read back at once (one device sync)."""
+    """:func:`check_invertible` on prepared streams; every error is read back at once (one device sync). It runs
+    the layers without autograd and without autocast's weight-cast cache, which would keep their casts for a
+    training step in the same autocast region."""
     n = len(plan.layers)
     tol = tolerance if tolerance is not None else _rebuild_check.tolerance(x0.dtype, plan.compute_dtype)
     replays: list[Any] = []  # relative errors: tensors, then (read back at once) floats

@@ -247,17 +247,21 @@ def test_at_a_real_vocabulary_the_head_no_longer_dominates_the_peak():
 
 @pytest.mark.parametrize("strategy", ["plan", "reversible", "momentum"])
 @pytest.mark.parametrize("backward_in_region", [False, True], ids=["backward_after", "backward_inside"])
-def test_under_autocast_the_first_step_gives_the_gradients_of_the_next(strategy, backward_in_region):
+@pytest.mark.parametrize("hidden_states", [False, True], ids=["", "hidden_states"])
+def test_under_autocast_the_first_step_gives_the_gradients_of_the_next(strategy, backward_in_region, hidden_states):
     """The first training step measures (plan) or checks (reversible, momentum) the layers, running them without
     autograd inside the caller's autocast region: on torch <= 2.9 that cached weight casts without their history,
-    and plan's first step gave its first layer no gradient. Without dropout and without an optimizer step between
-    them, two steps on the same batch give the same gradients, every parameter one."""
+    and a later run with autograd reused them. plan's first step gave its first layer no gradient, and so did
+    reversible's with ``output_hidden_states`` (which runs the layers with plain autograd after the check). Without
+    dropout and without an optimizer step between them, two steps on the same batch give the same gradients, every
+    parameter one."""
     model = memory_efficient(tiny("llama-tiny", dtype=torch.float32), strategy)
     grads = []
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(IDS, labels=IDS, use_cache=False).loss
+            out = model(IDS, labels=IDS, use_cache=False, output_hidden_states=hidden_states)
+            loss = out.loss + sum(h.float().mean() for h in out.hidden_states) if hidden_states else out.loss
             if backward_in_region:
                 loss.backward()
         if not backward_in_region:

@@ -161,3 +161,23 @@ def test_under_autocast_with_the_backward_in_the_region_every_parameter_gets_its
     for k, (g, r) in enumerate(zip(*grads)):
         assert g is not None, k
         assert max_rel_err(g, r) <= tol, (k, max_rel_err(g, r))
+
+
+def test_check_invertible_inside_an_autocast_region_leaves_no_weight_cast_for_the_step():
+    """check_invertible runs the layers without autograd; inside the training step's autocast region (torch <= 2.9)
+    its casts would be cached without their history and reused by the step's plain-autograd layers."""
+    torch.manual_seed(0)
+    model, reference = _reversible(torch.float32)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1))
+    model.eval(), reference.eval()  # no dropout: the check and the steps see the same function
+    grads = []
+    for module, check in ((model, True), (reference, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if check:
+                revlib.check_invertible(module, x)
+            module.memory_mode = revlib.MemoryModes.no_savings  # plain autograd through the layers
+            module(x).float().square().sum().backward()
+        grads.append([p.grad for p in module.parameters()])
+    assert all(g is not None for g in grads[0])
+    for g, r in zip(*grads):
+        assert max_rel_err(g, r) <= 1e-6

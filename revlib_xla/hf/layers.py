@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import backend
+
 __all__ = ["HFConversionError", "LayerStack", "Split", "SPLITS", "find_layer_stack", "split_of", "Branches"]
 
 #: the architectures whose layers :func:`split_of` splits (for error messages and the README)
@@ -222,7 +224,8 @@ class Branches:
         was = self.layer.training
         self.layer.eval()
         try:
-            with torch.no_grad():
+            # no autocast weight-cast cache: casts made here, without autograd, would be reused by the step's runs
+            with torch.no_grad(), backend.autocast_cache_off():
                 want = call(self.layer, x)
                 want = want[0] if isinstance(want, tuple) else want
                 got = self.residual(x, *args, **kw)
