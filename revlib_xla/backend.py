@@ -21,7 +21,7 @@ from . import _tree
 from .backends import registry as _registry
 from .backends.base import DeviceCopier, HostCopy, HostOffload, Transfer, kernels_forced_reference
 from .backends.registry import DeviceLike, as_device, backend_for
-from .backends.state import AutocastState, DeviceSeed, RngState, autocast_cache_off
+from .backends.state import AutocastState, DeviceSeed, RngState, autocast_cache_off, autocast_off
 from .backends.xla import host_annotations, host_placement_executes, runtime_type, xla_available
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "DeviceSeed",
     "AutocastState",
     "autocast_cache_off",
+    "autocast_off",
     "optimization_barrier",
     "after",
     "sync",

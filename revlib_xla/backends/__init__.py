@@ -13,13 +13,14 @@ from .base import Backend, DeviceCopier, HostCopy, HostOffload, Transfer, genera
 from .cpu import CpuBackend, MetaBackend
 from .cuda import CudaBackend
 from .registry import DeviceLike, UnknownDeviceError, as_device, backend_for, register, registered, unregister
-from .state import AutocastState, DeviceSeed, RngState, autocast_cache_off
+from .state import AutocastState, DeviceSeed, RngState, autocast_cache_off, autocast_off
 from .tpu import NotGooglesTorchTpu, TpuBackend
 from .xla import XlaBackend
 
 __all__ = [
     "AutocastState",
     "autocast_cache_off",
+    "autocast_off",
     "Backend",
     "CpuBackend",
     "CudaBackend",

@@ -133,6 +133,12 @@ def autocast_cache_off() -> Iterator[None]:
         torch.set_autocast_cache_enabled(before)
 
 
+def autocast_off(device_type: str | None) -> contextlib.AbstractContextManager[Any]:
+    """Autocast switched off for ``device_type`` (an autocast device type; None: nothing to switch off), for code
+    that runs its products in explicit dtypes."""
+    return contextlib.nullcontext() if device_type is None else torch.autocast(device_type, enabled=False)
+
+
 def _cpu_type() -> str:
     kind = backend_for(_CPU).autocast_device_type
     assert kind is not None  # the CPU backend has autocast

@@ -226,9 +226,7 @@ class HeadBytes:
     @classmethod
     def of(cls, model: nn.Module, chunked: bool) -> HeadBytes:
         """The model's output embedding's sizes; nothing for a model without one (a bare encoder)."""
-        get = getattr(model, "get_output_embeddings", None)
-        head = get() if callable(get) else None
-        weight = getattr(head, "weight", None)
+        weight = getattr(_head.output_head(model), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return cls()
         return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked)

@@ -21,7 +21,6 @@ float32 gradients before they are rounded to float16), nothing needs a gradient,
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +47,8 @@ def chunk_bytes(tokens: int, hidden: int, vocab: int) -> int:
     return 3 * 4 * vocab * rows_per_chunk(tokens, hidden, vocab)
 
 
-def _output_head(model: nn.Module) -> nn.Module | None:
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output embedding (its LM head), else None."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     return head if isinstance(head, nn.Module) else None
@@ -91,8 +91,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(z.shape[-1], dtype=accumulate, device=z.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=z.device)
         # transformers' loss would run its backward outside any autocast region: the chunks' gradients are too.
-        kind = backend.backend_for(z.device).autocast_device_type
-        with torch.autocast(kind, enabled=False) if kind is not None else contextlib.nullcontext():
+        with backend.autocast_off(backend.backend_for(z.device).autocast_device_type):
             for start in range(0, z.shape[0], rows):
                 stop = min(start + rows, z.shape[0])
                 # The chunk's own graph lives and dies here: the saved-tensor hooks around the loss (an offload
@@ -183,39 +182,41 @@ class ChunkedLoss:
         **kwargs: Any,
     ) -> torch.Tensor:
         hidden = self._fused_input(logits, vocab_size)
-        if hidden is None:
-            return self.original(
-                logits,
-                labels,
-                vocab_size,
-                num_items_in_batch=num_items_in_batch,
-                ignore_index=ignore_index,
-                shift_labels=shift_labels,
-                **kwargs,
-            )
-        if shift_labels is None:  # tokens < n predict n, as transformers shifts them
-            target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
-        else:
-            target = shift_labels.reshape(-1)
-        target = target.to(logits.device)
-        rows = logits.numel() // vocab_size
-        if target.numel() != rows or hidden.numel() // hidden.shape[-1] != rows:
-            return self.original(  # transformers' own error for mismatched shapes
-                logits,
-                labels,
-                vocab_size,
-                num_items_in_batch=num_items_in_batch,
-                ignore_index=ignore_index,
-                shift_labels=shift_labels,
-                **kwargs,
-            )
+        if hidden is not None:
+            if shift_labels is None:  # tokens < n predict n, as transformers shifts them
+                target = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1)
+            else:
+                target = shift_labels.reshape(-1)
+            target = target.to(logits.device)
+            rows = logits.numel() // vocab_size
+            if target.numel() == rows and hidden.numel() // hidden.shape[-1] == rows:
+                return self._chunked(hidden, logits, target, num_items_in_batch, ignore_index)
+        # Where the chunked loss does not apply, and for shapes that disagree (transformers' own error).
+        return self.original(
+            logits,
+            labels,
+            vocab_size,
+            num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index,
+            shift_labels=shift_labels,
+            **kwargs,
+        )
+
+    def _chunked(
+        self,
+        hidden: torch.Tensor,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        num_items_in_batch: Any,
+        ignore_index: int,
+    ) -> torch.Tensor:
         if num_items_in_batch is None:
             denom: Any = (target != ignore_index).sum().to(torch.float32)  # cross_entropy's "mean" weight
         elif torch.is_tensor(num_items_in_batch):
             denom = num_items_in_batch.to(logits.device)
         else:
             denom = num_items_in_batch
-        chunk = rows_per_chunk(rows, hidden.shape[-1], vocab_size)
+        chunk = rows_per_chunk(target.numel(), hidden.shape[-1], logits.shape[-1])
         head = self.head
         return _ChunkedCrossEntropy.apply(
             hidden, head.weight, head.bias, logits.detach(), target, denom, ignore_index, chunk
@@ -226,7 +227,7 @@ def applies(model: nn.Module) -> bool:
     """Whether :func:`chunked_loss` would change ``model``: its head is a plain ``nn.Linear`` and its loss
     transformers' ``ForCausalLMLoss``."""
     causal = _causal_lm_loss()
-    if type(_output_head(model)) is not nn.Linear or causal is None:
+    if type(output_head(model)) is not nn.Linear or causal is None:
         return False
     try:
         return getattr(model, "loss_function", None) is causal
@@ -239,7 +240,7 @@ def chunked_loss(model: nn.Module) -> ChunkedLoss | None:
     where the model keeps its loss."""
     if not applies(model):
         return None
-    head = _output_head(model)
+    head = output_head(model)
     assert isinstance(head, nn.Linear)
     loss = ChunkedLoss(head, getattr(model, "loss_function"))  # noqa: B009 (nn.Module types it as a tensor)
     setattr(model, "loss_function", loss)  # noqa: B010

@@ -32,7 +32,6 @@ Every form builds under ``with torch.device("meta"):`` without allocating (``lla
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
@@ -682,7 +681,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(features, weight, targets)
         ctx.chunk, ctx.dtype, ctx.autocast = chunk, dtype, autocast
-        with _autocast_off(autocast):
+        with backend.autocast_off(autocast):
             head = weight.to(dtype)
             total = _chunk_loss_sum(features[:, :chunk].to(dtype), head, targets[:, :chunk])
             for start in range(chunk, features.shape[1], chunk):
@@ -695,7 +694,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         features, weight, targets = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()  # double backward: record this backward
         want_features = ctx.needs_input_grad[0]
-        with _autocast_off(ctx.autocast), torch.enable_grad():
+        with backend.autocast_off(ctx.autocast), torch.enable_grad():
             if create_graph:
                 head = weight.to(ctx.dtype)
             else:
@@ -717,10 +716,6 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 weight_grad = torch.addmm(weight_grad, *product) if create_graph else weight_grad.addmm_(*product)
         features_grad = torch.cat(feature_grads, dim=1) if want_features else None
         return features_grad, weight_grad.to(weight.dtype), None, None, None, None
-
-
-def _autocast_off(device_type: str | None) -> contextlib.AbstractContextManager[Any]:
-    return contextlib.nullcontext() if device_type is None else torch.autocast(device_type, enabled=False)
 
 
 def _head_compute_dtype(weight: Tensor) -> tuple[torch.dtype, str | None] | None:
