@@ -108,6 +108,12 @@ class Checkpointable(nn.Module):
             no run can be scanned (naming why), or with ``options``/``saved_dtypes`` (they name stages by index).
             :func:`revlib_xla.scan.stack_layers` on the Checkpointable then stores each run's parameters stacked, so
             the step holds them and their gradients once (call it before building the optimizer).
+        attention_cache: stages whose attention runs as one fused kernel (``scaled_dot_product_attention`` on
+            eager devices) may keep what it returned from their first run until their backward, and their
+            recomputations read it instead of running attention again (selective recomputation, operation ``CA``;
+            :mod:`revlib_xla.attention_cache`). The planner measures each stage's cache and uses it where the
+            budget holds it and it saves time. Gradients are the same either way. Not combined with reversible
+            stages or offload (the plan then keeps no cache).
     """
 
     def __init__(
@@ -125,6 +131,7 @@ class Checkpointable(nn.Module):
         saved_dtypes: Sequence[torch.dtype] = (),
         tpu_generation: str | None = "v5e",
         scan: bool = False,
+        attention_cache: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
@@ -142,6 +149,7 @@ class Checkpointable(nn.Module):
         self.offload_bandwidth = offload_bandwidth
         self.loss_tmp_memory_usage = loss_tmp_memory_usage
         self.tpu_generation = tpu_generation
+        self.attention_cache = attention_cache
         self.stage_options = {int(k): list(v) for k, v in (options or {}).items()}
         for dtype in saved_dtypes:
             for index, stage in enumerate(self.stages):
@@ -174,6 +182,7 @@ class Checkpointable(nn.Module):
             loss_tmp_memory_usage=self.loss_tmp_memory_usage,
             tpu_generation=self.tpu_generation,
             verbosity=self.verbosity,
+            attention_cache=getattr(self, "attention_cache", True),  # (modules pickled before it existed)
         )
 
     def measure(self, sample_input: Any) -> Chain:

@@ -66,7 +66,8 @@ Reseed = Callable[[int | None], None]
 GeneratorRecord = dict[int, dict[int, tuple[torch.Generator, Tensor]]]
 
 _NOTHING = contextlib.nullcontext()
-_KEY_NAME = "DeferredInit"  # a dispatch key above autograd that torch leaves unused (torchdistx had it)
+#: a dispatch key above autograd that torch leaves unused (torchdistx had it)
+DISPATCH_KEY_NAME = "DeferredInit"
 _local = threading.local()
 _install_lock = threading.Lock()
 _installed: list[Any] = []  # [dispatch key or None, libraries kept alive]
@@ -230,15 +231,15 @@ def _install() -> Any:
         if _installed:
             return _installed[0]
         try:
-            key = torch._C._parse_dispatch_key(_KEY_NAME)
+            key = torch._C._parse_dispatch_key(DISPATCH_KEY_NAME)
             passthrough = torch.library.Library("_", "IMPL")
-            passthrough.fallback(torch.library.fallthrough_kernel, dispatch_key=_KEY_NAME)
+            passthrough.fallback(torch.library.fallthrough_kernel, dispatch_key=DISPATCH_KEY_NAME)
             rules = torch.library.Library("aten", "IMPL")
             routed = {str(op) for op in _register_rules(rules, key)}
             missing = {"aten.bernoulli_.float", "aten.uniform_.default", "aten.normal_.default"} - routed
             if missing:
                 raise RuntimeError(f"no rule for {sorted(missing)}")
-            rules.impl(torch.ops.aten.native_dropout.default, _native_dropout(key), _KEY_NAME, with_keyset=True)
+            rules.impl(torch.ops.aten.native_dropout.default, _native_dropout(key), DISPATCH_KEY_NAME, with_keyset=True)
             _installed[:] = [key, (passthrough, rules)]
         except Exception as exc:  # a torch without these internals: fall back, loudly
             warnings.warn(
@@ -272,9 +273,9 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
             op = getattr(getattr(torch.ops.aten, base[len("aten::") :]), overload or "default")
             if "generator" in names:
                 k = names.index("generator")
-                rules.impl(op, _handing(op, k, arguments[k].kwarg_only, key), _KEY_NAME, with_keyset=True)
+                rules.impl(op, _handing(op, k, arguments[k].kwarg_only, key), DISPATCH_KEY_NAME, with_keyset=True)
             elif torch.Tag.nondeterministic_seeded in op.tags:
-                rules.impl(op, _forking(op, names.index("dropout_p"), key), _KEY_NAME, with_keyset=True)
+                rules.impl(op, _forking(op, names.index("dropout_p"), key), DISPATCH_KEY_NAME, with_keyset=True)
             else:
                 continue
         except Exception:
@@ -318,6 +319,12 @@ def rng_scope(
     finally:
         frames.remove(frame)  # the last one, unless scopes were left out of order
         frame.close()
+
+
+def dispatch_key() -> Any:
+    """The dispatch key (above autograd, included only within this module's scopes) at which the recompute engine's
+    per-operator rules run (also :mod:`revlib_xla.attention_cache`'s), or ``None`` where this torch cannot."""
+    return _install()
 
 
 def rewind(record: GeneratorRecord) -> None:

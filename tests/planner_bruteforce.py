@@ -3,7 +3,8 @@
 ``schedules(L, options, extended)`` lists every persistent schedule of an L-stage chain (a checkpoint, once
 stored, stays until its backward): each segment [i, l] is run as Fe_i ... B_i around the rest (chain), or by
 storing x_j and running [j, l] then [i, j-1] (leaf), or (extended) as Fr_i ... Br_i (reversible) or as a leaf with
-x_i written to host memory meanwhile. Unlike the planner, the enumeration does not know which inputs may be
+x_i written to host memory meanwhile, and (caches) with each leaf's first forward ``CF_i`` or ``CA_i`` (stage
+i's attention cache kept until ``B_i``). Unlike the planner, the enumeration does not know which inputs may be
 dropped or offloaded: ``evaluate`` runs every schedule on every chain of a batch with its own memory simulation
 and discards what cannot run there.
 """
@@ -18,12 +19,14 @@ import numpy as np
 OpT = tuple[str, int, int]
 
 
-def schedules(length: int, options: int = 1, extended: bool = False) -> list[tuple[OpT, ...]]:
-    return list(segment_schedules(0, length, length, options, extended))
+def schedules(length: int, options: int = 1, extended: bool = False, caches: bool = False) -> list[tuple[OpT, ...]]:
+    return list(segment_schedules(0, length, length, options, extended, caches))
 
 
 @functools.cache
-def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool = False) -> tuple[tuple[OpT, ...], ...]:
+def segment_schedules(
+    i: int, l: int, n: int, options: int = 1, extended: bool = False, caches: bool = False
+) -> tuple[tuple[OpT, ...], ...]:
     """Every persistent schedule of segment [i, l] of an n-stage chain (l = n: up to the loss)."""
     out: list[tuple[OpT, ...]] = []
     if i == l:
@@ -31,18 +34,19 @@ def segment_schedules(i: int, l: int, n: int, options: int = 1, extended: bool =
             return ((("L", n, 0),),)
         return tuple((("Fe", i, c), ("B", i, c)) for c in range(options))
     for c in range(options):
-        for rest in segment_schedules(i + 1, l, n, options, extended):
+        for rest in segment_schedules(i + 1, l, n, options, extended, caches):
             out.append((("Fe", i, c),) + rest + (("B", i, c),))
     for j in range(i + 1, l + 1):
-        fwd = (("CF", i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
-        for later in segment_schedules(j, l, n, options, extended):
-            for earlier in segment_schedules(i, j - 1, n, options, extended):
-                out.append(fwd + later + earlier)
-                if extended:
-                    out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
+        for first in ("CF", "CA") if caches else ("CF",):
+            fwd = ((first, i, 0),) + tuple(("Fn", k, 0) for k in range(i + 1, j))
+            for later in segment_schedules(j, l, n, options, extended, caches):
+                for earlier in segment_schedules(i, j - 1, n, options, extended, caches):
+                    out.append(fwd + later + earlier)
+                    if extended:
+                        out.append(fwd + (("WM", i, 0),) + later + (("RM", i, 0),) + earlier)
     if extended:
         for c in range(options):
-            for rest in segment_schedules(i + 1, l, n, options, extended):
+            for rest in segment_schedules(i + 1, l, n, options, extended, caches):
                 out.append((("Fr", i, 0),) + rest + (("Br", i, c),))
     return tuple(out)
 
@@ -55,7 +59,10 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
     ``ofw``, ``obw``, ``ocbw``, ``oftmp``, ``obtmp`` [B, L+1, K] (ofw infinite where a stage lacks the option;
     the loss is stage L), ``rev`` [B, L] bool, ``inv`` [B, L], ``off`` [B, L] (infinite: not allowed), and
     optionally ``sfw`` [B, L]: the time of a plain ``Fe_i`` directly followed by ``B_i`` whose stage's run before
-    was a ``CF_i``, its input never offloaded or dropped since (a recomputation that stops early).
+    was a ``CF_i`` (or ``CA_i``), its input never offloaded or dropped since (a recomputation that stops early);
+    and optionally attention caches: ``ca`` [B, L] (bytes; 0: the stage has none), and while stage i's is kept,
+    ``cfw`` (plain forward time), ``csfw`` (stopped recomputation), ``ccbw`` (what the plain ``Fe_i`` keeps),
+    ``cftmp`` and ``cgftmp`` (transient memory of a forward without and with autograd).
     """
     cw = chains["cw"]
     batch = cw.shape[0]
@@ -87,20 +94,26 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
             kind == "Fe"
             and c == 0
             and tuple(ops[k + 1 : k + 2]) == (("B", i, 0),)
-            and previous.get(i) == "CF"
+            and previous.get(i) in ("CF", "CA")
             and i not in moved
             and "sfw" in chains
         )
-        if kind in ("Fn", "CF", "Fr", "Fe", "Br", "B"):
+        cached = c == 0 and ("c", i) in live and kind in ("Fn", "CF", "Fe")
+        if kind == "CA":
+            if ("c", i) in live:
+                return np.full(batch, np.inf), peak
+            ok &= chains["ca"][:, i] > 0
+            put(("c", i), chains["ca"][:, i])
+        if kind in ("Fn", "CF", "CA", "Fr", "Fe", "Br", "B"):
             previous[i] = kind
             moved.discard(i)
         if kind == "WM":
             moved.add(i)
         if kind == "Br":
             moved.add(i + 1)
-        if kind in ("Fn", "CF", "Fr"):
+        if kind in ("Fn", "CF", "CA", "Fr"):
             assert ("x", i) in live or ("xb", i) in live
-            peak = np.maximum(peak, level + cw[:, i + 1] + chains["ftmp"][:, i])
+            peak = np.maximum(peak, level + cw[:, i + 1] + chains["cftmp" if cached else "ftmp"][:, i])
             put(("x", i + 1), cw[:, i + 1])
             if kind == "Fr":
                 if ("x", i) not in live or ("x", i) in owned:
@@ -110,16 +123,21 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
                 held.add(i + 1)
             elif kind == "Fn" and ("x", i) in live and ("x", i) not in owned:
                 take(("x", i))
-            time = time + chains["fw"][:, i]
+            time = time + chains["cfw" if cached else "fw"][:, i]
         elif kind == "Fe":
-            size = chains["ocbw"][:, i, c]
-            peak = np.maximum(peak, level + size + chains["oftmp"][:, i, c])
+            size = chains["ccbw"][:, i] if cached else chains["ocbw"][:, i, c]
+            peak = np.maximum(peak, level + size + (chains["cgftmp"][:, i] if cached else chains["oftmp"][:, i, c]))
             put(("xb", i + 1), size)
-            time = time + (chains["sfw"][:, i] if stops else chains["ofw"][:, i, c])
+            if stops:
+                time = time + chains["csfw" if cached else "sfw"][:, i]
+            else:
+                time = time + (chains["cfw"][:, i] if cached else chains["ofw"][:, i, c])
         elif kind in ("B", "L"):
             peak = np.maximum(peak, level + cw[:, i] + chains["obtmp"][:, i, c])
             if kind == "B":
                 take(("xb", i + 1))
+                if ("c", i) in live:
+                    take(("c", i))
             take(("d", i + 1))
             if ("x", i) in live and ("x", i) not in owned and i not in held:
                 take(("x", i))
@@ -127,6 +145,8 @@ def evaluate(ops: Sequence[OpT], chains: dict[str, np.ndarray]) -> tuple[np.ndar
             time = time + chains["obw"][:, i, c] + (chains["ofw"][:, i, c] if kind == "L" else 0)
         elif kind == "Br":
             assert ("x", i) not in live and ("xb", i) not in live
+            if ("c", i) in live:
+                return np.full(batch, np.inf), peak
             size = chains["ocbw"][:, i, c]
             peak = np.maximum(peak, level + cw[:, i] + size + chains["oftmp"][:, i, c])
             peak = np.maximum(peak, level + 2 * cw[:, i] + size + chains["obtmp"][:, i, c])

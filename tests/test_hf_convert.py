@@ -81,6 +81,33 @@ LAST_PROJECTION = {"gpt2-tiny": "c_proj", "gpt-neox-tiny": "dense_4h_to_h"}  # e
 
 
 @pytest.mark.parametrize("name", DECODERS)
+def test_plan_with_every_layers_attention_cached_equals_the_original(name):
+    """Every layer checkpointed with its attention output kept (``CA``, selective recomputation): the planner
+    measured a cache for the layers (transformers' sdpa attention is one fused kernel on the CPU), attention runs
+    once per layer (its first run; the recomputations read the cache), and logits and gradients equal the
+    original's (float64)."""
+    from test_attention_cache import KernelRuns
+
+    from revlib_xla.planner import Op, Schedule, simulate
+
+    ref = tiny(name, depth=3)
+    model = memory_efficient(copy.deepcopy(ref), "plan")
+    step(model)  # measures and plans
+    cp = model.revlib_xla_conversion.checkpointable
+    n = cp.chain.length
+    assert all(c is not None and c.bytes > 0 for c in cp.chain.caches)
+    ops = [Op("CA", i) for i in range(n)] + [Op("L", n)]
+    ops += [op for i in reversed(range(n)) for op in (Op("Fe", i), Op("B", i))]
+    cp.sequence = Schedule(tuple(ops), *simulate(cp.chain, ops), cp.chain)
+    with KernelRuns() as counter:
+        out, got = step(model)
+    assert counter.runs == n
+    ref_out, want = step(ref)
+    assert max_rel_err(out.logits, ref_out.logits) <= 1e-10
+    assert_same(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("name", DECODERS)
 def test_plan_of_every_layer_stops_each_recomputation_before_the_mlps_last_projection(name):
     """Every layer checkpointed, as transformers' gradient checkpointing does: each layer's recomputation just
     before its backward stops at the last tensor the backward reads (revlib_xla.early_stop), so the MLP's output

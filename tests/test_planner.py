@@ -12,6 +12,7 @@ from revlib_xla.planner import (
     InfeasibleBudget,
     Op,
     ScheduleError,
+    StageCache,
     StageOption,
     min_memory,
     no_checkpoint_memory,
@@ -51,7 +52,7 @@ def test_rotor_schedule_and_minimum():
     assert schedule.peak_memory == plain
 
 
-def random_chain(rng, length, extended=False, options=1):
+def random_chain(rng, length, extended=False, options=1, caches=False):
     cw = [rng.randint(1, 4) for _ in range(length + 1)]
     cbw = [0] + [cw[i] + rng.randint(0, 4) for i in range(1, length + 1)]
     kw = {}
@@ -81,6 +82,20 @@ def random_chain(rng, length, extended=False, options=1):
     bwd_tmp = [rng.randint(0, 2) for _ in range(length + 1)]
     # Recomputations that stop early (revlib_xla.early_stop) skip up to the whole forward.
     kw["stopped_fw"] = [f - rng.randint(0, f) for f in fw]
+    if caches:
+        # Attention caches: a few bytes kept from the first run; later plain forwards skip up to all their time,
+        # and keep up to the cache's size less (never less than their output).
+        kw["caches"] = [
+            StageCache(
+                size,
+                fw[i] - rng.randint(0, fw[i]),
+                cbw[i + 1] - rng.randint(0, min(size, cbw[i + 1] - cw[i + 1])),
+                rng.choice([None, 0, 1, 3]),
+            )
+            if rng.random() < 0.6
+            else None
+            for i, size in enumerate(rng.randint(1, 3) for _ in range(length))
+        ]
     return Chain(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, **kw)
 
 
@@ -88,6 +103,7 @@ def as_arrays(chains, options):
     """The chains in the brute force's batched layout."""
     n = chains[0].length
     keys = ("cw", "fw", "sfw", "ftmp", "ofw", "obw", "ocbw", "oftmp", "obtmp", "rev", "inv", "off")
+    keys += ("ca", "cfw", "csfw", "ccbw", "cftmp", "cgftmp")
     out = {key: [] for key in keys}
     for chain in chains:
         out["cw"].append(list(chain.cw) + [0])
@@ -105,12 +121,20 @@ def as_arrays(chains, options):
         out["rev"].append(list(chain.reversible))
         out["inv"].append(list(chain.inverse_time))
         out["off"].append([np.inf if t is None else t for t in chain.offload_time])
+        out["ca"].append([0 if c is None else c.bytes for c in chain.caches])
+        out["cfw"].append([f if c is None else c.fw for c, f in zip(chain.caches, chain.fw)])
+        out["csfw"].append([chain.cached_stopped_fw(i) for i in range(n)])
+        out["ccbw"].append([chain.cbw[i + 1] if c is None else c.cbw for i, c in enumerate(chain.caches)])
+        out["cftmp"].append([chain.cached_fwd_tmp(i, grad=False) for i in range(n)])
+        out["cgftmp"].append([chain.cached_fwd_tmp(i, grad=True) for i in range(n)])
     return {key: np.array(value, dtype=bool if key == "rev" else float) for key, value in out.items()}
 
 
-def check_against_brute_force(chains, budgets, options=1, extended=False):
+def check_against_brute_force(chains, budgets, options=1, extended=False, caches=False):
     n = chains[0].length
-    fastest, lowest = best(schedules(n, options, extended), as_arrays(chains, options), np.array(budgets, float))
+    fastest, lowest = best(
+        schedules(n, options, extended, caches), as_arrays(chains, options), np.array(budgets, float)
+    )
     for chain, budget, want, least in zip(chains, budgets, fastest, lowest):
         assert min_memory(chain) == least, chain
         if math.isinf(want):
@@ -168,6 +192,45 @@ def test_optimal_when_the_forward_with_autograd_has_its_own_temporaries(length):
         low, high = int(min_memory(chain)), int(no_checkpoint_memory(chain))
         budgets.append(rng.randint(max(1, low - 1), high + 1))
     check_against_brute_force(chains, budgets, extended=True)
+
+
+@pytest.mark.parametrize("length", range(1, 6))
+def test_optimal_with_attention_caches(length):
+    """Attention caches (``CA``, selective recomputation), with two options per stage and recomputations that stop
+    early: 25 random chains per length 1..5 against every persistent schedule whose leaves start with ``CF`` or
+    ``CA``, at budgets from below the smallest to above the plain schedule's peak."""
+    rng = random.Random(4000 + length)
+    chains = [random_chain(rng, length, options=2, caches=True) for _ in range(25)]
+    budgets = []
+    for chain in chains:
+        low, high = int(min_memory(chain)), int(no_checkpoint_memory(chain))
+        budgets.append(rng.randint(max(1, low - 1), high + 3))
+    check_against_brute_force(chains, budgets, options=2, caches=True)
+
+
+def test_a_cache_is_planned_where_it_pays_and_its_memory_is_charged():
+    """A homogeneous chain whose stages can keep 1 unit of cache that halves their recomputation: the plan uses
+    caches only with memory to spare, is never slower than without them, and simulate agrees with the plan."""
+    n = 6
+    chain = Chain([4] * n, [6] * n + [1], [1] * (n + 1), [1] + [5] * n, [0] * n, [0] * (n + 1))
+    cached = chain.replace(caches=[StageCache(1, 2, 5)] * n)
+    seen = []
+    for budget in (9, 10, 12, 14, 20, 40):
+        plain, fast = solve(chain, budget, mem_slots=budget), solve(cached, budget, mem_slots=budget)
+        assert fast.makespan <= plain.makespan and fast.peak_memory <= budget
+        assert simulate(cached, fast.ops) == (fast.makespan, fast.peak_memory)
+        seen.append(fast.counts().get("CA", 0))
+    assert seen[0] == 0  # the smallest budget has no room for a cache
+    assert max(seen) >= 3
+    assert seen[-1] == 0  # the plain schedule fits: nothing is recomputed, nothing cached
+    # A cache the schedule keeps is charged: CA_0 ... B_0 holds one more unit than CF_0 ... B_0.
+    ops = [Op("CF", 0), Op("Fe", 1), Op("L", 2), Op("B", 1), Op("Fe", 0), Op("B", 0)]
+    two = Chain([4, 4], [6, 6, 1], [1, 1, 1], [1, 5, 5], [0, 0], [0, 0, 0], caches=[StageCache(1, 2, 4), None])
+    t_cf, p_cf = simulate(two, ops)
+    t_ca, p_ca = simulate(two, [Op("CA", 0)] + ops[1:])
+    assert (t_cf - t_ca, p_ca - p_cf) == (2, 1)  # the Fe_0 reads the cache: 2 instead of 4; 1 unit kept
+    with pytest.raises(ScheduleError, match="no attention cache"):
+        simulate(two, [Op("CF", 0), Op("CA", 1)])
 
 
 def test_grad_fwd_tmp_defaults_to_fwd_tmp():

@@ -22,6 +22,7 @@ from revlib_xla.planner import (
     ScheduleExecutor,
     Simulation,
     Sizing,
+    StageCache,
     ValueKind,
     fit_budget,
     measure_chain,
@@ -99,6 +100,7 @@ def _held_bytes(run, parameters):
     for _, out in run.xbar.values():
         tensors += tensor_leaves(out) + _saved_by_graph(tensor_leaves(out))
     tensors += [g for grads in run.grad.values() for g in grads if g is not None]
+    tensors += [t for cache in run.caches.values() for t in cache.tensors()]
     skip = {p.untyped_storage().data_ptr() for p in parameters}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(size for ptr, size in storages.items() if ptr not in skip)
@@ -155,7 +157,44 @@ def test_simulator_and_executor_agree_for_every_operation_kind(monkeypatch):
                     level -= chain.cbw[op.index + 1]
                 assert live == modelled, (str(schedule), str(op))
                 assert held == level, (str(schedule), str(op))
-    assert seen == set(OpKind) and stopped_early
+    assert seen == set(OpKind) - {OpKind.CA} and stopped_early  # caches: below, on a model with attention
+
+
+def test_simulator_and_executor_agree_with_attention_caches(monkeypatch):
+    """Blocks with fused attention, at budgets where the solver keeps attention caches (``CA``): after every
+    operation the executor holds exactly the values the cost model holds, caches included, and their bytes."""
+    from test_attention_cache import _model as attention_blocks
+
+    model = attention_blocks(5, seed=2)
+    x = torch.randn(2, 64, 16, dtype=torch.float64, requires_grad=True)
+    checkpointed = revlib.Checkpointable(model)
+    sized = checkpointed.measure(x)
+    measured = _priced(sized)  # times by position; a cache halves a block's forward
+    measured = measured.replace(
+        caches=[StageCache(c.bytes, f / 2, c.cbw) for c, f in zip(sized.caches, measured.fw)]  # type: ignore[union-attr]
+    )
+    n = measured.length
+    low, high = min_memory(measured), no_checkpoint_memory(measured)
+    cached = 0
+    for fraction in (0.1, 0.3, 0.5, 0.7):
+        schedule = solve(measured, low + fraction * (high - low))
+        cached += schedule.counts().get("CA", 0)
+        records = _run_recorded(checkpointed, measured, schedule, x, monkeypatch)
+        sim = Simulation(measured)
+        deferred = deferrable_stages(schedule)
+        for op, live, held in records:
+            sim.step(op)
+            modelled = {key for key in sim.live if key != (ValueKind.GRAD, n + 1)}
+            level = sim.level
+            if op.kind is OpKind.L:
+                modelled.discard((ValueKind.GRAD, n))
+                level -= measured.cw[n]
+            if op.kind is OpKind.FE and op.index in deferred and sim.loss_seen:
+                cache = measured.caches[op.index]
+                level -= cache.cbw if sim.cached(op.index, op) and cache is not None else measured.cbw[op.index + 1]
+            assert live == modelled, (str(schedule), str(op))
+            assert held == level, (str(schedule), str(op))
+    assert cached
 
 
 def test_the_cost_model_prices_early_stopped_recomputations_where_the_executor_stops():
@@ -188,7 +227,7 @@ def test_operation_kinds_are_an_enum_with_one_row_each():
     """Every kind has its row (time, cost-model rule, executor rule); kinds given as names map to the enum, and an
     unknown one is refused naming the kinds."""
     assert set(OPERATIONS) == set(OpKind) and all(OPERATIONS[k].kind is k for k in OpKind)
-    assert KINDS == ("Fn", "CF", "Fe", "B", "L", "Fr", "Br", "WM", "RM")
+    assert KINDS == ("Fn", "CF", "Fe", "B", "L", "Fr", "Br", "WM", "RM", "CA")
     op = Op("Fe", 1, 1)
     assert op.kind is OpKind.FE and op == Op(OpKind.FE, 1, 1) and str(op) == "Fe_1[1]"
     with pytest.raises(ValueError, match="unknown kind 'Xx'; expected one of Fn, CF, Fe"):

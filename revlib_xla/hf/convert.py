@@ -202,6 +202,7 @@ def _repeated(one: Chain, n: int) -> Chain:
         names=one.names * n,
         grad_fwd_tmp=None if one.grad_fwd_tmp is None else one.grad_fwd_tmp * n,
         stopped_fw=one.stopped_fw * n,
+        caches=one.caches * n,
     )
 
 

@@ -13,7 +13,7 @@
 ``revlib_xla.Checkpointable`` composes them: it measures a model, plans and runs the schedule.
 """
 
-from .chain import Chain, StageOption
+from .chain import Chain, StageCache, StageOption
 from .execute import ScheduleExecutor, check_schedule, run_schedule
 from .schedule import (
     KINDS,
@@ -35,6 +35,7 @@ from .stages import atomic, flatten_sequential
 __all__ = [
     "Chain",
     "StageOption",
+    "StageCache",
     "Op",
     "OpKind",
     "Operation",

@@ -32,6 +32,12 @@ Beyond rotor, a stage may offer more ways to run:
   the executor stops that recomputation at the last tensor the backward reads (:mod:`revlib_xla.early_stop`: a
   Llama layer's ``down_proj`` is not run again), so that ``Fe_i`` costs ``stopped_fw[i]``, not ``fw[i]``
   (:func:`~revlib_xla.planner.schedule.early_stops` finds those ``Fe``; at most ``fw[i]``).
+* ``caches[i]``: stage i may keep what its fused attention kernels returned (:class:`StageCache`: ``bytes``, from
+  its first run until its backward; :mod:`revlib_xla.attention_cache`), and its later runs read it instead of
+  running attention again (selective recomputation, operation ``CA``): such a forward costs ``fw`` of the
+  :class:`StageCache` (a stopped one ``stopped_fw[i]`` less the same saving) with its ``fwd_tmp``, and one with
+  autograd keeps its ``cbw`` (autograd's saved attention output is the cached one). Only the plain option reads
+  the cache.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Chain", "StageOption"]
+__all__ = ["Chain", "StageOption", "StageCache"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +61,20 @@ class StageOption:
     cbw: float
     fwd_tmp: float = 0.0
     bwd_tmp: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCache:
+    """A stage's attention cache: its size, the stage's forward time when it reads it, what the stage's forward
+    with autograd keeps alive then (its x̄, without the cached tensors, which the cache holds: at least the
+    stage's x̄ less ``bytes``), and the transient memory of a forward without autograd reading it (None: the
+    stage's ``fwd_tmp``; attention's workspace is not needed). A forward with autograd is charged the stage's own
+    transient memory (``grad_fwd_tmp``)."""
+
+    bytes: float
+    fw: float
+    cbw: float
+    fwd_tmp: float | None = None
 
 
 def _floats(name: str, values: Sequence[float], length: int) -> tuple[float, ...]:
@@ -91,6 +111,7 @@ class Chain:
     #: None: the forward with autograd has ``fwd_tmp`` too (:meth:`stage_options` reads it either way).
     grad_fwd_tmp: tuple[float, ...] | None
     stopped_fw: tuple[float, ...]
+    caches: tuple[StageCache | None, ...]
 
     def __init__(
         self,
@@ -108,6 +129,7 @@ class Chain:
         names: Sequence[str] | None = None,
         grad_fwd_tmp: Sequence[float] | None = None,
         stopped_fw: Sequence[float] | None = None,
+        caches: Sequence[StageCache | None] | None = None,
     ) -> None:
         length = len(tuple(fw))
         if length < 1:
@@ -161,6 +183,30 @@ class Chain:
                     f"of the forward"
                 )
         object.__setattr__(self, "stopped_fw", stopped)
+        stage_caches = tuple(caches) if caches is not None else (None,) * length
+        if len(stage_caches) != length:
+            raise ValueError(f"Chain: caches needs {length} entries (None or a StageCache per stage)")
+        for i, cache in enumerate(stage_caches):
+            if cache is None:
+                continue
+            if not isinstance(cache, StageCache):
+                raise TypeError(f"Chain: caches[{i}] is {type(cache).__name__}, not StageCache or None")
+            _floats(f"caches[{i}]", [cache.bytes, cache.fw, cache.cbw, cache.fwd_tmp or 0.0], 4)
+            if cache.fw > fields["fw"][i]:
+                raise ValueError(
+                    f"Chain: caches[{i}].fw = {cache.fw} > fw[{i}] = {fields['fw'][i]}: reading the cache skips work"
+                )
+            if cache.cbw < fields["cw"][i + 1]:
+                raise ValueError(
+                    f"Chain: caches[{i}].cbw = {cache.cbw} < cw[{i + 1}] = {fields['cw'][i + 1]}: what a stage "
+                    f"keeps alive with autograd includes its output"
+                )
+            if cache.cbw + cache.bytes < self.cbw[i + 1]:
+                raise ValueError(
+                    f"Chain: caches[{i}].cbw = {cache.cbw} + bytes = {cache.bytes} < cbw[{i + 1}] = "
+                    f"{self.cbw[i + 1]}: with the cache kept, the stage keeps at most the cached tensors less"
+                )
+        object.__setattr__(self, "caches", stage_caches)
         for i in range(length):
             if self.cbw[i + 1] < self.cw[i + 1]:
                 raise ValueError(
@@ -199,9 +245,12 @@ class Chain:
             names=self.names,
             grad_fwd_tmp=self.grad_fwd_tmp,
             stopped_fw=self.stopped_fw,
+            caches=self.caches,
         )
         if "fw" in changes and "stopped_fw" not in changes:
             fields["stopped_fw"] = None
+        if "fw" in changes and "caches" not in changes:
+            fields["caches"] = None
         fields.update(changes)
         return Chain(**fields)
 
@@ -212,3 +261,17 @@ class Chain:
         grad_tmp = self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
         plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], grad_tmp, self.bwd_tmp[i])
         return (plain,) + self.options[i]
+
+    def cached_fwd_tmp(self, i: int, grad: bool) -> float:
+        """The transient memory of a forward of stage i that reads its kept cache (with autograd or not)."""
+        if grad:
+            return self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
+        cache = self.caches[i]
+        return cache.fwd_tmp if cache is not None and cache.fwd_tmp is not None else self.fwd_tmp[i]
+
+    def cached_stopped_fw(self, i: int) -> float:
+        """The time of stage i's stopped recomputation while its cache is kept (:attr:`caches`)."""
+        cache = self.caches[i]
+        if cache is None:
+            return self.stopped_fw[i]
+        return max(0.0, self.stopped_fw[i] - (self.fw[i] - cache.fw))

@@ -27,6 +27,7 @@ from torch import nn
 from .. import backend, fsdp
 from .._grad_destination import GradDestination, grad_destination
 from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
+from ..attention_cache import AttentionCache
 from ..early_stop import DeferredSaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 from .chain import Chain
@@ -206,6 +207,8 @@ class _Run:
         self.position = 0  # of the running operation in schedule.ops
         self.stop_early = False
         self.deferred: dict[int, _Deferred] = {}
+        self.caches: dict[int, AttentionCache] = {}  # stage -> its attention cache (CA_i to B_i)
+        self.capturing: set[int] = set()  # stages whose next run fills their cache
 
     def live(self) -> set[Value]:
         """The values this run holds, in the cost model's terms (:class:`~revlib_xla.planner.Simulation`)."""
@@ -213,6 +216,7 @@ class _Run:
             {(ValueKind.X, i) for i in self.x}
             | {(ValueKind.XBAR, i) for i in self.xbar}
             | {(ValueKind.GRAD, i) for i in self.grad}
+            | {(ValueKind.CACHE, i) for i in self.caches}
         )
 
     # -- running one stage, as its first run did ---------------------------------------------------------------
@@ -220,9 +224,16 @@ class _Run:
         stage = self.stages[i] if option == 0 else self.owner.stage_options[i][option - 1][1]
         fn = inverse_of(self.stages[i]) if inverse else stage
         state = self.owner.recompute_state()
+        cache: contextlib.AbstractContextManager[Any] = _NO_CONTEXT
+        if i in self.caches and not inverse and option == 0:  # selective recomputation: attention read, not rerun
+            if i in self.capturing:
+                self.capturing.discard(i)
+                cache = self.caches[i].capturing()
+            else:
+                cache = self.caches[i].replaying()
         if not recompute:
             watch = state.watch(self.buffers[i])
-            with self.replay.first_run(i):
+            with self.replay.first_run(i), cache:
                 out = fn(x)
             self.saved[i] = state.changed(watch, f"Checkpointable stage {i} ({type(self.stages[i]).__name__})")
             return out
@@ -233,6 +244,7 @@ class _Run:
             saved.on_copies(self.buffers[i]) if saved is not None else _NO_CONTEXT,
             self.replay.rerun(i),
             fsdp.recomputing(stage) if torch.is_grad_enabled() else _NO_CONTEXT,
+            cache,
         ):
             return fn(x)
 
@@ -320,6 +332,10 @@ class _Run:
         """Stage i run again from x_i for its deferred graph's slots (stopped at the last one)."""
         self._call(i, self._leaves(i, x), recompute=True)
 
+    def keep_cache(self, i: int) -> None:
+        self.caches[i] = AttentionCache()
+        self.capturing.add(i)
+
     def free_input(self, i: int) -> None:
         if i != 0 and i not in self.held:
             self.x.pop(i, None)
@@ -336,11 +352,13 @@ class _Run:
             pairs = [(e, g) for e, g in zip(deferred.edges, grads) if e is not None and g is not None]
             self._backward([e for e, _ in pairs], [g for _, g in pairs], deferred.inp)
             self.grad[i] = _input_grads(deferred.inp)
+            self.caches.pop(i, None)
             return
         roots, seeds = _roots(out, self.grad.pop(i + 1))
         del out  # the backward needs its graph, not the output's values: freed before it runs
         self._backward(roots, seeds, inp)
         self.grad[i] = _input_grads(inp)
+        self.caches.pop(i, None)
 
     def rebuild_backward(self, i: int, option: int) -> None:
         later = self._barrier(i + 1, self.grad.get(i + 1))
@@ -454,7 +472,7 @@ class _Run:
         statistics untouched)."""
         fresh = copy.copy(self)
         fresh.x, fresh.xbar, fresh.grad, fresh.host, fresh.held = {}, {}, {}, {}, set()
-        fresh.deferred = {}
+        fresh.deferred, fresh.caches, fresh.capturing = {}, {}, set()
         fresh.replaying, fresh.used = True, False
         fresh.forward_phase(inputs)
         return fresh

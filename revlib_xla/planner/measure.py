@@ -65,6 +65,10 @@ class StageMeasurement:
     #: the time of the stage's last recomputation where the executor stops it at the last saved tensor
     #: (:mod:`revlib_xla.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
     stopped_fw: float | None = None
+    #: the stage's attention cache (:mod:`revlib_xla.attention_cache`): its bytes, the forward's time reading it,
+    #: what the forward with autograd keeps then, and the transient memory of a forward without autograd reading it
+    #: (:class:`~revlib_xla.planner.StageCache`); None: no fused attention, or not measured
+    cache: tuple[int, float, int, int] | None = None
 
 
 def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
@@ -230,11 +234,18 @@ def _same(t: torch.Tensor) -> torch.Tensor:
 
 
 def measure_stage(
-    stage: nn.Module, x: Any, *, repeats: int = 3, reversible: bool = False, early_stop: bool = True
+    stage: nn.Module,
+    x: Any,
+    *,
+    repeats: int = 3,
+    reversible: bool = False,
+    early_stop: bool = True,
+    attention_cache: bool = False,
 ) -> tuple[StageMeasurement, Any]:
     """Measure ``stage`` on input ``x``; returns the measurement and the stage's output (computed without
     autograd), the next stage's input. ``early_stop``: time its recomputation stopped at the last saved tensor
-    too, where the executor does that (:func:`~revlib_xla.planner.execute.stops_early`)."""
+    too, where the executor does that (:func:`~revlib_xla.planner.execute.stops_early`). ``attention_cache``:
+    measure what keeping its fused attention outputs costs and saves (:class:`StageMeasurement` ``cache``)."""
     from .execute import _roots, stops_early  # execute imports this module
 
     tensors = list(tensor_leaves(x))
@@ -337,4 +348,46 @@ def measure_stage(
         for p, g in zip(params, kept_grads):
             p.grad = g
     bw = statistics.median(bw_times)
-    return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp, stopped_fw), out
+    cache = _cache_costs(stage, x, device, repeats, fw, cbw, value_bytes(out)) if attention_cache else None
+    return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp, stopped_fw, cache), out
+
+
+def _cache_costs(
+    stage: nn.Module, x: Any, device: torch.device, repeats: int, fw: float, cbw: int, out_bytes: int
+) -> tuple[int, float, int, int] | None:
+    """What keeping the stage's fused attention outputs costs and saves: their bytes, the forward's time reading
+    them (at most ``fw``), what the forward with autograd keeps then (the cached tensors are the cache's), and the
+    transient memory of a forward without autograd reading them (without attention's workspace); None when the
+    stage has no fused attention."""
+    from ..attention_cache import AttentionCache
+
+    cache = AttentionCache()
+    with torch.no_grad(), cache.capturing():
+        stage(x)
+    size = cache.bytes
+    if not size:
+        return None
+
+    def replayed() -> Any:
+        with torch.no_grad(), cache.replaying():
+            return stage(x)
+
+    cached_fw = min(fw, _median_time(replayed, device, repeats))
+    # the cache's tensors exist before: what the forward returns from them (views) is not an allocation
+    tracker = _tracker()
+    tracker.track_external(stage, *tensor_leaves(x), *cache.tensors())
+    with tracker:
+        start = _total(tracker.get_tracker_snapshot("current"), device)
+        out = replayed()
+        nograd_tmp = _total(tracker.get_tracker_snapshot("peak"), device) - start - value_bytes(out)
+    del out
+    inp = grad_leaves(x)
+    tracker = _tracker()
+    tracker.track_external(stage, *tensor_leaves(inp), *cache.tensors())
+    with tracker, cache.replaying():
+        start = _total(tracker.get_tracker_snapshot("current"), device)
+        y = stage(inp)
+        end = _total(tracker.get_tracker_snapshot("current"), device)
+    del y, inp
+    # the cached tensors are at most all the forward stops keeping; its output it keeps in any case
+    return size, cached_fw, max(end - start, cbw - size, out_bytes), max(0, nograd_tmp)

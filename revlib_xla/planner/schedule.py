@@ -60,6 +60,7 @@ class OpKind(str, enum.Enum):
     BR = "Br"
     WM = "WM"
     RM = "RM"
+    CA = "CA"
 
     def __str__(self) -> str:
         return self.value
@@ -70,11 +71,12 @@ KINDS: tuple[str, ...] = tuple(kind.value for kind in OpKind)
 
 class ValueKind(str, enum.Enum):
     """What a live value of a schedule is: an input x_i, what stage i-1 keeps with autograd x̄_i (its output
-    included), or the gradient of x_i."""
+    included), the gradient of x_i, or stage i's attention cache (``CA``)."""
 
     X = "x"
     XBAR = "xb"
     GRAD = "d"
+    CACHE = "c"
 
     def __str__(self) -> str:
         return self.value
@@ -118,7 +120,8 @@ class Simulation:
     backward of its stage); x̄_{i+1} (size of the chosen option's ``cbw``) holds x_{i+1} and lives from ``Fe_i`` to
     ``B_i``; a gradient lives from when it is computed until the next backward consumes it. Transients add to the
     level while their operation runs. The caller's input x_0 is never freed, and an input that a pending ``Br``
-    will rebuild from (x_{i+1} after ``Fr_i``) is held until that ``Br``.
+    will rebuild from (x_{i+1} after ``Fr_i``) is held until that ``Br``. Stage i's cache lives from ``CA_i`` to
+    ``B_i``; meanwhile stage i's plain forwards cost and keep what :class:`~.chain.StageCache` says.
     """
 
     def __init__(self, chain: Chain, stopped: Collection[int] = ()) -> None:
@@ -177,10 +180,25 @@ class Simulation:
         options = self.chain.stage_options(i)
         self.need(0 <= op.option < len(options), f"no option {op.option}", op)
         operation = OPERATIONS[op.kind]
+        cached = self.cached(i, op)
         operation.simulate(self, i, op, options[op.option])
         stops = op.kind is OpKind.FE and self.position in self.stopped
-        self.time += self.chain.stopped_fw[i] if stops else operation.time(self.chain, i, options[op.option])
+        if stops:
+            self.time += self.chain.cached_stopped_fw(i) if cached else self.chain.stopped_fw[i]
+        elif cached:
+            self.time += self.chain.caches[i].fw  # type: ignore[union-attr]  # (cached: there is one)
+        else:
+            self.time += operation.time(self.chain, i, options[op.option])
         self.position += 1
+
+    def cached(self, i: int, op: Op) -> bool:
+        """Whether ``op`` is a plain forward of stage i that reads the stage's kept attention cache."""
+        return (
+            op.kind in (OpKind.FN, OpKind.CF, OpKind.FE)
+            and op.option == 0
+            and i < self.chain.length
+            and (ValueKind.CACHE, i) in self.live
+        )
 
     def result(self) -> tuple[float, float]:
         """The total time and the peak, once the whole schedule has run."""
@@ -196,6 +214,9 @@ class Executor(Protocol):
     def forward(self, i: int, *, grad: bool, option: int = 0) -> None:
         """Run stage i on x_i: without autograd, storing x_{i+1}; with autograd (option ``option``), keeping
         x̄_{i+1} for its backward."""
+
+    def keep_cache(self, i: int) -> None:
+        """Keep what stage i's attention returns in its next run, for its later runs, until its backward."""
 
     def free_input(self, i: int) -> None:
         """Drop x_i unless it is the caller's input or held for a pending ``Br``."""
@@ -239,15 +260,21 @@ def _forward_time(chain: Chain, i: int, opt: StageOption) -> float:
 
 
 def _simulate_forward(sim: Simulation, i: int, op: Op, opt: StageOption) -> None:
-    """``Fn``, ``CF``, ``Fr``: x_{i+1} from x_i without autograd."""
+    """``Fn``, ``CF``, ``Fr``, ``CA``: x_{i+1} from x_i without autograd."""
     chain = sim.chain
     sim.need(i < chain.length, "the loss has no forward", op)
     sim.need(sim.has_input(i), f"x_{i} is not live", op)
+    if op.kind is OpKind.CA:
+        cache = chain.caches[i]
+        sim.need(cache is not None, "the stage has no attention cache", op)
+        sim.need((ValueKind.CACHE, i) not in sim.live, "its cache is already kept", op)
+        sim.add((ValueKind.CACHE, i), cache.bytes)  # type: ignore[union-attr]  # (checked above)
     if op.kind is OpKind.FR:
         sim.need(chain.reversible[i], "stage is not reversible", op)
         key = (ValueKind.X, i)  # a held x_i too: the Br of this stage rebuilds it
         sim.need(key in sim.live and key not in sim.owned, f"x_{i} cannot be dropped", op)
-    sim.at_most(sim.level + sim.cw[i + 1] + chain.fwd_tmp[i])
+    tmp = chain.cached_fwd_tmp(i, grad=False) if sim.cached(i, op) else chain.fwd_tmp[i]
+    sim.at_most(sim.level + sim.cw[i + 1] + tmp)
     sim.add((ValueKind.X, i + 1), sim.cw[i + 1])
     if op.kind is OpKind.FR:
         sim.drop((ValueKind.X, i))
@@ -265,6 +292,11 @@ def _execute_cf(run: Executor, op: Op) -> None:
     run.forward(op.index, grad=False)
 
 
+def _execute_ca(run: Executor, op: Op) -> None:
+    run.keep_cache(op.index)
+    run.forward(op.index, grad=False)
+
+
 def _execute_fr(run: Executor, op: Op) -> None:
     run.forward(op.index, grad=False)
     run.hold(op.index + 1)
@@ -273,8 +305,13 @@ def _execute_fr(run: Executor, op: Op) -> None:
 def _simulate_fe(sim: Simulation, i: int, op: Op, opt: StageOption) -> None:
     sim.need(i < sim.chain.length, "the loss has no forward", op)
     sim.need(sim.has_input(i), f"x_{i} is not live", op)
-    sim.at_most(sim.level + opt.cbw + opt.fwd_tmp)
-    sim.add((ValueKind.XBAR, i + 1), opt.cbw)
+    cache = sim.chain.caches[i]
+    if cache is not None and sim.cached(i, op):
+        cbw, tmp = cache.cbw, sim.chain.cached_fwd_tmp(i, grad=True)
+    else:
+        cbw, tmp = opt.cbw, opt.fwd_tmp
+    sim.at_most(sim.level + cbw + tmp)
+    sim.add((ValueKind.XBAR, i + 1), cbw)
 
 
 def _execute_fe(run: Executor, op: Op) -> None:
@@ -292,6 +329,8 @@ def _simulate_backward(sim: Simulation, i: int, op: Op, opt: StageOption) -> Non
     sim.at_most(sim.level + sim.cw[i] + opt.bwd_tmp)
     if op.kind is OpKind.B:
         sim.drop((ValueKind.XBAR, i + 1))
+        if (ValueKind.CACHE, i) in sim.live:
+            sim.drop((ValueKind.CACHE, i))
     sim.drop((ValueKind.GRAD, i + 1))
     sim.free_input(i)
     sim.add((ValueKind.GRAD, i), sim.cw[i])
@@ -317,6 +356,7 @@ def _simulate_br(sim: Simulation, i: int, op: Op, opt: StageOption) -> None:
     )
     sim.need(not sim.has_input(i), f"x_{i} is live: use B", op)
     sim.at_most(sim.level + sim.cw[i] + opt.cbw + opt.fwd_tmp, sim.level + 2 * sim.cw[i] + opt.cbw + opt.bwd_tmp)
+    sim.need((ValueKind.CACHE, i) not in sim.live, "a reversible stage's backward does not read a cache", op)
     sim.drop((ValueKind.X, i + 1))
     sim.held.discard(i + 1)
     sim.drop((ValueKind.GRAD, i + 1))
@@ -368,6 +408,14 @@ OPERATIONS: Mapping[OpKind, Operation] = {
             _simulate_forward,
             _execute_cf,
             "checkpointed input, recomputed",
+        ),
+        Operation(
+            OpKind.CA,
+            "keep x_i and what stage i's attention returns (until B_i); run stage i without autograd",
+            _forward_time,
+            _simulate_forward,
+            _execute_ca,
+            "checkpointed input and attention, recomputed",
         ),
         Operation(
             OpKind.FE,
@@ -473,11 +521,11 @@ def early_stops(ops: Sequence[Op]) -> dict[int, int]:
     {position of ``Fe_i``: position of the ``CF_i`` that builds its graph}, positions in ``ops``.
 
     Such an ``Fe_i`` is stage i's last recomputation, immediately followed by ``B_i`` (plain option), and stage i's
-    run before it is a ``CF_i`` with x_i stored in between (no ``WM_i`` or ``Br_{i-1}`` drops it): that ``CF_i``
-    builds the stage's graph without keeping activations, its input being live anyway until ``B_i``, and the pair
-    ``Fe_i B_i`` becomes the backward of that graph, recomputing only what it reads: nothing after ``B_i`` reads
+    run before it is a ``CF_i`` (or ``CA_i``) with x_i stored in between (no ``WM_i`` or ``Br_{i-1}`` drops it):
+    that ``CF_i`` builds the stage's graph without keeping activations, its input being live anyway until ``B_i``,
+    and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what it reads: nothing after ``B_i`` reads
     x_{i+1}, so the recomputation need not produce it."""
-    runs = (OpKind.FN, OpKind.CF, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
+    runs = (OpKind.FN, OpKind.CF, OpKind.CA, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
     found: dict[int, int] = {}
     last_run: dict[int, int] = {}  # stage -> position of its latest run
     dropped: set[int] = set()  # stages whose stored input left the device (or a Br dropped it) since that run
@@ -492,7 +540,7 @@ def early_stops(ops: Sequence[Op]) -> dict[int, int]:
             and k + 1 < len(ops)
             and ops[k + 1] == Op(OpKind.B, i)
             and i in last_run
-            and ops[last_run[i]].kind is OpKind.CF
+            and ops[last_run[i]].kind in (OpKind.CF, OpKind.CA)
             and i not in dropped
         ):
             found[k] = last_run[i]

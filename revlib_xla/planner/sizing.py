@@ -21,7 +21,7 @@ from torch import nn
 from .. import backend
 from .._tree import detached, map_tensors, tensor_leaves
 from ..recompute import probe
-from .chain import Chain, StageOption
+from .chain import Chain, StageCache, StageOption
 from .measure import InPlaceInput, StageMeasurement, StagePrograms, measure_stage, stage_programs, value_bytes
 from .schedule import Schedule
 from .solver import InfeasibleBudget
@@ -39,6 +39,8 @@ class Sizing:
     ``offload_bandwidth``: bytes/second between device and host; given, stage inputs x_1.. may be offloaded.
     ``loss_tmp_memory_usage``: transient memory of the loss (rotor's parameter). ``tpu_generation``: on XLA, size
     stages from their programs compiled deviceless for this TPU (None: from shapes, temporaries 0).
+    ``attention_cache``: stages whose attention is a fused kernel may keep its outputs for their later runs
+    (selective recomputation, :mod:`revlib_xla.attention_cache`; eager devices: they are measured).
     ``verbosity``: 1 shows progress, 2 also logs each stage's measurement."""
 
     reversible: bool = True
@@ -46,6 +48,7 @@ class Sizing:
     loss_tmp_memory_usage: float = 0
     tpu_generation: str | None = "v5e"
     verbosity: int = 0
+    attention_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +92,7 @@ def measure_chain(
         # autograd would be reused by the step's runs with it, and the stage's parameters get no gradient).
         with probe(tensor_leaves(x)[0].device, list(stage.buffers()), i), backend.autocast_cache_off():
             try:
-                m, out = measure_stage(stage, x, reversible=rev)
+                m, out = measure_stage(stage, x, reversible=rev, attention_cache=sizing.attention_cache and not rev)
             except InPlaceInput:
                 raise ValueError(
                     f"Checkpointable: stage {i} ({type(stage).__name__}) modifies its input in place; its "
@@ -128,6 +131,7 @@ def measure_chain(
         names=[type(s).__name__ for s in stages],
         grad_fwd_tmp=[_with_autograd(m) for m in measured],
         stopped_fw=[m.fw if m.stopped_fw is None else m.stopped_fw for m in measured],
+        caches=[None if m.cache is None else StageCache(*m.cache) for m in measured],
     )
     if sizing.offload_bandwidth:
         chain = chain.with_bandwidth(sizing.offload_bandwidth, stages=range(1, n))

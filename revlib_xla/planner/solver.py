@@ -13,6 +13,11 @@ schedule for ``[i, l]`` is one of:
 * offloaded leaf at ``j``: the leaf, with x_i written to host memory while ``[j, l]`` runs (``WM_i``/``RM_i``),
   which gives ``[j, l]`` the ``|x_i|`` slots as well.
 
+* cached leaf at ``j`` (stage i has an attention cache, ``Chain.caches``): ``CA_i Fn_{i+1} .. Fn_{j-1}``, then
+  ``[j, l]`` with ``m - |x_j| - |cache_i|``, then ``[i, j-1]`` *cached* with ``m - |cache_i|``: a third table,
+  ``Opt`` for segments whose stage i keeps its cache (outside their slots), where stage i's plain forwards cost
+  and keep what the cache makes them (its leaves run ``CF_i``, its chain and base ``Fe_i``, all cheaper).
+
 Dropping or offloading x_i frees memory only when x_i is a tensor of its own: not when it is part of x̄_i (the
 chain case) or the caller's input x_0. So the program keeps two tables, for inputs that can and cannot be freed.
 
@@ -76,33 +81,70 @@ class _Arrays:
         self.oft = table(lambda o: size(o.fwd_tmp), 0.0)
         self.obt = table(lambda o: size(o.bwd_tmp), 0.0)
         self.prefix = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(self.fw, 0)])
+        # Attention caches (none where the chain has reversible stages or offload: not planned together yet).
+        caches = list(chain.caches) + [None]
+        if any(chain.reversible) or any(t is not None for t in chain.offload_time):
+            caches = [None] * (n + 1)
+        self.cached = any(c is not None for c in caches)
+        self.ca = torch.tensor([size(c.bytes) if c is not None else 0 for c in caches], dtype=torch.float64)
+        self.has_ca = torch.tensor([c is not None for c in caches])
+        # with the cache kept: plain forward time, x̄ of the plain option, stopped recomputation
+        self.cfw = torch.tensor(
+            [c.fw if c is not None else f for c, f in zip(caches, self.fw.tolist())], dtype=torch.float64
+        )
+        self.csfw = torch.tensor(
+            [chain.cached_stopped_fw(i) if caches[i] is not None else self.sfw[i].item() for i in range(n)] + [0.0],
+            dtype=torch.float64,
+        )
+        self.cofw = self.ofw.clone()
+        self.cofw[:, 0] = torch.where(self.has_ca, self.cfw, self.ofw[:, 0])
+        self.coxb = self.oxb.clone()
+        cxb = [size(c.cbw) if c is not None else 0.0 for c in caches]
+        self.coxb[:, 0] = torch.where(self.has_ca, torch.tensor(cxb, dtype=torch.float64), self.oxb[:, 0])
+        self.coft = self.oft.clone()
+        cft = [size(chain.cached_fwd_tmp(i, grad=True)) if caches[i] is not None else 0.0 for i in range(n)] + [0.0]
+        self.coft[:, 0] = torch.where(self.has_ca, torch.tensor(cft, dtype=torch.float64), self.oft[:, 0])
+        cftmp = [size(chain.cached_fwd_tmp(i, grad=False)) if caches[i] is not None else 0.0 for i in range(n)]
         # fmax[i, j]: memory of CF_i Fn_{i+1} .. Fn_{j-1} above x_i (j in i+1..n).
         cw = self.cw.tolist()
         ftmp = self.ftmp.tolist() + [0.0]
+        # fmax_cached: the same where CF_i reads stage i's kept cache (its own temporaries).
         fmax = [[_INF] * (n + 2) for _ in range(n + 1)]
+        fmax_cached = [[_INF] * (n + 2) for _ in range(n + 1)]
         for i in range(n + 1):
             running = cw[i + 1] + ftmp[i]  # CF_i: x_i is outside the budget
+            cached_running = cw[i + 1] + (cftmp[i] if i < n and caches[i] is not None else ftmp[i])
             for j in range(i + 1, n + 2):
                 if j - 1 > i:
-                    running = max(running, cw[j - 1] + cw[j] + ftmp[j - 1])  # Fn_{j-1}: x_{j-1}, x_j, temporaries
-                fmax[i][j] = running
+                    later = cw[j - 1] + cw[j] + ftmp[j - 1]  # Fn_{j-1}: x_{j-1}, x_j, temporaries
+                    running, cached_running = max(running, later), max(cached_running, later)
+                fmax[i][j], fmax_cached[i][j] = running, cached_running
         self.fmax = torch.tensor(fmax, dtype=torch.float64)
-        self.fmax_list = self.fmax.tolist()
+        self.fmax_cached = torch.tensor(fmax_cached, dtype=torch.float64)
+        self.fmax_list, self.fmax_cached_list = self.fmax.tolist(), self.fmax_cached.tolist()
         self.lists = {
             name: getattr(self, name).tolist()
-            for name in ("cw", "fw", "sfw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt")
+            for name in (
+                *("cw", "fw", "sfw", "prefix", "ftmp", "rev", "inv", "off", "ofw", "obw", "oxb", "oft", "obt"),
+                *("ca", "has_ca", "cfw", "csfw", "cofw", "coxb", "coft"),
+            )
         }
 
     # What an operation needs of segment [i, l]'s budget (x_i held outside it), for stage i's option c. The tables
     # compute the same for all i and m at once.
-    def base_time(self, i: int, c: int, after_cf: bool) -> float:
-        """``Fe_i B_i`` with option c; right after ``CF_i`` the plain ``Fe_i`` stops early."""
-        fw = self.lists["sfw"][i] if after_cf and c == 0 else self.lists["ofw"][i][c]
+    def base_time(self, i: int, c: int, after_cf: bool, cached: bool = False) -> float:
+        """``Fe_i B_i`` with option c; right after ``CF_i`` the plain ``Fe_i`` stops early; ``cached``: stage i
+        keeps its attention cache."""
+        if after_cf and c == 0:
+            fw = self.lists["csfw" if cached else "sfw"][i]
+        else:
+            fw = self.lists["cofw" if cached else "ofw"][i][c]
         return fw + self.lists["obw"][i][c]
 
-    def fe_b_need(self, i: int, l: int, c: int) -> float:
+    def fe_b_need(self, i: int, l: int, c: int, cached: bool = False) -> float:
         """``Fe_i`` with the gradient of x_{l+1} held, then ``B_i`` (the base case when ``l == i``)."""
-        cw, oxb, oft, obt = self.lists["cw"], self.lists["oxb"], self.lists["oft"], self.lists["obt"]
+        cw, obt = self.lists["cw"], self.lists["obt"]
+        oxb, oft = (self.lists["coxb"], self.lists["coft"]) if cached else (self.lists["oxb"], self.lists["oft"])
         return max(cw[l + 1] + oxb[i][c] + oft[i][c], cw[i] + cw[i + 1] + oxb[i][c] + obt[i][c])
 
     def fr_br_need(self, i: int, l: int, c: int) -> float:
@@ -163,6 +205,18 @@ class _Tables:
                 self.kept[d, :count] = best_kept
                 rkept[n - d, :count] = best_kept
 
+        # Segments whose stage i keeps its attention cache (see the module docstring); a copy with the length axis
+        # reversed, as rfree, for the earlier segment of the leaves.
+        self.has_cache = a.cached
+        self.cached = torch.full(shape, _INF, dtype=dtype) if a.cached else self.free
+        rcached = torch.full(shape, _INF, dtype=dtype) if a.cached else rfree
+        ca = a.ca.to(dtype)
+
+        def store_cached(d: int, best: torch.Tensor) -> None:
+            count = best.shape[0]
+            self.cached[d, :count] = best
+            rcached[n - d, :count] = best
+
         # Base: Fe_i B_i (the loss for i = L).
         i = torch.arange(n + 1)
         need = torch.maximum(a.cw[i + 1, None] + a.oxb + a.oft, a.cw[i, None] + a.cw[i + 1, None] + a.oxb + a.obt)
@@ -178,6 +232,22 @@ class _Tables:
         stopped = times.clone()
         stopped[:, 0] = a.sfw + a.obw[:, 0]
         self.after_cf = fastest(stopped)
+        self.after_cf_cached = self.after_cf
+        if a.cached:
+            need = torch.maximum(
+                a.cw[i + 1, None] + a.coxb + a.coft, a.cw[i, None] + a.cw[i + 1, None] + a.coxb + a.obt
+            )
+            unfit_cached = m < need.to(dtype).unsqueeze(-1)
+
+            def fastest_cached(times: torch.Tensor) -> torch.Tensor:
+                vals = times.to(dtype).unsqueeze(-1).expand(-1, -1, s + 1).clone()
+                return vals.masked_fill_(unfit_cached, _INF).amin(dim=1)
+
+            times = a.cofw + a.obw
+            store_cached(0, fastest_cached(times))
+            stopped = times.clone()
+            stopped[:, 0] = a.csfw + a.obw[:, 0]
+            self.after_cf_cached = fastest_cached(stopped)
 
         for d in range(1, n + 1):
             count = n + 1 - d
@@ -202,6 +272,31 @@ class _Tables:
             chain_vals = after + (a.ofw[i] + a.obw[i]).to(dtype).unsqueeze(-1)
             chain_best = chain_vals.masked_fill_(m < need.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
             best_free = torch.minimum(best_free, chain_best)
+            if a.cached:
+                has = a.has_ca[i]
+                # Cached leaf at j: CA_i Fn.. then [j, l] with m - |x_j| - |cache_i|, then [i, j-1] cached with
+                # m - |cache_i|.
+                shift = ca[i][:, None]
+                unfit_ca = m < (a.cw[l + 1, None] + a.fmax[i[:, None], j] + a.ca[i, None]).to(dtype).unsqueeze(-1)
+                base_ca = (_shifted(later, shift, s) + fwd).masked_fill_(unfit_ca, _INF)
+                earlier_cached = rcached.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)
+                leaf_ca = base_ca + _shifted(earlier_cached, shift, s)
+                leaf_ca[:, -1] = base_ca[:, -1] + _shifted(self.after_cf_cached[:count], ca[i], s)
+                leaf_ca.masked_fill_(~has[:, None, None], _INF)
+                best_free = torch.minimum(best_free, leaf_ca.amin(dim=1))
+                # Segment [i, l] with stage i's cache kept: its CF_i and Fe_i read it.
+                gain = (a.fw[i] - a.cfw[i]).to(dtype)[:, None, None]
+                unfit_c = m < (a.cw[l + 1, None] + a.fmax_cached[i[:, None], j]).to(dtype).unsqueeze(-1)
+                base_c = (later + fwd - gain).masked_fill_(unfit_c, _INF)
+                leaf_c = base_c + earlier_cached
+                leaf_c[:, -1] = base_c[:, -1] + self.after_cf_cached[:count]
+                after_c = _shifted(self.free[d - 1, 1 : count + 1].unsqueeze(1), a.coxb[i].to(dtype), s)
+                need_c = torch.maximum(
+                    a.cw[l + 1, None] + a.coxb[i] + a.coft[i], a.cw[i, None] + a.cw[i + 1, None] + a.coxb[i] + a.obt[i]
+                )
+                chain_c = after_c + (a.cofw[i] + a.obw[i]).to(dtype).unsqueeze(-1)
+                chain_c = chain_c.masked_fill_(m < need_c.to(dtype).unsqueeze(-1), _INF).amin(dim=1)
+                store_cached(d, torch.minimum(leaf_c.amin(dim=1), chain_c))
             best_kept = best_free
             if extended:
                 leaf_kept = base + rkept.as_strided((count, d, row), (row, (n + 1) * row, 1), earlier)
@@ -227,23 +322,26 @@ class _Tables:
                     best_free = torch.minimum(best_free, moved.amin(dim=1))
             store(d, best_free, best_kept)
 
-    def value(self, free: bool, i: int, l: int, m: int, after_cf: bool = False) -> float:
+    def value(self, free: bool, i: int, l: int, m: int, after_cf: bool = False, cached: bool = False) -> float:
         if m < 0 or m >= self.free.shape[-1]:
             return _INF
         if after_cf:
-            return float(self.after_cf[i, m])
+            return float((self.after_cf_cached if cached else self.after_cf)[i, m])
+        if cached:
+            return float(self.cached[l - i, i, m])
         return float((self.free if free else self.kept)[l - i, i, m])
 
 
 class _Segment(NamedTuple):
     """Segment [i, l] to run with m slots, its input x_i freeable or not (see :class:`_Tables`); ``after_cf``: a
-    base case right after ``CF_i``."""
+    base case right after ``CF_i``; ``cached``: stage i keeps its attention cache."""
 
     free: bool
     i: int
     l: int
     m: int
     after_cf: bool = False
+    cached: bool = False
 
 
 # A choice's operations and sub-segments, built only for the choice taken (lambdas bind their loop values as
@@ -252,42 +350,66 @@ _Steps = Callable[..., Sequence["Op | _Segment"]]
 
 
 def _choices(
-    t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int, after_cf: bool = False
+    t: _Tables, a: _Arrays, free: bool, i: int, l: int, m: int, after_cf: bool = False, cached: bool = False
 ) -> Iterator[tuple[float, _Steps]]:
     """Every way to run segment [i, l] with m slots, as (time, a function giving its operations and sub-segments),
-    in rotor's order of preference for ties: leaves (nearest j first), chain, reversible, offloaded leaves."""
+    in rotor's order of preference for ties: leaves (nearest j first), chain, cached leaves, reversible,
+    offloaded leaves."""
     cw, fw, prefix, fmax = a.lists["cw"], a.lists["fw"], a.lists["prefix"], a.fmax_list
-    ofw, obw, oxb = (a.lists[k] for k in ("ofw", "obw", "oxb"))
+    obw = a.lists["obw"]
+    ofw, oxb = (a.lists["cofw"], a.lists["coxb"]) if cached else (a.lists["ofw"], a.lists["oxb"])
     if i == l:
         for c in range(a.k):
-            if m >= a.fe_b_need(i, i, c):
+            if m >= a.fe_b_need(i, i, c, cached):
                 yield (
-                    a.base_time(i, c, after_cf),
+                    a.base_time(i, c, after_cf, cached),
                     (lambda c=c: [Op(OpKind.L, a.n)] if i == a.n else [Op(OpKind.FE, i, c), Op(OpKind.B, i, c)]),
                 )
         return
 
-    def forward(j: int) -> list[Op | _Segment]:
-        steps: list[Op | _Segment] = [Op(OpKind.CF, i)]
+    def forward(j: int, first: OpKind = OpKind.CF) -> list[Op | _Segment]:
+        steps: list[Op | _Segment] = [Op(first, i)]
         return steps + [Op(OpKind.FN, k) for k in range(i + 1, j)]
 
+    gain = fw[i] - a.lists["cfw"][i] if cached else 0.0
+    leaf_fmax = a.fmax_cached_list if cached else fmax
     for j in range(i + 1, l + 1):
-        if m >= cw[l + 1] + fmax[i][j]:
+        if m >= cw[l + 1] + leaf_fmax[i][j]:
             stops = j == i + 1  # the earlier segment is stage i's base case right after CF_i
             yield (
-                prefix[j] - prefix[i] + t.value(True, j, l, m - int(cw[j])) + t.value(free, i, j - 1, m, stops),
+                prefix[j]
+                - prefix[i]
+                - gain
+                + t.value(True, j, l, m - int(cw[j]))
+                + t.value(free, i, j - 1, m, stops, cached),
                 lambda j=j, stops=stops: (
-                    forward(j) + [_Segment(True, j, l, m - int(cw[j])), _Segment(free, i, j - 1, m, stops)]
+                    forward(j) + [_Segment(True, j, l, m - int(cw[j])), _Segment(free, i, j - 1, m, stops, cached)]
                 ),
             )
     for c in range(a.k):
-        if m >= a.fe_b_need(i, l, c):
+        if m >= a.fe_b_need(i, l, c, cached):
             sub = m - int(oxb[i][c])
             yield (
                 ofw[i][c] + obw[i][c] + t.value(False, i + 1, l, sub),
                 lambda c=c, sub=sub: [Op(OpKind.FE, i, c), _Segment(False, i + 1, l, sub), Op(OpKind.B, i, c)],
             )
-    if not free:
+    if not cached and a.lists["has_ca"][i]:
+        own = int(a.lists["ca"][i])
+        for j in range(i + 1, l + 1):
+            if m >= cw[l + 1] + fmax[i][j] + own:
+                stops = j == i + 1
+                rest = m - own
+                yield (
+                    prefix[j]
+                    - prefix[i]
+                    + t.value(True, j, l, rest - int(cw[j]))
+                    + t.value(free, i, j - 1, rest, stops, True),
+                    lambda j=j, stops=stops, rest=rest: (
+                        forward(j, OpKind.CA)
+                        + [_Segment(True, j, l, rest - int(cw[j])), _Segment(free, i, j - 1, rest, stops, True)]
+                    ),
+                )
+    if not free or cached:
         return
     if a.lists["rev"][i]:
         sub = m + int(cw[i]) - int(cw[i + 1])
@@ -325,14 +447,14 @@ def _rebuild(t: _Tables, a: _Arrays, top: int) -> list[Op]:
         if isinstance(item, Op):
             ops.append(item)
             continue
-        free, i, l, m, after_cf = item
-        target = t.value(free, i, l, m, after_cf)
+        free, i, l, m, after_cf, cached = item
+        target = t.value(free, i, l, m, after_cf, cached)
         # The table was computed in its own precision and order of additions: accept the first choice within it.
         slack = 1e-9 if t.free.dtype == torch.float64 else 1e-5
         steps = next(
             (
                 steps
-                for value, steps in _choices(t, a, free, i, l, m, after_cf)
+                for value, steps in _choices(t, a, free, i, l, m, after_cf, cached)
                 if value <= target + slack * max(1.0, abs(target))
             ),
             None,
@@ -473,6 +595,7 @@ def _grid(chain: Chain) -> int | None:
     """The largest size every size of the chain is a whole multiple of, if they are all whole numbers."""
     sizes = [*chain.cw, *chain.cbw, *chain.fwd_tmp, *(chain.grad_fwd_tmp or ()), *chain.bwd_tmp]
     sizes += [v for opts in chain.options for o in opts for v in (o.cbw, o.fwd_tmp, o.bwd_tmp)]
+    sizes += [v for c in chain.caches if c is not None for v in (c.bytes, c.cbw)]
     if not all(float(v).is_integer() for v in sizes):
         return None
     return math.gcd(*(int(v) for v in sizes)) or None
