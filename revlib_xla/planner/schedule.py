@@ -523,8 +523,8 @@ def early_stops(ops: Sequence[Op]) -> dict[int, int]:
     Such an ``Fe_i`` is stage i's last recomputation, immediately followed by ``B_i`` (plain option), and stage i's
     run before it is a ``CF_i`` (or ``CA_i``) with x_i stored in between (no ``WM_i`` or ``Br_{i-1}`` drops it):
     that ``CF_i`` builds the stage's graph without keeping activations, its input being live anyway until ``B_i``,
-    and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what it reads: nothing after ``B_i`` reads
-    x_{i+1}, so the recomputation need not produce it."""
+    and the pair ``Fe_i B_i`` becomes the backward of that graph, recomputing only what it reads: nothing after
+    ``B_i`` reads x_{i+1}, so the recomputation need not produce it."""
     runs = (OpKind.FN, OpKind.CF, OpKind.CA, OpKind.FE, OpKind.FR, OpKind.BR, OpKind.B)
     found: dict[int, int] = {}
     last_run: dict[int, int] = {}  # stage -> position of its latest run
