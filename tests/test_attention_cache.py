@@ -15,7 +15,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import revlib_xla as revlib
 from revlib_xla.attention_cache import AttentionCache, is_fused_attention
 from revlib_xla.memory import eager_peak
-from revlib_xla.planner import Op, OpKind, Schedule, min_memory, no_checkpoint_memory, simulate, solve
+from revlib_xla.planner import (
+    Op,
+    OpKind,
+    Schedule,
+    StageCache,
+    min_memory,
+    no_checkpoint_memory,
+    simulate,
+    solve,
+)
 
 WIDTH, HEADS, SEQ = 16, 2, 24
 
@@ -252,8 +261,13 @@ def test_the_planner_keeps_caches_within_the_budget_and_the_step_peaks_where_it_
         m(inp).sum().backward()
 
     planned = revlib.Checkpointable(model)
-    chain = planned.measure(x)
-    assert all(c is not None and c.fw < f and c.bytes > 0 for c, f in zip(chain.caches, chain.fw))
+    measured = planned.measure(x)
+    assert all(c is not None and c.fw <= f and c.bytes > 0 for c, f in zip(measured.caches, measured.fw))
+    # Which caches pay follows times: priced here (a cache halves a block's forward), so the plan is the same on
+    # every machine; the sizes are the measured ones.
+    chain = measured.replace(
+        caches=[StageCache(c.bytes, f / 2, c.cbw, c.fwd_tmp) for c, f in zip(measured.caches, measured.fw)]
+    )
     bare = chain.replace(caches=None)
     low, high = min_memory(chain), no_checkpoint_memory(chain)
     used = 0
