@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import recompute
+from ._tree import detached, tensor_leaves
 
 __all__ = ["AttentionCache", "is_fused_attention"]
 
@@ -71,22 +72,14 @@ class _Mode(TorchDispatchMode):
         cache._position += 1
         if cache._capturing:
             out = func(*args, **kwargs)
-            cache._entries.append((key, _detached(out)))
+            cache._entries.append((key, detached(out)))
             return out
         if position < len(cache._entries) and cache._entries[position][0] == key:
             cache.replayed += 1
             # fresh aliases: autograd sets the history of what this returns, and the cache must keep none
-            return _detached(cache._entries[position][1])
+            return detached(cache._entries[position][1])
         cache.missed += 1
         return func(*args, **kwargs)
-
-
-def _detached(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, (tuple, list)):
-        return type(out)(_detached(o) for o in out)
-    return out
 
 
 def _rule(key: Any) -> Any:
@@ -143,12 +136,7 @@ class AttentionCache:
 
     def tensors(self) -> list[torch.Tensor]:
         """The captured tensors."""
-        return [
-            t
-            for _, out in self._entries
-            for t in (out if isinstance(out, (tuple, list)) else (out,))
-            if isinstance(t, torch.Tensor)
-        ]
+        return [t for _, out in self._entries for t in tensor_leaves(out)]
 
     @property
     def bytes(self) -> int:
