@@ -230,7 +230,8 @@ class Chain:
 
     def replace(self, **changes: Any) -> Chain:
         """A copy with some fields changed (same keywords as the constructor). New forward times ``fw`` without
-        ``stopped_fw`` reset it to them (the old ones describe other forwards)."""
+        ``stopped_fw`` reset it to them, and without ``caches`` drop the caches (the old times describe other
+        forwards)."""
         fields: dict[str, Any] = dict(
             fw=self.fw,
             bw=self.bw,
