@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
+import ctypes.util
 import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import time
@@ -168,19 +171,47 @@ def plan_at(
 
 def timed(
     models: dict[str, torch.nn.Module], ids: torch.Tensor, repeats: int
-) -> dict[str, tuple[float, float, list[float]]]:
+) -> dict[str, tuple[float, float, list[float], float]]:
     """Per variant: the median step time, the median of its per-round ratios to hf-checkpointing's (variants
-    interleaved round by round: a load change hits all of them alike) and those ratios."""
+    interleaved round by round: a load change hits all of them alike), those ratios, and the median minor page
+    faults per step."""
     times: dict[str, list[float]] = {k: [] for k in models}
+    faults: dict[str, list[int]] = {k: [] for k in models}
     for _ in range(repeats):
         for name, model in models.items():
             model.zero_grad(set_to_none=True)
+            before = minor_faults()
             start = time.perf_counter()
             step(model, ids)
             times[name].append(time.perf_counter() - start)
+            faults[name].append(minor_faults() - before)
     hf = times["hf-checkpointing"]
     ratios = {k: [t / h for t, h in zip(v, hf, strict=True)] for k, v in times.items()}
-    return {k: (statistics.median(v), statistics.median(ratios[k]), ratios[k]) for k, v in times.items()}
+    return {
+        k: (statistics.median(v), statistics.median(ratios[k]), ratios[k], statistics.median(faults[k]))
+        for k, v in times.items()
+    }
+
+
+def fixed_malloc() -> bool:
+    """Keep freed memory in the process (glibc ``mallopt``), as a device's caching allocator keeps it; returns
+    whether it could.
+
+    By default glibc hands large blocks back to the system and page-faults them in again, depending on what the
+    process allocated before: on this machine the same variant took 0 to 30,000 minor page faults per step (several
+    percent of its time) depending on which variants ran beside it, enough to move a step ratio by 0.05. With the
+    mmap threshold at its largest (32 MiB) and no trimming, the timed steps fault next to never, whatever ran
+    before. The peaks (tensor storages, MemTracker) do not depend on it."""
+    name = ctypes.util.find_library("c")
+    if name is None or platform.system() != "Linux":
+        return False
+    libc = ctypes.CDLL(name)
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 32 * 2**20)) and bool(libc.mallopt(m_trim_threshold, 2**62))
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def load() -> str:
@@ -253,6 +284,7 @@ def run(
                         "step_s": times[variant][0] if variant in times else None,
                         "step_ratio_hf": times[variant][1] if variant in times else None,
                         "step_ratios_hf": times[variant][2] if variant in times else None,
+                        "minor_faults_per_step": times[variant][3] if variant in times else None,
                         "gflop": counts[variant].flops / 1e9,
                         "aten_ops": counts[variant].ops,
                         "flop_ops": counts[variant].flop_ops,
@@ -286,6 +318,11 @@ def ratio(r: dict[str, Any]) -> str:
     return f"{r['step_ratio_hf']:.3f}{spread}"
 
 
+def faults(r: dict[str, Any]) -> str:
+    n = r.get("minor_faults_per_step")
+    return "-" if n is None else f"{n:.0f}"
+
+
 def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         "# revlib_xla.hf against transformers' gradient checkpointing (eager peak, CPU)",
@@ -300,11 +337,17 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"ratio: median over {meta['repeats']} rounds of (variant / hf-checkpointing) step time (in brackets: the "
         f"rounds' lowest and highest), variants "
         f"interleaved in one process, `torch.set_num_threads({meta['threads']})`, `nice`; machine load (1/5/15 min) "
-        f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl.",
+        f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl. "
+        + (
+            "Freed memory kept in the process (glibc `mallopt`, as a device's caching allocator keeps it); faults: "
+            "median minor page faults per timed step."
+            if meta.get("malloc") == "fixed"
+            else "glibc's default allocator behaviour; faults: median minor page faults per timed step."
+        ),
         "",
         "| model | depth | variant | peak MiB | activations MiB | act / hf-ckpt | non-p/g at peak MiB | recomputed "
-        "| GFLOP | GFLOP / hf-ckpt | aten ops | step ms | step / hf-ckpt |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| GFLOP | GFLOP / hf-ckpt | aten ops | step ms | step / hf-ckpt | faults |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["model"], r["depth"], r["variant"]): r for r in rows}
     for r in rows:
@@ -315,7 +358,7 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append(
             f"| {r['model']} | {r['depth']} | {r['variant']} | {mib(r['peak_bytes'])} | {mib(r['activation_bytes'])} "
             f"| {r['activation_bytes'] / hf['activation_bytes']:.2f} | {mib(r['non_param_grad_bytes_at_peak'])} "
-            f"| {r['recomputed_layers']} | {flops} | {step_ms} | {ratio(r)} |"
+            f"| {r['recomputed_layers']} | {flops} | {step_ms} | {ratio(r)} | {faults(r)} |"
         )
     lines += ["", "## Verdicts (computed from the rows above)", ""]
     for model_name in sorted({r["model"] for r in rows}, key=list(MODELS).index):
@@ -407,12 +450,19 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: llama,gpt2")
     parser.add_argument("--skip", default="", help="comma-separated model:depth pairs not to run (measured before)")
     parser.add_argument("--timed-depths", default="", help="comma-separated: time only these depths (default all)")
+    parser.add_argument(
+        "--malloc",
+        choices=("fixed", "default"),
+        default="fixed",
+        help="fixed: freed memory stays in the process (see fixed_malloc); default: glibc's own behaviour",
+    )
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     parser.add_argument(
         "--report", nargs="+", metavar="JSONL", help="write the report of rows already measured (runs' .partial.jsonl)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    malloc = "fixed" if args.malloc == "fixed" and fixed_malloc() else "default"
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # deepest first: the depth the criteria are about is measured first on a slow machine
@@ -456,6 +506,7 @@ def main() -> None:
         "load_before": "(per depth in the .jsonl)" if args.report else load_before,
         "load_after": "(per depth in the .jsonl)" if args.report else load(),
         "threads": torch.get_num_threads(),
+        "malloc": malloc,
     }
     write(rows, meta, stem)
     log.unlink(missing_ok=True)
