@@ -305,3 +305,26 @@ def test_a_model_without_fused_attention_has_no_cache_and_a_schedule_asking_for_
     assert OpKind("CA") is OpKind.CA
     off = revlib.Checkpointable(_model(2), attention_cache=False)
     assert off.measure(_x().detach()).caches == (None, None)
+
+
+def test_the_cached_forward_time_is_a_share_of_the_forward_that_a_changing_load_does_not_move(monkeypatch):
+    """The planner prices a forward reading the cache as a share of the forward, from interleaved runs: a load that
+    changes between runs (here, doubling from each run to the next) moves both times of a pair alike, and the share
+    stays the kernels' own (here, one half). Medians of runs timed apart followed the load."""
+    from revlib_xla.planner import measure
+
+    runs = []
+
+    def seconds(fn, device):
+        fn()
+        runs.append(fn.__name__)
+        load = 2.0 ** ((len(runs) - 1) // 2)  # the same within a pair, doubled at the next
+        return load * (0.5 if fn.__name__ == "replayed" else 1.0)
+
+    monkeypatch.setattr(measure, "_seconds", seconds)
+    stage = Block(p=0.0)
+    x = torch.randn(2, SEQ, WIDTH)
+    size, cached_fw, _, _ = measure._cache_costs(stage, x, torch.device("cpu"), 3, 0.25, 0, 0)
+    timed = [name for name in runs if name in ("computed", "replayed")]
+    assert timed == ["computed", "replayed"] * 3  # interleaved, after an untimed first replay
+    assert size > 0 and cached_fw == pytest.approx(0.125)
