@@ -79,3 +79,17 @@ class SeededUnits(torch.nn.Module):
                 reseed(backend.derive_seed(seed, i))
                 x = unit(x)
         return x
+
+
+def require_transformers():
+    """transformers, for a test module that needs it; otherwise the whole module is skipped with the reason (not
+    installed, or a version that does not support this torch: transformers then imports, without its models)."""
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
+    )
+    if not transformers.is_torch_available():
+        pytest.skip(
+            f"transformers {transformers.__version__} does not support torch {torch.__version__}",
+            allow_module_level=True,
+        )
+    return transformers

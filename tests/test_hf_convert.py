@@ -7,17 +7,11 @@ import warnings
 
 import pytest
 import torch
-from conftest import max_rel_err, to_host
+from conftest import max_rel_err, require_transformers, to_host
 
 from revlib_xla import ReversibleError, backend, fewbit, memory
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
-)
-if not transformers.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
-    )
+transformers = require_transformers()
 
 from revlib_xla.hf import HFConversionError, config_names, memory_efficient, model_from_config  # noqa: E402
 

@@ -9,17 +9,11 @@ import copy
 
 import pytest
 import torch
-from conftest import max_rel_err
+from conftest import max_rel_err, require_transformers
 
 from revlib_xla import memory
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
-)
-if not transformers.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
-    )
+transformers = require_transformers()
 
 from revlib_xla.hf import HFConversionError, memory_efficient, model_from_config  # noqa: E402
 from revlib_xla.hf import head as hf_head  # noqa: E402

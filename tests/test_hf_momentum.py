@@ -5,17 +5,11 @@ import copy
 
 import pytest
 import torch
-from conftest import max_rel_err
+from conftest import max_rel_err, require_transformers
 
 from revlib_xla import MemoryModes, ReversibleError, reversible, utils
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
-)
-if not transformers.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
-    )
+transformers = require_transformers()
 
 
 def gpt2(depth):

@@ -8,15 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import to_host
+from conftest import require_transformers, to_host
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[test]' installs the pinned version)"
-)
-if not transformers.is_torch_available():
-    pytest.skip(
-        f"transformers {transformers.__version__} does not support torch {torch.__version__}", allow_module_level=True
-    )
+transformers = require_transformers()
 
 from safetensors.torch import load_file  # noqa: E402
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import SeededUnits, max_rel_err, to_host
+from conftest import SeededUnits, max_rel_err, require_transformers, to_host
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
@@ -57,7 +57,7 @@ def built(config: LlamaConfig, form="plain", seed: int = 1, **options) -> LlamaL
 # ---------------------------------------------------------------------------------------------------------------
 # The plain form is HF's Llama
 
-transformers = pytest.importorskip("transformers")
+transformers = require_transformers()
 
 
 @pytest.fixture

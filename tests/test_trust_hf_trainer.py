@@ -7,12 +7,11 @@ hide a factor); the micro-batches count different numbers of targets."""
 
 import pytest
 import torch
+from conftest import require_transformers
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+transformers = require_transformers()
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
-if not transformers.is_torch_available():
-    pytest.skip(f"transformers {transformers.__version__} does not support torch", allow_module_level=True)
 
 from revlib_xla.hf import memory_efficient, model_from_config  # noqa: E402
 
