@@ -328,3 +328,41 @@ def test_the_cached_forward_time_is_a_share_of_the_forward_that_a_changing_load_
     timed = [name for name in runs if name in ("computed", "replayed")]
     assert timed == ["computed", "replayed"] * 3  # interleaved, after an untimed first replay
     assert size > 0 and cached_fw == pytest.approx(0.125)
+
+
+class Rebuilt(nn.Module):
+    """A stage that can rebuild its input (an additive coupling on the two halves of the width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(WIDTH // 2, WIDTH // 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2, -1)
+        return torch.cat([a, b + self.f(a)], -1)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        a, c = y.chunk(2, -1)
+        return torch.cat([a, c - self.f(a)], -1)
+
+
+@pytest.mark.parametrize("beside", ["reversible", "offload"])
+def test_caches_are_not_measured_where_the_solver_would_not_plan_them(beside):
+    """With a reversible stage in the chain, or offload, the solver plans no cache; measuring them would only add
+    kernel runs to the first step: none is measured, and the attention stages' kernels run fewer times."""
+    torch.manual_seed(0)
+    stages = [Block(p=0.0), Rebuilt(), Block(p=0.0)] if beside == "reversible" else [Block(p=0.0), Block(p=0.0)]
+    model = nn.Sequential(*stages).double()
+    kwargs = {"offload_bandwidth": 1e9} if beside == "offload" else {}
+    runs = {}
+    for cache in (True, False):
+        with KernelRuns() as counted:
+            chain = revlib.Checkpointable(model, attention_cache=cache, **kwargs).measure(_x().detach())
+        assert chain.caches == (None,) * chain.length
+        runs[cache] = counted.runs
+    assert runs[True] == runs[False] > 0
+    # the same attention stages alone measure their caches (more kernel runs)
+    alone = nn.Sequential(Block(p=0.0), Block(p=0.0)).double()
+    with KernelRuns() as counted:
+        chain = revlib.Checkpointable(alone).measure(_x().detach())
+    assert all(c is not None for c in chain.caches) and counted.runs > runs[True]
