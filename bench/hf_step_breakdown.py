@@ -161,7 +161,9 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    stem = Path(args.out_dir) / f"hf_step_breakdown-cpu-{args.model}-d{args.depth}"
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"hf_step_breakdown-cpu-{args.model}-d{args.depth}"
     stem.with_suffix(".json").write_text(json.dumps({**meta, **result}, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(result, meta, args.top))
     print(stem.with_suffix(".md").read_text())
