@@ -343,11 +343,11 @@ def markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"interleaved in one process, `torch.set_num_threads({meta['threads']})`, `nice`; machine load (1/5/15 min) "
         f"{meta['load_before']} before, {meta['load_after']} after the run; per depth in the .jsonl. "
         + (
-            "Freed memory kept in the process (glibc `mallopt`, as a device's caching allocator keeps it); faults: "
-            "median minor page faults per timed step."
+            "Freed memory kept in the process (glibc `mallopt`, as a device's caching allocator keeps it)"
             if meta.get("malloc") == "fixed"
-            else "glibc's default allocator behaviour; faults: median minor page faults per timed step."
-        ),
+            else "glibc's default allocator behaviour"
+        )
+        + "; faults: median minor page faults per timed step.",
         "",
         "| model | depth | variant | peak MiB | activations MiB | act / hf-ckpt | non-p/g at peak MiB | recomputed "
         "| GFLOP | GFLOP / hf-ckpt | aten ops | step ms | step / hf-ckpt | faults |",

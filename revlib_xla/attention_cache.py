@@ -148,9 +148,6 @@ class AttentionCache:
     def calls(self) -> int:
         return len(self._entries)
 
-    def clear(self) -> None:
-        self._entries.clear()
-
     @contextlib.contextmanager
     def _scope(self, capturing: bool) -> Iterator[AttentionCache]:
         key = _install()

@@ -259,14 +259,17 @@ class Chain:
         """All ways to run stage ``i`` (0..L, the loss included) with autograd, the plain one first."""
         if i == self.length:
             return (StageOption("", 0.0, self.bw[i], 0.0, 0.0, self.bwd_tmp[i]),)
-        grad_tmp = self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
-        plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], grad_tmp, self.bwd_tmp[i])
+        plain = StageOption("", self.fw[i], self.bw[i], self.cbw[i + 1], self._grad_fwd_tmp(i), self.bwd_tmp[i])
         return (plain,) + self.options[i]
+
+    def _grad_fwd_tmp(self, i: int) -> float:
+        """The transient memory of stage i's plain forward with autograd."""
+        return self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
 
     def cached_fwd_tmp(self, i: int, grad: bool) -> float:
         """The transient memory of a forward of stage i that reads its kept cache (with autograd or not)."""
         if grad:
-            return self.fwd_tmp[i] if self.grad_fwd_tmp is None else self.grad_fwd_tmp[i]
+            return self._grad_fwd_tmp(i)
         cache = self.caches[i]
         return cache.fwd_tmp if cache is not None and cache.fwd_tmp is not None else self.fwd_tmp[i]
 
