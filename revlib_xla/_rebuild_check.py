@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from . import backend
+from .errors import ReversibleError
+from .fixed_point import FixedPoint
 
 Tensor = torch.Tensor
 
@@ -66,21 +68,49 @@ def tolerance(stream_dtype: torch.dtype, compute_dtype: torch.dtype | None) -> f
 
 
 def relative_error(value: Tensor, reference: Tensor, scale: Tensor) -> Tensor:
+    if not reference.numel():
+        return scale.new_zeros(()).float()
     return ((value - reference).abs().max() / scale).float()
 
 
 def magnitude(*tensors: Tensor) -> Tensor:
-    """The largest absolute value in ``tensors`` (at least the dtype's smallest normal number)."""
-    largest = torch.stack([t.abs().max() for t in tensors]).max()
+    """The largest absolute value in ``tensors`` (at least the dtype's smallest normal number; exact streams, which
+    are integers: as float32, at least 1)."""
+    largest = torch.stack([t.abs().max() if t.numel() else t.new_zeros(()) for t in tensors]).max()  # (an empty
+    # batch: 0)
+    if not largest.dtype.is_floating_point:
+        return largest.float().clamp_min(1.0)
     return largest.clamp_min(torch.finfo(largest.dtype).tiny)
 
 
-def rebuild_error(rebuilt0: Tensor, rebuilt1: Tensor, x0: Tensor, x1: Tensor, scale: Tensor | None = None) -> Tensor:
+def rebuild_error(
+    rebuilt0: Tensor,
+    rebuilt1: Tensor,
+    x0: Tensor,
+    x1: Tensor,
+    scale: Tensor | None = None,
+    grid: FixedPoint | None = None,
+) -> Tensor:
     """How far two rebuilt streams are from the real ones ``(x0, x1)``: the larger max abs error, over the largest
     absolute value of the real streams (``scale``, when already computed: :func:`magnitude`; a 0-dim float32
-    tensor, computed where the streams are)."""
+    tensor, computed where the streams are). ``grid``: the rebuilt streams are exact streams, the real ones their
+    values, encoded here in pieces of at most a sixteenth (the comparison's temporaries stay small)."""
     scale = magnitude(x0, x1) if scale is None else scale
-    return torch.maximum(relative_error(rebuilt0, x0, scale), relative_error(rebuilt1, x1, scale))
+    if grid is None:
+        return torch.maximum(relative_error(rebuilt0, x0, scale), relative_error(rebuilt1, x1, scale))
+    largest = torch.stack([_largest_difference(r, x, grid) for r, x in ((rebuilt0, x0), (rebuilt1, x1))]).max()
+    return (largest.float() / scale).float()
+
+
+def _largest_difference(stream: Tensor, value: Tensor, grid: FixedPoint) -> Tensor:
+    flat_stream, flat_value = stream.reshape(-1), value.reshape(-1)
+    n = flat_value.numel()
+    step = max(1024, -(-n // 16))
+    parts = []
+    for k in range(0, n, step):
+        difference = flat_stream[k : k + step] - grid.encode(flat_value[k : k + step])
+        parts.append(difference.abs_().max())
+    return torch.stack(parts).max() if parts else stream.new_zeros(())
 
 
 def agreeing_group(params: Sequence[Tensor]) -> Any:
@@ -145,8 +175,6 @@ class Verdict:
     def read(self, previous: bool) -> None:
         """Read the error and raise :class:`~revlib_xla.ReversibleError` if it exceeds the tolerance; ``previous``:
         the backward that measured it belongs to an earlier step (lazy devices)."""
-        from .reversible import ReversibleError
-
         value = float(self.error)
         if value < 0:  # a non-finite input (the loss says so): measure again at the next training forward
             self.verified.discard(self.key)
@@ -201,12 +229,15 @@ class RebuildCheck:
     autocast: torch.dtype | None = None  # the dtype the blocks compute in under autocast
     first: int = 0  # the layer whose input is kept: the first one the backward rebuilds
     streams: tuple[Tensor, Tensor] | None = None
+    grid: FixedPoint | None = None
     versions: tuple[int, int] = (0, 0)
     group: Any = None  # the processes that decide together (agreeing_group), or None
 
-    def keep(self, first: int, x0: Tensor, x1: Tensor) -> None:
-        """Keep ``(x0, x1)``, the input of layer ``first``, as detached aliases (their versions are checked)."""
-        self.first, self.streams = first, (x0.detach(), x1.detach())
+    def keep(self, first: int, x0: Tensor, x1: Tensor, grid: FixedPoint | None = None) -> None:
+        """Keep ``(x0, x1)``, the input of layer ``first``, as detached aliases (their versions are checked).
+        ``grid``: exact streams whose integers are ``grid.encode(x0)``, ``grid.encode(x1)``: the input is kept (no
+        memory), and encoded piece by piece when compared."""
+        self.first, self.streams, self.grid = first, (x0.detach(), x1.detach()), grid
         self.versions = (x0._version, x1._version)
 
     def compare(self, layer: int, rebuilt0: Tensor, rebuilt1: Tensor) -> None:
@@ -221,7 +252,9 @@ class RebuildCheck:
             return  # (checked next time)
         with torch.no_grad():
             scale = magnitude(x0, x1)
-            error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1, scale)
+            if self.grid is not None:  # in units of the grid, as the integers
+                scale = scale.float() * 2.0**self.grid.fraction_bits
+            error = rebuild_error(rebuilt0.detach(), rebuilt1.detach(), x0, x1, scale, self.grid)
             error = torch.where(torch.isfinite(scale), error, torch.full_like(error, -1.0))
             if changed:
                 error = torch.full_like(error, -1.0)

@@ -3,6 +3,9 @@
 A reversible layer maps two streams ``(x0, x1)`` to ``(x1, coupling_forward(x0, f(x1)))`` ("half residual and
 swap"); a RevNet block with functions F and G is two such layers. Because ``x0 = coupling_inverse(y1, f(y0))``,
 the backward pass rebuilds every layer's input from its output, so nothing but the final output has to be kept.
+With additive couplings the streams are exact by default (:mod:`revlib_xla.fixed_point`): integers on a fixed grid,
+so the rebuild is bit for bit; the autograd nodes carry the streams' decoded values (for their gradients) and the
+plan the integers (``_Plan.fixed_streams``).
 
 Design (what differs from RevLib and why):
 
@@ -42,6 +45,7 @@ import torch
 from torch import nn
 
 from . import _rebuild_check, _tree, backend, fsdp
+from . import fixed_point as _fixed
 from . import scan as _scan
 from ._grad_destination import GradDestination, node_destination
 from .coupling import (
@@ -55,6 +59,7 @@ from .coupling import (
     optional_detach,
     pick,
 )
+from .errors import ReversibleError
 from .fused_optimizer import FusedOptimizer, FusedOptimizerError
 from .offload import ParameterStreamer, offload_tensor
 from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers, preserved, rewind, rng_scope
@@ -86,10 +91,6 @@ class MemoryModes(enum.IntEnum):
     checkpoint = 1
     autograd_graph = 2
     autograd_function = 3
-
-
-class ReversibleError(ValueError):
-    """A reversible model was given input it cannot handle; the message names the layer and the problem."""
 
 
 def _describe_coupling(coupling: COUPLING | None) -> str:
@@ -374,6 +375,13 @@ class _Plan:
     stacked: Callable[[int], dict[str, Tensor]] | None = None  # stacked parameters (scan.stack_layers): layer i's
     # parameters as views of the stacks, for the paths that call the blocks one by one
     rebuild: _rebuild_check.RebuildCheck | None = None  # verify_inverse's default: the backward measures its rebuild
+    # Exact (fixed-point) streams, see revlib_xla.fixed_point: the streams' format (None: floating-point streams), the
+    # floating dtype their values are decoded to (and their gradients flow in), the forward's range check, and the
+    # streams a layer's forward reads and leaves for the next (the autograd nodes carry the decoded values).
+    fixed: _fixed.FixedPoint | None = None
+    value_dtype: torch.dtype | None = None
+    guard: _fixed.StreamGuard | None = None
+    fixed_streams: tuple[Tensor, Tensor] | None = None
     # Derived once per call rather than once per layer and pass (see _layer_backward):
     wrappers: list[ReversibleWrapper] = dataclasses.field(init=False)
     adds: list[bool] = dataclasses.field(init=False)  # per layer: coupling_forward is additive
@@ -424,6 +432,10 @@ class _Plan:
 
     def describe(self, i: int) -> str:
         return _layer_label(i, self.names[i], self.layers[i])
+
+    def describe_stream(self, i: int) -> str:
+        """Where a value entering an exact stream came from: layer ``i``'s block, or (-1) the input."""
+        return "the input" if i < 0 else self.describe(i)
 
     def offloaded(self) -> _LayerOffload:
         """The offload of a plan with ``target_device`` (a caller that holds device copies knows it has one)."""
@@ -483,11 +495,8 @@ def _to_compute(x: Tensor, plan: _Plan) -> Tensor:
     return x if plan.compute_dtype is None else x.to(plan.compute_dtype)
 
 
-def _forward_layer(
-    plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None = None
-) -> Tensor:
-    """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
-    wrapper = plan.wrappers[i]
+def _block_output(plan: _Plan, i: int, x1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None) -> Any:
+    """Layer ``i``'s block on the stream value ``x1``, with the in-place and return-type checks."""
     version = x1._version
     fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
     if x1._version != version:
@@ -503,6 +512,56 @@ def _forward_layer(
             f"f(x), which the coupling merges into the other stream), or a list/tuple whose first element is one. "
             f"Does its forward end with `return ...`?"
         )
+    return fn_out
+
+
+def _grouped(x: Tensor) -> Tensor:
+    """``x`` as the input of a block under plain autograd: through a node of its own (a view), so that the block's
+    gradient contributions are summed before they meet the stream's others, as the reversible backward sums them
+    (autograd adds a tensor's contributions in the order they arrive, and floating-point addition does not
+    associate): the same function's gradients, to the bit."""
+    return x.view_as(x) if x.requires_grad and torch.is_grad_enabled() else x
+
+
+def _forward_fixed(
+    plan: _Plan,
+    i: int,
+    s0: Tensor,
+    x1: Tensor,
+    args,
+    kwargs,
+    tensors: dict[str, Tensor] | None = None,
+    x0: Tensor | None = None,
+    guard: _fixed.StreamGuard | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One layer on exact streams: ``(value, stream)`` of ``x0 + f(x1)`` on the grid, from ``x0``'s stream ``s0``
+    and ``x1``'s value. ``x0`` (``s0``'s value) carries its gradient under plain autograd; ``guard``: the range
+    check that records what the layer adds (``None``: none)."""
+    fixed, dtype = plan.fixed, plan.value_dtype
+    assert fixed is not None and dtype is not None
+    f = first_tensor(_block_output(plan, i, _grouped(x1), args, kwargs, tensors))
+    if f.shape != s0.shape:
+        try:
+            broadcast = torch.broadcast_shapes(f.shape, s0.shape) == s0.shape
+        except RuntimeError:
+            broadcast = False
+        if not broadcast:
+            raise ReversibleError(
+                f"{plan.describe(i)}: coupling its output {tuple(f.shape)} with the other stream {tuple(s0.shape)} "
+                f"failed (the sum would not have the stream's shape). A reversible block must return a tensor the "
+                f"coupling can merge with its input stream, normally of the same shape."
+            )
+    if not f.dtype.is_floating_point:
+        raise ReversibleError(f"{plan.describe(i)} returned a {f.dtype} tensor; a block must return floating point")
+    return _fixed.couple(fixed, s0, f, dtype, guard, i, x0)
+
+
+def _forward_layer(
+    plan: _Plan, i: int, x0: Tensor, x1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None = None
+) -> Tensor:
+    """One layer's ``coupling_forward(x0, f(x1))`` with the shape, dtype and in-place checks."""
+    wrapper = plan.wrappers[i]
+    fn_out = _block_output(plan, i, x1, args, kwargs, tensors)
     try:
         y1 = x0 + fn_out if plan.adds[i] and isinstance(fn_out, torch.Tensor) else wrapper.couple(x0, fn_out)
     except RuntimeError as err:
@@ -544,9 +603,18 @@ _INPLACE_HINT = "modified by an inplace operation"
 _UNUSED, _ACCUMULATE = GradDestination.UNUSED, GradDestination.ACCUMULATE
 
 
+def _streams_of(plan: _Plan, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+    """The streams whose values ``(x0, x1)`` are: themselves, or (exact streams) the fixed-point ones."""
+    if plan.fixed is None:
+        return x0, x1
+    assert plan.fixed_streams is not None
+    return plan.fixed_streams
+
+
 def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
     """The reversible forward: each layer runs without autograd as its own :class:`_ReversibleLayerFn` node, which
-    keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams)."""
+    keeps nothing but its parameters and tensor arguments (the last one also keeps the final two streams). With exact
+    streams, ``(x0, x1)`` are their values and ``plan.fixed_streams`` the streams, which each layer replaces."""
     device = x0.device
     off = plan.offload
     check = plan.rebuild
@@ -560,7 +628,8 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
                 if watch is not None:
                     plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
                 if check is not None and check.first == i and not x1.requires_grad:
-                    check.keep(i + 1, x0, x1)  # no autograd node (a frozen layer): the backward stops above it
+                    check.keep(i + 1, *_streams_of(plan, x0, x1))  # no autograd node (a frozen layer): the backward
+                    # stops above it
                 continue
             copies = off.streamer.fetch(i, prefetch=i + 1)
             tensors = off.mapping(i, copies)
@@ -569,7 +638,7 @@ def _run_layers(plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tenso
             if watch is not None:
                 plan.saved_buffers[i] = plan.state.changed(watch, plan.describe(i))
             if check is not None and check.first == i and not x1.requires_grad:
-                check.keep(i + 1, x0, x1)
+                check.keep(i + 1, *_streams_of(plan, x0, x1))
             del tensors
             backend.cut_graph(device)
             off.write_back_buffers(i, copies)
@@ -610,8 +679,17 @@ class _ReversibleLayerFn(torch.autograd.Function):
         ctx.plan, ctx.i = plan, i
         n_params = len(plan.layer_params[i])
         args, kwargs = plan.args_for(i, dict(zip(plan.layer_arg_slots[i], flat[n_params:])))
-        y1 = _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
         ctx.save_for_backward(*flat)
+        if plan.fixed is not None:  # the streams are plan.fixed_streams, the values x0 and x1
+            assert plan.fixed_streams is not None
+            s0, s1 = plan.fixed_streams
+            y1, y1_stream = _forward_fixed(plan, i, s0, x1, args, kwargs, tensors, guard=plan.guard)
+            plan.fixed_streams = (s1, y1_stream)
+            if i == len(plan.layers) - 1:
+                ctx.streams = [s1, y1_stream]
+                ctx.stream_versions = (s1._version, y1_stream._version)
+            return x1.detach(), y1
+        y1 = _forward_layer(plan, i, x0, x1, args, kwargs, tensors)
         if i == len(plan.layers) - 1:
             # The output streams are kept as detached aliases rather than saved tensors, so the backward can drop
             # them as soon as it has rebuilt the last layer's input (saved tensors live until the graph is freed);
@@ -764,11 +842,18 @@ def _layer_backward(
         units.recomputing(want.previous) if units is not None else _NOTHING,
     ):
         reseed(plan.seed_of(i))
+        grad_out = dy1
         with torch.enable_grad(), ctx.layer_autocast():
-            x1 = y0.detach().requires_grad_(want.x1)
+            fixed = plan.fixed
+            x1 = y0.detach() if fixed is None else fixed.decode(y0, cast(torch.dtype, plan.value_dtype))
+            x1.requires_grad_(want.x1)
             with replaced:
                 fn_out = _call_block(plan, i, _to_compute(x1, plan), args, kwargs, tensors)
-            if plan.subtracts[i] and isinstance(fn_out, torch.Tensor):
+            if fixed is not None:  # exact: the integers subtracted are the ones the forward added
+                out = first_tensor(fn_out)
+                x0 = _fixed.uncouple(fixed, y1, out)
+                grad_out = _fixed.branch_gradient(dy1, out.shape, out.dtype)
+            elif plan.subtracts[i] and isinstance(fn_out, torch.Tensor):
                 x0 = y1 - fn_out.detach()
             else:
                 x0 = wrapper.uncouple(y1, optional_detach(fn_out))
@@ -778,9 +863,12 @@ def _layer_backward(
                 x0 = x0.to(plan.stream_dtype)
             # With the additive coupling in one dtype, the gradient of the other stream is dy1 itself and the
             # block's output (when it has the stream's shape, i.e. is not broadcast) gets dy1 too, so the coupling
-            # need not be differentiated: one graph node and one stream-sized tensor less per layer.
+            # need not be differentiated: one graph node and one stream-sized tensor less per layer. Exact streams
+            # are differentiated straight through the rounding: the same (grad_out sums a broadcast output's).
             out = first_tensor(fn_out)
-            additive = plan.additive[i] and isinstance(out, torch.Tensor) and out.shape == y1.shape
+            additive = fixed is not None or (
+                plan.additive[i] and isinstance(out, torch.Tensor) and out.shape == y1.shape
+            )
             x0_leaf = []
             if not additive:
                 x0_leaf = [x0.detach().requires_grad_()] if want.x0 else []
@@ -789,10 +877,10 @@ def _layer_backward(
                     out = out.to(plan.stream_dtype)
         inputs = [*x0_leaf, *([x1] if want.x1 else []), *own_params, *own_args]
         if units is not None:
-            grads = units.vjp(out, inputs, dy1, accumulated)
+            grads = units.vjp(out, inputs, grad_out, accumulated)
         else:
-            grads = list(_vjp(out, inputs, dy1)) if inputs else []
-    del fn_out, out, tensors, own_params, layer_params, inputs
+            grads = list(_vjp(out, inputs, grad_out)) if inputs else []
+    del fn_out, out, tensors, own_params, layer_params, inputs, grad_out
     grads.reverse()  # popped in the order of the inputs
     dx0 = None
     if want.x0:
@@ -904,9 +992,25 @@ class ReversibleSequential(nn.Sequential):
         memory_mode: ``autograd_function`` (default) keeps only the final output; ``no_savings`` runs plain
             autograd (the reference). ``checkpoint`` and ``autograd_graph`` run as ``autograd_function`` with a
             warning: RevLib's cache modes peak above ``no_savings``, this mode never does.
+        exact: the streams' arithmetic. ``None`` (the default): exact (fixed-point) streams where every coupling is
+            additive and the input is float32 or narrower, else floating-point streams. ``True``: exact streams, or
+            raise naming the layer whose coupling is not additive. ``False``: floating-point streams (RevLib's
+            arithmetic, checked by ``verify_inverse``). Exact streams (:mod:`revlib_xla.fixed_point`) are integers
+            counting 2**-32: each block's output is rounded once to that grid and added exactly, so the backward
+            subtracts the same integers and rebuilds every layer's input bit for bit, at any width, depth and
+            precision, and the memory-saving gradients equal ``no_savings``' on the same model (rounding
+            differentiated straight through). The blocks see the stream decoded to at least float32 (cast to the
+            input's dtype when that is narrower), and the output is returned in the input's dtype. Cost: 8 bytes
+            per stream element (two streams, whatever the depth), a few element-wise passes per layer, and a range
+            check per layer read once per forward (a value beyond 2**31 / (layers + 1), NaN or infinity raises
+            :class:`revlib_xla.fixed_point.FixedStreamError` naming the layer). Float64 inputs keep floating-point
+            streams by default (they rebuild to ~1e-16). On XLA the recomputation is compiled with the backward and
+            may round a reduction (normalization, softmax) differently from the forward in its last bits; the
+            backward's rebuild check stays armed there.
         stream_dtype: keep both residual streams in this dtype (e.g. ``torch.float32``) while the blocks compute in
-            the input's dtype (e.g. bfloat16): bounds the reconstruction drift of deep low-precision stacks. The
-            output is returned in the input's dtype.
+            the input's dtype (e.g. bfloat16): bounds the reconstruction drift of deep low-precision stacks on
+            floating-point streams (giving it selects them, unless ``exact=True``, which refuses it). The output is
+            returned in the input's dtype.
         compute_dtype: the dtype the blocks see (default: the input's dtype); useful with a two-stream input
             already in ``stream_dtype``.
         preserve_rng_state: run each layer under its own seed, derived from one seed drawn per forward from
@@ -962,6 +1066,7 @@ class ReversibleSequential(nn.Sequential):
         preserve_rng_state: bool = True,
         verify_inverse: bool | Literal["rebuild"] | None = None,
         scan: bool | None = False,
+        exact: bool | None = None,
     ):
         if not modules:
             raise ReversibleError("ReversibleSequential needs at least one module")
@@ -972,6 +1077,17 @@ class ReversibleSequential(nn.Sequential):
                 f"input) or False"
             )
         _check_couplings(coupling_forward, coupling_inverse)
+        if exact not in (None, True, False):
+            raise ReversibleError(
+                f"ReversibleSequential: exact={exact!r}; pass None (the default: exact streams where every coupling is "
+                f"additive and the input is float32 or narrower), True or False"
+            )
+        if exact and stream_dtype is not None:
+            raise ReversibleError(
+                f"ReversibleSequential: exact=True keeps the streams as fixed-point integers, so "
+                f"stream_dtype={stream_dtype} does not apply; drop stream_dtype, or pass exact=False for "
+                f"floating-point streams in stream_dtype"
+            )
         for name, dtype in (("stream_dtype", stream_dtype), ("compute_dtype", compute_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ReversibleError(
@@ -1008,6 +1124,7 @@ class ReversibleSequential(nn.Sequential):
         self.preserve_rng_state = preserve_rng_state
         self.verify_inverse = verify_inverse
         self.scan = scan
+        self.exact = exact
         self._verified: set = set()  # (stream dtype, compute dtype) pairs checked by verify_inverse
         self._rebuild_pending: list[_rebuild_check.Verdict] = []  # measured on a lazy device, read when computed
         self.target_device: torch.device | None = _available_device(target_device) if target_device else None
@@ -1148,6 +1265,11 @@ class ReversibleSequential(nn.Sequential):
                 )
         stream_dtype = self.stream_dtype if self.stream_dtype not in (None, x0.dtype) else None
         compute_dtype = blocks_see if blocks_see != (stream_dtype or x0.dtype) else None
+        fixed = self._fixed_format(x0.dtype, layers, names)
+        value_dtype = None
+        if fixed is not None:  # the streams are integers; their values are decoded to at least float32
+            value_dtype = torch.promote_types(x0.dtype, torch.float32)
+            compute_dtype = blocks_see if blocks_see != value_dtype else None
         plan = _Plan(
             layers,
             names,
@@ -1161,6 +1283,8 @@ class ReversibleSequential(nn.Sequential):
             compute_dtype,
             RecomputeState.of(self),
             param_slots=param_slots,
+            fixed=fixed,
+            value_dtype=value_dtype,
         )
         plan.stacked = _scan.stacked_views(self)
         if self.target_device is not None:
@@ -1174,6 +1298,36 @@ class ReversibleSequential(nn.Sequential):
             if fused is not self._attached_fused_optimizer:
                 plan.fused, plan.fused_done = fused, self._fused_schedule(plan, fused)
         return plan, arg_tensors
+
+    def _fixed_format(
+        self, dtype: torch.dtype, layers: list[ReversibleModule], names: list[str]
+    ) -> _fixed.FixedPoint | None:
+        """The exact streams' format for an input of ``dtype``, or ``None`` for floating-point streams (``exact``)."""
+        exact = self.__dict__.get("exact")  # models pickled before the argument existed: None
+        if exact is False:
+            return None
+        additive = [
+            is_additive_forward(layer.wrapped_module.coupling_forward)
+            and is_additive_inverse(layer.wrapped_module.coupling_inverse)
+            for layer in layers
+        ]
+        if exact is None:
+            wide = dtype.is_complex or dtype.itemsize > 4  # float64 streams invert to ~1e-16 without a grid
+            return None if wide or self.stream_dtype is not None or not all(additive) else _fixed.GRID
+        if dtype.is_complex:
+            raise ReversibleError(
+                f"ReversibleSequential(exact=True): the input is {dtype}; exact streams hold real values. Pass "
+                f"exact=False for complex streams."
+            )
+        if not all(additive):
+            i = additive.index(False)
+            raise ReversibleError(
+                f"ReversibleSequential(exact=True): {_layer_label(i, names[i], layers[i])} has a coupling that is not "
+                f"additive ({_describe_coupling(layers[i].wrapped_module.coupling_forward)}); exact (fixed-point) "
+                f"streams invert additive couplings only. Pass exact=None (exact where possible, else the backward's "
+                f"rebuild check) or exact=False."
+            )
+        return _fixed.GRID
 
     # -- parameter offload and fused optimizer --------------------------------------------------------------------
     def _layer_offload(self, plan: _Plan) -> _LayerOffload:
@@ -1222,6 +1376,7 @@ class ReversibleSequential(nn.Sequential):
         state = super().__getstate__()
         state["_streamer"] = None
         state["_rebuild_pending"] = []  # lazy values of this process's steps
+        state["_guards_pending"] = []
         return state
 
     @property
@@ -1289,10 +1444,22 @@ class ReversibleSequential(nn.Sequential):
         pending = self.__dict__.get("_rebuild_pending")
         if pending:  # an earlier step's rebuild, measured on a lazy device: read it once computed
             _rebuild_check.settle(pending)
+        guards = self.__dict__.get("_guards_pending")
+        if guards:  # an earlier step's stream range check, on a lazy device: read it once computed
+            _settle_guards(guards)
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
         x0, x1 = _to_streams(plan, x0, x1)
+        s0 = s1 = None
+        inputs = (x0, x1)  # (exact streams: what the rebuild check keeps, and encodes when it compares)
+        if plan.fixed is not None:  # the values x0, x1 carry the gradients, the streams s0, s1 the exact bits
+            assert plan.value_dtype is not None
+            if backend.holds_data(x0):  # (fake tensors, sizing a model under FakeTensorMode, have no values)
+                plan.guard = _fixed.StreamGuard(plan.fixed, len(plan.layers), plan.describe_stream)
+            shared = x1 is x0  # one stream's value twice (split_dim=None, or a pair of one tensor): encoded once
+            x0, s0 = _fixed.encode_input(plan.fixed, x0, plan.value_dtype, plan.guard)
+            x1, s1 = (_grouped(x0), s0) if shared else _fixed.encode_input(plan.fixed, x1, plan.value_dtype, plan.guard)
 
         if self.memory_mode == MemoryModes.no_savings or not torch.is_grad_enabled():
             with plan.call.scope() as reseed:
@@ -1301,18 +1468,48 @@ class ReversibleSequential(nn.Sequential):
                     reseed(plan.seed_of(i))
                     copies = self._plain_offload(plan, i)
                     tensors = _plain_copies(plan, i) if copies is None else plan.offloaded().mapping(i, copies)
-                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, tensors)
+                    if s0 is not None:
+                        y1, y1_stream = _forward_fixed(plan, i, s0, x1, a, k, tensors, x0, plan.guard)
+                        x0, x1, s0, s1 = x1, y1, s1, y1_stream
+                    else:
+                        x0, x1 = x1, _forward_layer(plan, i, x0, x1, a, k, tensors)
                     if copies is not None:
                         plan.offloaded().write_back_buffers(i, copies)
         else:  # the backward will rebuild every layer's input from the output
             _refuse_kv_caches(args, kwargs, layerwise_args_kwargs)
             plan.fsdp_units = self._fsdp_units(plan)
-            self._verify(plan, x0, x1, arg_tensors)
+            if s0 is not None and s1 is not None:
+                plan.fixed_streams = (s0, s1)
+            self._verify(plan, x0, x1, arg_tensors, inputs)
             with plan.state.python_random_check("ReversibleSequential"):
                 scanned = _scan.scanned_forward(self, plan, x0, x1, arg_tensors)
                 x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
+            plan.fixed_streams = None
+        if plan.guard is not None:
+            self._judge(plan.guard)
+            plan.guard = None
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
+
+    def exact_format(self, dtype: torch.dtype) -> _fixed.FixedPoint | None:
+        """The fixed-point format of the streams for an input of ``dtype`` (see ``exact``), or ``None`` where they
+        are floating point."""
+        layers = cast(list[ReversibleModule], list(self._modules.values()))
+        return self._fixed_format(dtype, layers, list(self._modules.keys()))
+
+    def layer_walk(self, x0: Tensor, x1: Tensor) -> LayerWalk:
+        """The layers one at a time with plain autograd (or none), from the streams ``(x0, x1)``: the function this
+        sequence computes, exact streams included, for callers that act between layers (transformers' generation
+        with its KV cache, per-layer hooks); see :class:`LayerWalk`."""
+        return LayerWalk(self, x0, x1)
+
+    def _judge(self, guard: _fixed.StreamGuard) -> None:
+        """The forward's stream range check: read now, or (lazy devices) at the next forward."""
+        guard.close()
+        if guard.ready():
+            guard.judge()
+        else:
+            self.__dict__.setdefault("_guards_pending", []).append(guard)
 
     def _fsdp_units(self, plan: _Plan) -> list[fsdp.LayerUnits | None] | None:
         """The FSDP2 units inside the blocks, per layer (see :mod:`revlib_xla.fsdp`), refusing the layouts the
@@ -1337,7 +1534,9 @@ class ReversibleSequential(nn.Sequential):
             )
         return units
 
-    def _verify(self, plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]) -> None:
+    def _verify(
+        self, plan: _Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor], inputs: tuple[Tensor, Tensor]
+    ) -> None:
         """``verify_inverse`` at a forward whose backward rebuilds, once per pair of stream and compute dtypes:
         :func:`check_invertible` now, or (the default for additive couplings) the backward's own rebuild of the
         input measured against it (:mod:`revlib_xla._rebuild_check`), armed on the plan."""
@@ -1373,7 +1572,10 @@ class ReversibleSequential(nn.Sequential):
                 autocast=cast[0] if cast else None,
                 group=_rebuild_check.agreeing_group(plan.params),  # data parallel: the processes decide together
             )
-            plan.rebuild.keep(0, x0, x1)
+            if plan.fixed is None:
+                plan.rebuild.keep(0, x0, x1)
+            else:  # the input itself (an alias, no memory); its streams are encoded when compared
+                plan.rebuild.keep(0, *inputs, plan.fixed)
 
     def _plain_offload(self, plan: _Plan, i: int) -> list[Tensor] | None:
         """``target_device`` under plain autograd (``no_savings``, or no gradients): each tensor is copied
@@ -1405,11 +1607,60 @@ class ReversibleSequential(nn.Sequential):
         out_dtype = y0.dtype
         plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs)
         y0, y1 = _to_streams(plan, y0, y1)
+        if plan.fixed is not None:  # the output's values on the grid (exact from the streams, not from rounded values)
+            y0, y1 = plan.fixed.encode(y0), plan.fixed.encode(y1)
         for i in reversed(range(len(plan.layers))):
             a, k = plan.args_for(i, arg_tensors)
             y0, y1 = _inverse_layer(plan, i, y0, y1, a, k, _plain_copies(plan, i)), y0
+        if plan.fixed is not None:
+            y0, y1 = (plan.fixed.decode(y, cast(torch.dtype, plan.value_dtype)) for y in (y0, y1))
         y0, y1 = y0.to(out_dtype), y1.to(out_dtype)
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
+
+
+class LayerWalk:
+    """A :class:`ReversibleSequential`'s layers run one at a time (:meth:`layer`) with plain autograd from two
+    streams; :meth:`streams` gives their current values in the input's dtype. The same function as the sequence's
+    forward: on exact streams each block's output is added on the fixed-point grid. Random numbers are the
+    caller's (no per-layer seeds)."""
+
+    def __init__(self, net: ReversibleSequential, x0: Tensor, x1: Tensor) -> None:
+        self.blocks = cast(list[ReversibleModule], list(net._modules.values()))
+        self.dtype = x0.dtype
+        self.grid = net.exact_format(x0.dtype)
+        self.value_dtype = torch.promote_types(x0.dtype, torch.float32)
+        self.x0, self.x1 = x0, x1
+        self.s0: Tensor | None = None
+        self.s1: Tensor | None = None
+        if self.grid is not None:
+            self.x0, self.s0 = _fixed.encode_input(self.grid, x0, self.value_dtype, None)
+            self.x1, self.s1 = (
+                (_grouped(self.x0), self.s0) if x1 is x0 else _fixed.encode_input(self.grid, x1, self.value_dtype, None)
+            )
+
+    def layer(self, i: int, *args: Any, **kwargs: Any) -> None:
+        block = self.blocks[i]
+        if self.grid is None or self.s0 is None:
+            self.x0, self.x1 = cast(tuple[Tensor, Tensor], block((self.x0, self.x1), *args, **kwargs))
+            return
+        x1 = _grouped(self.x1)
+        f = first_tensor(
+            block.wrapped_module.fn(x1 if self.value_dtype == self.dtype else x1.to(self.dtype), args, kwargs)
+        )
+        value, stream = _fixed.couple(self.grid, self.s0, f, self.value_dtype, None, i, self.x0)
+        self.x0, self.s0, self.x1, self.s1 = self.x1, self.s1, value, stream
+
+    def streams(self) -> tuple[Tensor, Tensor]:
+        return self.x0.to(self.dtype), self.x1.to(self.dtype)
+
+
+def _settle_guards(pending: list[_fixed.StreamGuard]) -> None:
+    """Read the range checks of earlier forwards whose values are ready, raising for a failed one."""
+    ready = [g for g in pending if g.ready()]
+    for guard in ready:
+        pending.remove(guard)
+    for guard in ready:
+        guard.judge(previous=True)
 
 
 def _plain_copies(plan: _Plan, i: int) -> dict[str, Tensor] | None:
@@ -1425,6 +1676,11 @@ def _inverse_layer(
     plan: _Plan, i: int, y0: Tensor, y1: Tensor, args, kwargs, tensors: dict[str, Tensor] | None = None
 ) -> Tensor:
     wrapper = plan.layers[i].wrapped_module
+    if plan.fixed is not None:  # streams: y0's value is what the block saw
+        value = plan.fixed.decode(y0, cast(torch.dtype, plan.value_dtype))
+        return _fixed.uncouple(
+            plan.fixed, y1, first_tensor(_call_block(plan, i, _to_compute(value, plan), args, kwargs, tensors))
+        )
     x0 = wrapper.uncouple(y1, _call_block(plan, i, _to_compute(y0, plan), args, kwargs, tensors))
     if plan.stream_dtype is not None:
         x0 = x0.to(plan.stream_dtype)
@@ -1475,6 +1731,8 @@ def check_invertible(
     x0, x1, _ = model._split(sample)
     plan, arg_tensors = model._plan(x0, args, kwargs, layerwise_args_kwargs)
     x0, x1 = _to_streams(plan, x0, x1)
+    if plan.fixed is not None:
+        plan.fixed_streams = (plan.fixed.encode(x0), plan.fixed.encode(x1))
     return _check_plan(plan, x0, x1, arg_tensors, tolerance)
 
 
@@ -1501,11 +1759,26 @@ def _check_plan(
             reseed(plan.seed_of(i))
             yield
 
+    fixed = plan.fixed
+    if fixed is not None:  # exact streams: every comparison is of the integers
+        assert plan.fixed_streams is not None
+        x0, x1 = plan.fixed_streams
     try:
         a0, a1 = x0, x1
         for i in range(n):
             args, kwargs = plan.args_for(i, arg_tensors)
             copies = _plain_copies(plan, i)
+            if fixed is not None:
+                value = fixed.decode(a1, cast(torch.dtype, plan.value_dtype))
+                with as_in_the_forward(i, copies, replay=False):
+                    y1 = _forward_fixed(plan, i, a0, value, args, kwargs, copies)[1]
+                with as_in_the_forward(i, copies):
+                    f = first_tensor(_call_block(plan, i, _to_compute(value, plan), args, kwargs, copies))
+                scale = _rebuild_check.magnitude(a0, y1)
+                replays.append(_rebuild_check.relative_error(a0 + fixed.encode(f), y1, scale))
+                locals_.append(_rebuild_check.relative_error(_fixed.uncouple(fixed, y1, f), a0, scale))
+                a0, a1 = a1, y1
+                continue
             with as_in_the_forward(i, copies, replay=False):
                 y1 = _forward_layer(plan, i, a0, a1, args, kwargs, copies)
             with as_in_the_forward(i, copies):  # the replay starts from the forward's state, as the backward's

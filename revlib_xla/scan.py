@@ -68,8 +68,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _tree, backend, fsdp
+from . import fixed_point as _fixed
 from ._grad_destination import GradDestination, node_destination
 from ._replaced_params import ReplacedParameterError, mark_replaced
+from .coupling import first_tensor
 
 if TYPE_CHECKING:
     from .checkpointable import Checkpointable
@@ -875,22 +877,34 @@ class _Run:
                 yield mode
 
     def forward(self, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
-        from .reversible import _forward_layer
+        """The final streams (exact streams: the integers, from ``plan.fixed_streams``; ``x0``, ``x1`` are their
+        values)."""
+        from .reversible import _forward_fixed, _forward_layer
 
         plan, layout = self.plan, self.layout
+        fixed = plan.fixed
+        if fixed is not None:
+            assert plan.fixed_streams is not None
+            x0, x1 = plan.fixed_streams
         if layout is None:
             return self._walk_forward(x0, x1)
         device = x0.device
 
         def body(carry, xs):
             a0, a1 = carry
+            guard = None if fixed is None else _fixed.StreamGuard(fixed, len(plan.layers), plan.describe_stream)
             for j, (tensors, stacked) in enumerate(xs):
                 tensors = self._read_after(j, tensors, a1)
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 buffers = [tensors[n] for n in layout.buffer_names[j]]
                 versions = [b._version for b in buffers]
                 before = backend.RngState.capture(device).accel
-                a0, a1 = a1, _forward_layer(plan, j, a0, a1, args, kwargs, self._named(j, tensors))
+                if fixed is not None:
+                    value = fixed.decode(a1, cast(torch.dtype, plan.value_dtype))
+                    y1 = _forward_fixed(plan, j, a0, value, args, kwargs, self._named(j, tensors), guard=guard)[1]
+                    a0, a1 = a1, y1
+                else:
+                    a0, a1 = a1, _forward_layer(plan, j, a0, a1, args, kwargs, self._named(j, tensors))
                 if backend.RngState.capture(device).accel != before:
                     self.draws = True
                 if [b._version for b in buffers] != versions:
@@ -900,12 +914,16 @@ class _Run:
                     f"the layers repeat in groups of {layout.period} and draw random numbers (dropout): the layers of "
                     f"a group would share one seed per iteration"
                 )
+            if guard is not None and guard.extremes:  # each iteration's extremes, (period, 2): the loop's outputs
+                return (a0, a1), torch.stack(guard.extremes)
             return (a0, a1), ()
 
         assert self.loop is not None
         with torch.no_grad(), plan.call.autocast.replay(), self._seeded(layout, replay=False) as seeds:
-            (y0, y1), _ = self.loop(body, (x0, x1), self._xs(layout))
+            (y0, y1), extremes = self.loop(body, (x0, x1), self._xs(layout))
         _check_seeded(seeds, self.draws)
+        if fixed is not None and plan.guard is not None and isinstance(extremes, torch.Tensor):
+            plan.guard.record_many(range(len(plan.layers)), extremes.reshape(-1, 2))
         return y0, y1
 
     def _slices(self, i: int) -> dict[str, Tensor]:
@@ -916,16 +934,22 @@ class _Run:
 
     def _walk_forward(self, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
         """Stacked layers one by one, each on its slices of the stacks and its own block (hooks and buffers)."""
-        from .reversible import ReversibleError, _forward_layer
+        from .reversible import ReversibleError, _forward_fixed, _forward_layer
 
         plan = self.plan
+        fixed = plan.fixed
         with torch.no_grad(), plan.call.autocast.replay(), plan.call.scope() as reseed:
             for i in range(len(plan.layers)):
                 reseed(plan.seed_of(i))
                 args, kwargs = plan.args_for(i, self.arg_tensors)
                 buffers = plan.buffers_of(i, None)
                 versions = [b._version for b in buffers]
-                x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, self._slices(i))
+                if fixed is not None:  # x0, x1: the streams
+                    value = fixed.decode(x1, cast(torch.dtype, plan.value_dtype))
+                    y1 = _forward_fixed(plan, i, x0, value, args, kwargs, self._slices(i), guard=plan.guard)[1]
+                    x0, x1 = x1, y1
+                else:
+                    x0, x1 = x1, _forward_layer(plan, i, x0, x1, args, kwargs, self._slices(i))
                 if [b._version for b in buffers] != versions:
                     raise ReversibleError(
                         f"ReversibleSequential with stacked layers: {plan.describe(i)} changes a buffer in its "
@@ -1060,6 +1084,15 @@ def _recompute_vjp(
     from .reversible import _call_block, _to_compute, _vjp
 
     wrapper = plan.wrappers[j]
+    fixed = plan.fixed
+    if fixed is not None:  # exact streams: y0, y1 are integers; straight through the rounding, as the unrolled walk
+        with torch.enable_grad(), layer_autocast():
+            x1 = fixed.decode(y0, cast(torch.dtype, plan.value_dtype)).requires_grad_()
+            out = first_tensor(_call_block(plan, j, _to_compute(x1, plan), args, kwargs, tensors))
+            x0 = _fixed.uncouple(fixed, y1, out)
+        found = list(_vjp(out, [x1, *(tensors[n] for n in wanted)], _fixed.branch_gradient(dy1, out.shape, out.dtype)))
+        dx1 = dy0 if found[0] is None else dy0 + found[0]
+        return x0, dy1, dx1, dict(zip(wanted, found[1:]))
     with torch.enable_grad(), layer_autocast():
         x1 = y0.detach().requires_grad_()
         fn_out = _call_block(plan, j, _to_compute(x1, plan), args, kwargs, tensors)
@@ -1092,6 +1125,10 @@ class _ScannedLayers(torch.autograd.Function):
         ctx.save_for_backward(*params, *run.arg_tensors)
         ctx.streams = [y0.detach(), y1.detach()]
         ctx.stream_versions = (y0._version, y1._version)
+        fixed = run.plan.fixed
+        if fixed is not None:  # the streams are kept; their values are the outputs
+            dtype = cast(torch.dtype, run.plan.value_dtype)
+            return fixed.decode(y0, dtype), fixed.decode(y1, dtype)
         return y0, y1
 
     @staticmethod

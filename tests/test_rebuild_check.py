@@ -26,7 +26,9 @@ def mlp_blocks(depth, std=None, width=16):
 
 
 def bad_stack(**kw):
-    """Eight bfloat16 MLP blocks with large weights: the additive inverse loses the input (relative error ~100)."""
+    """Eight bfloat16 MLP blocks with large weights: the additive inverse loses the input (relative error ~100) in
+    floating-point streams (exact=False; with exact streams, the default, it rebuilds its input bit for bit)."""
+    kw.setdefault("exact", False)
     return ReversibleSequential(*mlp_blocks(8, std=0.3), split_dim=-1, **kw).bfloat16()
 
 
@@ -88,6 +90,27 @@ def test_default_refuses_the_stack_whose_gradients_are_wrong(measured):
     ):
         loss.backward()
     assert measured.count == 1
+
+
+def test_exact_streams_rebuild_the_same_stack_and_the_check_measures_zero(monkeypatch):
+    """The stack whose float streams are refused, with exact (fixed-point) streams, the default: the check still
+    runs, measures a rebuild error of exactly 0, and the gradients are no_savings' to the bit."""
+    errors = []
+    original = _rebuild_check.rebuild_error
+
+    def recorded(*args):
+        errors.append(original(*args))
+        return errors[-1]
+
+    monkeypatch.setattr(_rebuild_check, "rebuild_error", recorded)
+    grads = []
+    for kw in ({}, {"memory_mode": MemoryModes.no_savings}):
+        model = bad_stack(exact=None, **kw)
+        x = BAD_INPUT.clone().requires_grad_()
+        model(x).float().square().mean().backward()
+        grads.append((flat_grads(model), x.grad))
+    assert [float(e) for e in errors] == [0.0]
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_float32_streams_pass_with_no_savings_gradients(measured):
@@ -303,7 +326,8 @@ def test_xla_refuses_at_the_next_forward_after_the_step_ran(xla, scan):
     blocks = [nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(4)]
     for p in (p for b in blocks for p in b.parameters()):
         nn.init.normal_(p, std=1.0)
-    model = ReversibleSequential(*blocks, split_dim=-1, verify_inverse="rebuild", scan=scan).bfloat16().to(xla)
+    model = ReversibleSequential(*blocks, split_dim=-1, verify_inverse="rebuild", scan=scan, exact=False)
+    model = model.bfloat16().to(xla)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
     import torch_xla.debug.metrics as met
 

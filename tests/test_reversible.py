@@ -477,20 +477,25 @@ class NormalizedBlock(nn.Module):
 
 def drift_errors(depth, mode, width=16, seed=0):
     """Reconstruction and gradient error of the reversible backward at ``depth`` for one precision mode:
-    'f32', 'bf16+f32 streams' or 'bf16'. Gradients are compared with no_savings in the same precision."""
+    'f32', 'bf16+f32 streams', 'bf16' (floating-point streams) or 'exact bf16' (fixed-point streams, bf16 blocks).
+    Gradients are compared with no_savings in the same precision."""
     torch.manual_seed(seed)
     blocks = [NormalizedBlock(width, attention=i % 2 == 0) for i in range(depth)]
     dtype = torch.float32 if mode == "f32" else torch.bfloat16
     stream_dtype = torch.float32 if mode == "bf16+f32 streams" else None
-    kw = dict(split_dim=-1, stream_dtype=stream_dtype, compute_dtype=dtype)
+    exact = mode.startswith("exact")
+    kw = dict(split_dim=-1, stream_dtype=stream_dtype, compute_dtype=dtype, exact=exact)
     rev = ReversibleSequential(*blocks, verify_inverse=False, **kw).to(dtype)  # the drift itself is measured
     ref = ReversibleSequential(*blocks, memory_mode=MemoryModes.no_savings, **kw)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(2, 8, 2 * width, generator=g).to(dtype)
-    with torch.no_grad():
-        streams = (x[..., :width].float().to(stream_dtype or dtype), x[..., width:].float().to(stream_dtype or dtype))
-        recon = rev.inverse(rev(streams))
-        rec_err = max(max_rel_err(recon[0], streams[0]), max_rel_err(recon[1], streams[1]))
+    if exact:  # the input rebuilt through every layer, as the backward rebuilds it: its integers
+        rec_err = revlib.check_invertible(rev, x).end_to_end
+    else:
+        with torch.no_grad():
+            streams = tuple(h.float().to(stream_dtype or dtype) for h in (x[..., :width], x[..., width:]))
+            recon = rev.inverse(rev(streams))
+            rec_err = max(max_rel_err(recon[0], streams[0]), max_rel_err(recon[1], streams[1]))
     grads = []
     for model in (rev, ref):
         model.zero_grad(set_to_none=True)
@@ -504,11 +509,11 @@ def drift_errors(depth, mode, width=16, seed=0):
 def test_low_precision_drift_table(capsys):
     rows = []
     for depth in (8, 32, 128):
-        row = {mode: drift_errors(depth, mode) for mode in ("f32", "bf16+f32 streams", "bf16")}
+        row = {mode: drift_errors(depth, mode) for mode in ("f32", "bf16+f32 streams", "bf16", "exact bf16")}
         rows.append((depth, row))
     with capsys.disabled():
         print("\nreconstruction / relative gradient error of the reversible backward vs no_savings (same precision)")
-        print(f"{'depth':>6} | {'f32':>21} | {'bf16 + f32 streams':>21} | {'bf16':>21}")
+        print(f"{'depth':>6} | {'f32':>21} | {'bf16 + f32 streams':>21} | {'bf16':>21} | {'exact, bf16':>21}")
         for depth, row in rows:
             print(f"{depth:>6} | " + " | ".join(f"{r:9.2e} / {g:9.2e}" for r, g in row.values()))
     at_128 = dict(rows)[128]
@@ -516,6 +521,8 @@ def test_low_precision_drift_table(capsys):
     assert at_128["f32"][1] < 1e-4
     # the float32 streams are what keeps deep bf16 stacks usable: pure bf16 drifts far more
     assert at_128["bf16"][0] > 10 * at_128["bf16+f32 streams"][0]
+    # exact streams rebuild every input bit for bit: no_savings' gradients at every depth
+    assert all(row["exact bf16"] == (0.0, 0.0) for _, row in rows)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -552,9 +559,16 @@ class ToDouble(nn.Module):
 
 
 def test_block_changing_dtype_names_the_layer():
-    model = ReversibleSequential(nn.Identity(), ToDouble(), split_dim=-1)
+    """Floating-point streams must keep their dtype; an exact stream takes any floating block output (rounded to
+    its grid), and its gradient comes back in the block's dtype."""
+    model = ReversibleSequential(nn.Identity(), ToDouble(), split_dim=-1, exact=False)
     with pytest.raises(revlib.ReversibleError, match=r"layer 1 \('0-1': ToDouble\) changed its stream's dtype"):
         model(torch.randn(2, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    y = ReversibleSequential(nn.Identity(), ToDouble(), split_dim=-1)(x)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
 
 
 def test_non_tensor_input():
@@ -612,10 +626,21 @@ def test_inplace_change_of_saved_output_or_argument():
     mask.mul_(0)
     with pytest.raises(revlib.ReversibleError, match="modified in place after the forward"):
         loss.backward()
-    y0, y1 = model((x[..., :4], x[..., 4:]), torch.ones(2, 3, 4))
-    y1.add_(1)
+    float_streams = ReversibleSequential(*[TakesArgs(4) for _ in range(2)], split_dim=-1, exact=False)
+    y0, y1 = float_streams((x[..., :4], x[..., 4:]), torch.ones(2, 3, 4))
+    y1.add_(1)  # the float streams' output is the storage the backward rebuilds from
     with pytest.raises(revlib.ReversibleError, match="modified in place after the forward"):
         (y0.sum() + y1.sum()).backward()
+    # exact streams rebuild from their own integers: changing the returned values does not change the gradients
+    grads = []
+    for change in (False, True):
+        x.grad = None
+        y0, y1 = model((x[..., :4], x[..., 4:]), torch.ones(2, 3, 4))
+        if change:
+            y1.add_(1)
+        (y0.sum() + y1.sum()).backward()
+        grads.append(x.grad.clone())
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_layerwise_length_mismatch():
@@ -865,24 +890,28 @@ def test_block_with_a_cache_of_its_own_is_refused():
 
 
 def test_additive_stack_that_cannot_rebuild_its_input_is_refused_with_verify_inverse():
-    """An additive coupling inverts exactly only in exact arithmetic: eight bfloat16 MLP blocks with large weights
-    rebuild their input so badly that the reversible backward's gradients are off by more than 100 %.
-    verify_inverse=True refuses at the first training forward, naming the depth (additive stacks are not checked
-    by default: see the README)."""
+    """An additive coupling on floating-point streams (exact=False) inverts exactly only in exact arithmetic: eight
+    bfloat16 MLP blocks with large weights rebuild their input so badly that the reversible backward's gradients are
+    off by more than 100 %. verify_inverse=True refuses at the first training forward, naming the depth. The same
+    stack on exact (fixed-point) streams, the default, has no_savings' gradients to the bit."""
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(8)]
     for p in (p for b in blocks for p in b.parameters()):
         nn.init.normal_(p, std=0.3)
     x = torch.randn(4, 32).bfloat16()
-    grads = []
-    for kw in ({"verify_inverse": False}, {"memory_mode": MemoryModes.no_savings}):
+
+    def grads(**kw):
         model = ReversibleSequential(*blocks, split_dim=-1, **kw).bfloat16()
         model.zero_grad(set_to_none=True)
         model(x).float().square().mean().backward()
-        grads.append(torch.cat([p.grad.float().flatten() for p in model.parameters()]))
-    assert float((grads[0] - grads[1]).norm() / grads[1].norm()) > 1.0  # what the check prevents
+        return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    unchecked = grads(verify_inverse=False, exact=False)
+    reference = grads(memory_mode=MemoryModes.no_savings, exact=False)
+    assert float((unchecked - reference).norm() / reference.norm()) > 1.0  # what the check prevents
     with pytest.raises(revlib.ReversibleError, match=r"rebuilt from the output through all 8 layers"):
-        ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True).bfloat16()(x)
+        ReversibleSequential(*blocks, split_dim=-1, verify_inverse=True, exact=False).bfloat16()(x)
+    assert torch.equal(grads(verify_inverse=False), grads(memory_mode=MemoryModes.no_savings))
 
 
 @pytest.mark.parametrize("construction", ["momentum_coupling", "momentum_net"])
@@ -900,10 +929,12 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
     def build(depth, **kw):
         torch.manual_seed(0)
         blocks = [linear_block(width) for _ in range(depth)]
-        if construction == "momentum_net":
+        if construction == "momentum_net":  # float streams (exact streams: see the test below)
             return (
-                utils.momentum_net(*blocks, beta=beta, split_dim=-1, **kw),
-                utils.momentum_net(*blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings, **kw),
+                utils.momentum_net(*blocks, beta=beta, split_dim=-1, exact=False, **kw),
+                utils.momentum_net(
+                    *blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings, exact=False, **kw
+                ),
             )
         return _momentum_pair(blocks, beta, **kw)
 
@@ -931,6 +962,32 @@ def test_small_beta_never_trains_on_wrong_gradients(construction):
     if construction == "momentum_coupling":  # float64 streams go deeper: 12 layers accepted, 32 refused
         refused = refused_depths((12, 24, 32), stream_dtype=torch.float64)
         assert 12 not in refused and 32 in refused
+
+
+@pytest.mark.slow
+def test_momentum_net_on_exact_streams_is_exact_until_its_range_and_then_refused():
+    """RevLib's MomentumNet (additive couplings, beta folded into the blocks: one stream grows by 1/beta per module)
+    on exact streams: no rounding is lost, so beta=0.1 trains on no_savings' gradients (to the bit) as deep as the
+    stream fits its grid (float32 streams: refused from 12 layers); deeper, the forward refuses naming the layer
+    whose output left the range, before any backward."""
+    from revlib_xla import utils
+    from revlib_xla.fixed_point import FixedStreamError
+
+    width, beta = 8, 0.1
+    x = torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    for depth in (4, 6):
+        torch.manual_seed(0)
+        blocks = [linear_block(width) for _ in range(depth)]
+        got = grads_of(utils.momentum_net(*blocks, beta=beta, split_dim=-1), x, weighted_loss)
+        want = grads_of(
+            utils.momentum_net(*blocks, beta=beta, split_dim=-1, memory_mode=MemoryModes.no_savings), x, weighted_loss
+        )
+        assert all(torch.equal(g, want[2][n]) for n, g in got[2].items()), depth
+        assert torch.equal(got[1], want[1])
+    torch.manual_seed(0)
+    deep = utils.momentum_net(*[linear_block(width) for _ in range(12)], beta=beta, split_dim=-1)
+    with pytest.raises(FixedStreamError, match=r"layer \d+ \('\d+-1': MomentumNetSide\) produced a value of magnitude"):
+        deep(x)
 
 
 def _momentum_pair(blocks, beta, **kw):

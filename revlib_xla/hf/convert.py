@@ -372,14 +372,13 @@ class _TwoStream(_Runner):
         """The same function, block by block with plain autograd (or none): generation writes the KV cache once,
         and each layer's forward hooks (transformers' ``output_hidden_states`` recorder) see the hidden state
         before and after it."""
-        blocks = list(self.net.children())
-        x0 = x1 = hidden
+        walk = self.net.layer_walk(hidden, hidden)  # the net's own function, exact streams included
         for k, layer in enumerate(self.layers):
-            before = self.merge(x0, x1, k)
-            for block in blocks[2 * k : 2 * k + 2]:  # ReversibleModules, each run alone with plain autograd
-                x0, x1 = block((x0, x1), *args, **kwargs)
-            _run_forward_hooks(layer, before, self.merge(x0, x1, k + 1))
-        return self.merge(x0, x1, len(self.layers))
+            before = self.merge(*walk.streams(), k)
+            for i in (2 * k, 2 * k + 1):  # each layer's two blocks, with plain autograd
+                walk.layer(i, *args, **kwargs)
+            _run_forward_hooks(layer, before, self.merge(*walk.streams(), k + 1))
+        return self.merge(*walk.streams(), len(self.layers))
 
 
 def _run_forward_hooks(layer: nn.Module, before: torch.Tensor, after: torch.Tensor) -> None:
