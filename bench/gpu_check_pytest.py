@@ -1,0 +1,52 @@
+"""A pytest plugin for bench/gpu_check.py: one JSON line per test outcome, written as each test finishes.
+
+Loaded with ``-p gpu_check_pytest`` (bench/ on ``PYTHONPATH``) and ``GPU_CHECK_PYTEST_LOG=<file>``. Under
+pytest-xdist the workers' reports reach the controller, which alone writes, so the file holds every finished test
+even when the run is stopped at its time limit (a JUnit file is written only at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+_LOG = os.environ.get("GPU_CHECK_PYTEST_LOG")
+_WRITES = False  # set in pytest_configure: the controller (or a run without xdist), never an xdist worker
+
+
+def pytest_configure(config) -> None:
+    global _WRITES
+    _WRITES = bool(_LOG) and not hasattr(config, "workerinput")
+
+
+def _message(report) -> str:
+    """The first lines of a failure (the exception) or the reason of a skip."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return str(report.longrepr[2])
+    text = str(report.longreprtext or "")
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+    return str(crash) if crash else text[-1500:]
+
+
+def pytest_runtest_logreport(report) -> None:
+    if not _WRITES:
+        return
+    # setup: a skip or an error before the test ran; call: the test; teardown: only an error counts
+    if (
+        report.when == "call"
+        or (report.when == "setup" and not report.passed)
+        or (report.when == "teardown" and report.failed)
+    ):
+        record = {
+            "nodeid": report.nodeid,
+            "when": report.when,
+            "outcome": "error" if report.failed and report.when != "call" else report.outcome,
+            "seconds": round(report.duration, 3),
+            "worker": getattr(report, "worker_id", None),
+            "time": time.time(),
+        }
+        if not report.passed:
+            record["message"] = _message(report)
+        with open(_LOG, "a") as log:
+            log.write(json.dumps(record) + "\n")
