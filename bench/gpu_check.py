@@ -337,8 +337,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of every child: the installed wheels' folder and this checkout first on the path, JAX without
     its default grab of 75 % of the GPU, torch_xla (where installed) on the CPU."""
     env = dict(os.environ)
-    site = ROOT / ".gpu-site"
-    paths = ([str(site)] if site.is_dir() else []) + [str(ROOT)]
+    site = env.get("GPU_CHECK_SITE")  # set by --wheels (install_wheels), inherited by every child
+    paths = ([site] if site else []) + [str(ROOT)]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     env.setdefault("PJRT_DEVICE", "CPU")
@@ -350,23 +350,33 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def install_wheels(wheels: Path, log: Path) -> list[str]:
     """Install what the GPU image lacks from ``wheels`` only (no index): pydantic and its dependencies into
-    ``.gpu-site`` (on every child's path), RevLib into the folder bench/reversible_vs_peers.py reads."""
+    ``.gpu-site`` (first on every child's path from here on), RevLib into the folder bench/reversible_vs_peers.py
+    reads. Without pip, the wheels are unpacked there instead (a wheel is a zip of what it installs)."""
+    import importlib.util
+    import zipfile
+
+    wheels = wheels.resolve()
+    found = sorted(wheels.glob("*.whl"))
+    if not found:
+        return [f"no wheels in {wheels} (make gpu-wheels on a machine with a package index fills it)"]
+    site = ROOT / ".gpu-site"
+    os.environ["GPU_CHECK_SITE"] = str(site)
     notes = []
-    if not wheels.is_dir() or not any(wheels.glob("*.whl")):
-        return [f"no wheels in {wheels}/ (make gpu-wheels on a machine with a package index fills it)"]
+    if importlib.util.find_spec("pip") is None:
+        for wheel in found:
+            target = REVLIB_DIR if wheel.name.startswith("revlib-") else site
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(target)
+        return [f"pip is not installed: unpacked {', '.join(w.name for w in found)}"]
     steps = [
-        ("pydantic", ["--target", str(ROOT / ".gpu-site"), "--upgrade", "pydantic"]),
+        ("pydantic", ["--target", str(site), "--upgrade", "pydantic"]),
         ("revlib", ["--no-deps", "--target", str(REVLIB_DIR), "--upgrade", f"revlib=={REVLIB_VERSION}"]),
     ]
     for name, args in steps:
-        if name == "revlib" and (REVLIB_DIR / "revlib" / "core.py").exists():
-            notes.append(f"revlib {REVLIB_VERSION}: already in {REVLIB_DIR.relative_to(ROOT)}")
-            continue
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels), *args]
         status, seconds = run_limited(cmd, 120, log)
-        notes.append(
-            f"{name}: {'installed' if status == 0 else f'FAILED (exit {status}; see the log)'} ({seconds:.0f} s)"
-        )
+        result = "installed" if status == 0 else f"FAILED (exit {status}; logs/install.log)"
+        notes.append(f"{name} from {wheels.name}/: {result} ({seconds:.0f} s)")
     return notes
 
 
@@ -446,10 +456,9 @@ def part_tests(part: Part) -> None:
     report.line(f"Command: `{' '.join(cmd[1:])}` (OMP_NUM_THREADS=1)")
     report.line()
     status, seconds = run_limited(cmd, max(5.0, part.left() - 8), part.log("pytest"), env)
-    results = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
-    log_text = part.log("pytest").read_text(errors="replace")
-    collected = re.findall(r"\[(\d+) items?\]|collected (\d+) items?", log_text)
-    total = next((int(a or b) for a, b in reversed(collected)), None)
+    lines = [json.loads(line) for line in outcomes.read_text().splitlines()] if outcomes.exists() else []
+    results = [r for r in lines if "nodeid" in r]
+    total = next((r["selected"] for r in lines if "selected" in r), None)
     counts: dict[str, int] = {}
     for r in results:
         counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
@@ -630,7 +639,7 @@ def part_train(part: Part) -> None:
             if "error" in e
             else f"{e['detail']} ({e['seconds']:.0f} s)"
         )
-        row([strategy, gb(peak) if peak else None, gb(total), ratio, text])
+        row([strategy, gb(peak, 3) if peak else None, gb(total, 3), ratio, text])
     failed = [k for k, v in measured.items() if v["status"] != "ok"]
     if failed and all(v["status"] != "ok" for v in measured.values()):
         raise PartFailed("no strategy trained: " + ", ".join(failed))

@@ -29,6 +29,28 @@ def _message(report) -> str:
     return str(crash) if crash else text[-1500:]
 
 
+def _write(record: dict) -> None:
+    with open(_LOG, "a") as log:
+        log.write(json.dumps(record) + "\n")
+
+
+def pytest_collection_finish(session) -> None:
+    """The tests selected (after -k and -m), in a run without xdist."""
+    if _WRITES and not session.config.pluginmanager.hasplugin("dsession"):
+        _write({"selected": len(session.items)})
+
+
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    """The tests selected, as the first xdist worker to finish collecting reports them (every worker collects all)."""
+    global _SELECTED_WRITTEN
+    if _WRITES and not _SELECTED_WRITTEN:
+        _SELECTED_WRITTEN = True
+        _write({"selected": len(ids)})
+
+
+_SELECTED_WRITTEN = False
+
+
 def pytest_runtest_logreport(report) -> None:
     if not _WRITES:
         return
@@ -48,5 +70,4 @@ def pytest_runtest_logreport(report) -> None:
         }
         if not report.passed:
             record["message"] = _message(report)
-        with open(_LOG, "a") as log:
-            log.write(json.dumps(record) + "\n")
+        _write(record)
