@@ -91,9 +91,9 @@ FULL = Sizes(
     hf_config="llama-3.2-1b",
     hf_batch=(8, 2048),
     hf_steps=3,
-    kernel_sizes=(13, 4099),
+    kernel_sizes=(4099,),
     kernel_time_size=8 * 2048 * 8192,  # llama-1b's MLP activation at 8 x 2048 tokens
-    peers_args=("--device", "cuda", "--warmup", "2", "--repeats", "11", "--models", "mlp,transformer,mlp512"),
+    peers_args=("--device", "cuda", "--warmup", "2", "--repeats", "11", "--models", "transformer,mlp512"),
 )
 DRY = Sizes(
     limits={"tests": 90, "train": 90, "hf": 90, "peers": 90},
@@ -993,8 +993,8 @@ def part_peers(part: Part) -> None:
     )
     records = part.records()
     kernels_ok = True
-    try:
-        kernels_ok = check_kernels(part, report, records)
+    try:  # the kernels get 40 % of the part (Triton compiles each specialization on its first call), the peers the rest
+        kernels_ok = check_kernels(part, report, records, time.time() + 0.4 * part.left())
     except Exception as exc:
         kernels_ok = False
         report.line(f"Kernel check failed: {first_line(f'{type(exc).__name__}: {exc}', 400)}")
@@ -1030,10 +1030,10 @@ def part_peers(part: Part) -> None:
         raise PartFailed(("kernels differ from the reference; " if not kernels_ok else "") + f"peers: {verdict}")
 
 
-def check_kernels(part: Part, report: Report, records: Records) -> bool:
-    """The Triton kernels against the reference, bit for bit, and their time. On the CPU (``--dry``) they run in
-    Triton's interpreter (a child process with ``TRITON_INTERPRET=1``, which must be set before triton is
-    imported)."""
+def check_kernels(part: Part, report: Report, records: Records, deadline: float) -> bool:
+    """The Triton kernels against the reference, bit for bit, and their time, case by case until ``deadline``. On
+    the CPU (``--dry``) they run in Triton's interpreter (the orchestrator starts the part with
+    ``TRITON_INTERPRET=1``, which must be set before triton is imported)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
@@ -1050,6 +1050,10 @@ def check_kernels(part: Part, report: Report, records: Records) -> bool:
     row = report.table(["bits", "dtype", "elements", "codes equal", "gradients equal", "kernels ms", "reference ms"])
     ok = True
     for r in rows:
+        if time.time() > deadline:
+            report.line()
+            report.line("The remaining cases were not reached in the kernels' share of the part's time.")
+            break
         records.add({"kind": "kernels", **r})
         ok &= r["codes_equal"] and r["grads_equal"]
         row(
@@ -1067,8 +1071,8 @@ def check_kernels(part: Part, report: Report, records: Records) -> bool:
 
 
 def kernel_cases(s: Sizes, device: str) -> Iterator[dict[str, Any]]:
-    """Every bit width and dtype at the test sizes (NaN/inf inputs and gradients, NaN coded high and a zero level
-    that selects), then the timed size at 2 bits (strategy.fewbit=2), each as one record."""
+    """The timed size at 2 bits (strategy.fewbit=2), then every bit width and dtype at the test sizes (NaN/inf
+    inputs and gradients, NaN coded high and a zero level that selects), each as one record."""
     import torch
 
     from revlib_xla import fewbit
@@ -1097,13 +1101,11 @@ def kernel_cases(s: Sizes, device: str) -> Iterator[dict[str, Any]]:
         sync()
         return 1000 * (time.perf_counter() - start) / repeats
 
-    cases = [
-        (bits, dtype, n, False)
-        for bits in (1, 2, 3, 4)
-        for dtype in ("float32", "bfloat16", "float16")
-        for n in s.kernel_sizes
+    # the real size first (timed, and checked there too), then every width and dtype at the test sizes
+    cases = [(2, dtype, s.kernel_time_size, True) for dtype in ("bfloat16", "float32")]
+    cases += [
+        (b, d, n, False) for b in (1, 2, 3, 4) for d in ("float32", "bfloat16", "float16") for n in s.kernel_sizes
     ]
-    cases += [(2, dtype, s.kernel_time_size, True) for dtype in ("bfloat16", "float32")]
     for bits, dtype_name, n, time_it in cases:
         dtype = getattr(torch, dtype_name)
         table = fewbit.stepwise_table("gelu", bits)
