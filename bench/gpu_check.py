@@ -127,7 +127,7 @@ TRAIN_STRATEGIES: dict[str, tuple[str, ...]] = {
     "plan+fewbit": ("strategy.activations=plan", "strategy.fewbit=2"),
     "offload.optimizer": ("strategy.activations=none", "strategy.offload.optimizer=true"),
 }
-TRAIN_STRATEGY_LIMIT_S = {"full": 50, "dry": 15}
+TRAIN_STRATEGY_LIMIT_S = {"full": 60, "dry": 15}
 
 
 def sizes(dry: bool) -> Sizes:
@@ -265,10 +265,15 @@ def gb(value: float | None, digits: int = 2) -> str | None:
     return None if value is None else f"{value / 1e9:.{digits}f}"
 
 
-def first_line(text: str, limit: int = 300) -> str:
-    """The last non-empty line of an error (the exception), shortened."""
+def last_line(text: str, limit: int = 300) -> str:
+    """The last non-empty line of a log or of an error output (the exception, or the CLI's error line), shortened."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    line = lines[-1] if lines else ""
+    return one_line(lines[-1] if lines else "", limit)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """``text`` (an exception's message) on one line, shortened."""
+    line = " ".join(str(text).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
@@ -448,8 +453,8 @@ def part_tests(part: Part) -> None:
         {
             "GPU_CHECK_PYTEST_LOG": str(outcomes),
             "PYTHONPATH": os.pathsep.join([child_env()["PYTHONPATH"], str(ROOT / "bench")]),  # the plugin, last
-            # one thread per worker: 14 workers each starting torch's 16 threads on 16 cores is what slowed the
-            # first GPU run's suite to a third in 140 s
+            # one thread per worker: 14 workers each starting torch's 16 threads would share 16 cores (a likely
+            # reason why the first GPU's not-slow suite was a third done in 140 s)
             "OMP_NUM_THREADS": "1",
         }
     )
@@ -474,7 +479,7 @@ def part_tests(part: Part) -> None:
         report.line()
         row = report.table(["test", "s", "error"])
         for r in bad:
-            row([f"`{r['nodeid']}`", r["seconds"], first_line(r.get("message", ""), 400)])
+            row([f"`{r['nodeid']}`", r["seconds"], one_line(r.get("message", ""), 400)])
         report.line()
     if status is None:
         done = {r["nodeid"] for r in results}
@@ -483,7 +488,7 @@ def part_tests(part: Part) -> None:
     skips: dict[str, int] = {}
     for r in results:
         if r["outcome"] == "skipped":
-            reason = first_line(r.get("message", ""), 200)
+            reason = one_line(r.get("message", ""), 200)
             skips[reason] = skips.get(reason, 0) + 1
     if skips:
         report.line("## Skipped, by reason")
@@ -524,6 +529,11 @@ def gpu_chip(env: dict[str, Any]) -> str:
     return "h100"
 
 
+def train_chip(env: dict[str, Any], dry: bool) -> str:
+    """``chip.name`` of the train part's runs: the GPU here, or cpu-smoke's v5e in the dry run."""
+    return "v5e" if dry else gpu_chip(env)
+
+
 def train_overrides(part_sizes: Sizes, strategy: str, chip: str, out_dir: Path, device: str) -> list[str]:
     return [
         *part_sizes.train_overrides,
@@ -543,30 +553,22 @@ def train_overrides(part_sizes: Sizes, strategy: str, chip: str, out_dir: Path, 
 
 def part_train(part: Part) -> None:
     s = part.sizes
-    chip = "v5e" if part.dry else gpu_chip(part.env)
+    chip = train_chip(part.env, part.dry)
     records = part.records()
     intro = (
         f"`python -m revlib_xla.cli train --config tpu_configs/cpu-smoke.yaml "
-        f"{' '.join(train_overrides(s, 'none', chip, Path('<dir>'), s.device))}` per strategy, each in its own "
-        f"process (limit {TRAIN_STRATEGY_LIMIT_S['dry' if part.dry else 'full']} s). Per step: the peak "
+        f"{' '.join(train_overrides(s, 'none', chip, Path('<dir>'), s.device))}` per strategy, "
+        + ("all in one process (the dry run)" if part.dry else "each in its own process")
+        + f" (limit {TRAIN_STRATEGY_LIMIT_S['dry' if part.dry else 'full']} s each). Per step: the peak "
         "(`max_memory_allocated` from a reset before the step), the most reserved (`max_memory_reserved`) and "
         "what stays allocated after the step; tokens/s and MFU from the run's metrics.jsonl (median of the steps "
         f"after the first; MFU against chip.name={chip}). The final checkpoint is not written (at llama-1b it is "
-        "~15 GB of disk and is not what is measured). GPU estimate: `revlib-xla memory --gpu`'s eager FakeTensor "
-        "estimate of the same config, computed in the background during the part."
+        "~15 GB of disk and is not what is measured). `plan` auto's budget: chip.name's memory less the weights, "
+        "gradients and optimizer state. GPU estimate: `revlib-xla memory --gpu`'s eager FakeTensor estimate of "
+        "the same config, computed on the CPU from the start of the run."
     )
     report = part.report("revlib-xla train at real size, per strategy", intro)
-    estimates_path = part.work_dir / "estimates.jsonl"
-    estimates_path.unlink(missing_ok=True)
-    estimator = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--estimates", str(estimates_path), "--chip", chip]
-        + (["--dry"] if part.dry else []),
-        stdout=part.log("estimates").open("ab"),
-        stderr=subprocess.STDOUT,
-        env=child_env({"OMP_NUM_THREADS": "2"}),
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    estimates_path = part.work_dir / "estimates.jsonl"  # written by the estimator the orchestrator started first
     row = report.table(
         [
             "strategy",
@@ -583,45 +585,41 @@ def part_train(part: Part) -> None:
     measured: dict[str, dict[str, Any]] = {}
     strategy_limit = TRAIN_STRATEGY_LIMIT_S["dry" if part.dry else "full"]
     groups = [list(TRAIN_STRATEGIES)] if part.dry else [[name] for name in TRAIN_STRATEGIES]
-    try:
-        for group in groups:
-            left = part.left() - 10
-            if left < 10:
-                for strategy in group:
-                    row([strategy, *[None] * 7, "not run: the part's time was spent"])
-                continue
-            for result in run_train(part, group, chip, min(strategy_limit * len(group), left)):
-                records.add(result)
-                measured[result["strategy"]] = result
-                steps = result["steps"]
-                later = steps[1:] or steps
-                row(
-                    [
-                        result["strategy"],
-                        _median(later, "tokens_per_s", "{:,.0f}"),
-                        _median(later, "step_time_s", "{:.3f}"),
-                        _median(later, "mfu", "{:.1%}"),
-                        " ".join(gb(st.get("peak_allocated"), 1) or "—" for st in steps) or None,
-                        gb(max((st.get("peak_reserved") or 0) for st in steps), 1) if steps else None,
-                        gb(steps[-1].get("allocated_after"), 2) if steps else None,
-                        f"{steps[0]['loss']:.3f} → {steps[-1]['loss']:.3f}"
-                        if steps and "loss" in steps[0] and "loss" in steps[-1]
-                        else None,
-                        result["status"],
-                    ]
-                )
-    finally:
-        left = max(0.0, part.left() - 3)
-        try:
-            estimator.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            _stop_group(estimator)
+    for group in groups:
+        left = part.left() - 10
+        if left < 10:
+            for strategy in group:
+                row([strategy, *[None] * 7, "not run: the part's time was spent"])
+            continue
+        for result in run_train(part, group, chip, min(strategy_limit * len(group), left)):
+            records.add(result)
+            measured[result["strategy"]] = result
+            steps = result["steps"]
+            later = steps[1:] or steps
+            row(
+                [
+                    result["strategy"],
+                    _median(later, "tokens_per_s", "{:,.0f}"),
+                    _median(later, "step_time_s", "{:.3f}"),
+                    _median(later, "mfu", "{:.1%}"),
+                    " ".join(gb(st.get("peak_allocated"), 1) or "—" for st in steps) or None,
+                    gb(max((st.get("peak_reserved") or 0) for st in steps), 1) if steps else None,
+                    gb(steps[-1].get("allocated_after"), 2) if steps else None,
+                    f"{steps[0]['loss']:.3f} → {steps[-1]['loss']:.3f}"
+                    if steps and "loss" in steps[0] and "loss" in steps[-1]
+                    else None,
+                    result["status"],
+                ]
+            )
+    # the estimates have run on the CPU since the run began; the last ones get 20 s more at most
+    wait_until = time.time() + min(20.0, max(0.0, part.left() - 3))
+    while time.time() < wait_until and _lines(estimates_path) < len(TRAIN_STRATEGIES):
+        time.sleep(1)
     estimates = {}
-    if estimates_path.exists():
-        for line in estimates_path.read_text().splitlines():
-            e = json.loads(line)
-            estimates[e["strategy"]] = e
-            records.add({"kind": "estimate", **e})
+    for line in estimates_path.read_text().splitlines() if estimates_path.exists() else []:
+        e = json.loads(line)
+        estimates[e["strategy"]] = e
+        records.add({"kind": "estimate", **e})
     report.line()
     report.line("## Measured peak beside the GPU estimate")
     report.line()
@@ -643,6 +641,10 @@ def part_train(part: Part) -> None:
     failed = [k for k, v in measured.items() if v["status"] != "ok"]
     if failed and all(v["status"] != "ok" for v in measured.values()):
         raise PartFailed("no strategy trained: " + ", ".join(failed))
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def _median(steps: list[dict[str, Any]], key: str, fmt: str) -> str | None:
@@ -701,8 +703,8 @@ def _error_of(log_tail: str) -> str:
     lines = [line for line in log_tail.splitlines() if line.strip()]
     for line in reversed(lines):
         if "error:" in line or re.match(r"^\w+(\.\w+)*(Error|Exception|Refused)\b", line.strip()):
-            return first_line(line, 400)
-    return first_line(lines[-1] if lines else "no output", 400)
+            return last_line(line, 400)
+    return last_line(lines[-1] if lines else "no output", 400)
 
 
 def train_one(spec_path: str) -> int:
@@ -757,10 +759,10 @@ def train_one(spec_path: str) -> int:
             with contextlib.redirect_stderr(captured):
                 status = main(["train", "--config", str(ROOT / "tpu_configs" / "cpu-smoke.yaml"), *run["overrides"]])
             if status:
-                error = first_line(captured.getvalue(), 400)
+                error = last_line(captured.getvalue(), 400)
         except Exception as exc:
             traceback.print_exc(file=captured)
-            status, error = 1, first_line(f"{type(exc).__name__}: {exc}", 400)
+            status, error = 1, one_line(f"{type(exc).__name__}: {exc}", 400)
         finally:
             sys.stderr.write(captured.getvalue())
             if torch.cuda.is_available():
@@ -795,7 +797,7 @@ def estimates(path: str, chip: str, dry: bool) -> int:
             peak = gpu_estimate(cfg)
             record.update(total=int(peak.total), detail=str(peak).split(";")[0])
         except Exception as exc:
-            record["error"] = first_line(f"{type(exc).__name__}: {exc}", 300)
+            record["error"] = one_line(f"{type(exc).__name__}: {exc}", 300)
         record["seconds"] = round(time.perf_counter() - start, 1)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -936,7 +938,7 @@ def part_hf(part: Part) -> None:
             )
         except Exception as exc:
             record.update(status="failed", error=traceback.format_exc()[-3000:])
-            row([name, *[None] * 5, f"failed: {first_line(f'{type(exc).__name__}: {exc}', 400)}"])
+            row([name, *[None] * 5, f"failed: {one_line(f'{type(exc).__name__}: {exc}', 400)}"])
         finally:
             records.add(record)
             del model
@@ -997,7 +999,7 @@ def part_peers(part: Part) -> None:
         kernels_ok = check_kernels(part, report, records, time.time() + 0.4 * part.left())
     except Exception as exc:
         kernels_ok = False
-        report.line(f"Kernel check failed: {first_line(f'{type(exc).__name__}: {exc}', 400)}")
+        report.line(f"Kernel check failed: {one_line(f'{type(exc).__name__}: {exc}', 400)}")
         records.add({"kind": "kernels", "error": traceback.format_exc()[-3000:]})
     report.line()
     report.line("## bench/reversible_vs_peers.py")
@@ -1165,8 +1167,12 @@ def run_part(name: str, args: argparse.Namespace) -> int:
     """``--part NAME``: one part in this process (the orchestrator's child)."""
     env = json.loads(Path(args.env_file).read_text())
     part = Part(name, args.dry, Path(args.out_dir), Path(args.work_dir), args.tag, env, args.deadline)
-    if args.fail_part == name:
-        part.report(f"{PARTS[name][0]} (failure injected)")
+    injected = dict(item.partition(":")[::2] for item in args.fail_part)  # tests: part -> "" (raise) or "hang"
+    if name in injected:
+        report = part.report(f"{PARTS[name][0]} (failure injected)")
+        if injected[name] == "hang":
+            report.line("Injected: written before the part's limit; the part then hangs.")
+            time.sleep(3600)
         raise RuntimeError(f"--fail-part {name}: a failure injected to check that the run records it and goes on")
     try:
         PARTS[name][1](part)
@@ -1192,7 +1198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--env-file", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--fail-part", help=argparse.SUPPRESS)  # tests: a part that raises
+    # tests: a part that raises (NAME) or hangs past its limit (NAME:hang)
+    parser.add_argument("--fail-part", action="append", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--train-one", help=argparse.SUPPRESS)
     parser.add_argument("--estimates", help=argparse.SUPPRESS)
@@ -1257,6 +1264,19 @@ def orchestrate(args: argparse.Namespace) -> int:
     summary.line()
     row = summary.table(["part", "limit s", "took s", "result", "file"])
     lock = threading.Lock()
+    estimator = None
+    if "train" in parts:  # the train part's GPU estimates, on the CPU from now on (minutes of CPU at full size)
+        estimates_file = work_dir / "estimates.jsonl"
+        estimates_file.unlink(missing_ok=True)
+        estimator = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--estimates", str(estimates_file), "--chip", train_chip(env, args.dry)]
+            + (["--dry"] if args.dry else []),
+            stdout=(work_dir / "logs" / "train-estimates.log").open("ab"),
+            stderr=subprocess.STDOUT,
+            env=child_env({"OMP_NUM_THREADS": "2"}),
+            cwd=ROOT,
+            start_new_session=True,
+        )
 
     def run_one(name: str) -> bool:
         """One part in its own process under its limit; its summary row; whether it passed."""
@@ -1271,7 +1291,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             *(sys.executable, str(SCRIPT), "--part", name, "--out-dir", str(out_dir), "--work-dir", str(work_dir)),
             *("--env-file", str(env_file), "--tag", tag, "--deadline", str(time.time() + limit - 3)),
             *(["--dry"] if args.dry else []),
-            *(["--fail-part", args.fail_part] if args.fail_part else []),
+            *(a for item in args.fail_part for a in ("--fail-part", item)),
         ]
         print(f"gpu_check: part {name} (limit {limit:.0f} s) ...", flush=True)
         # the dry run checks the Triton kernels in Triton's interpreter, which must be chosen before triton is imported
@@ -1301,8 +1321,12 @@ def orchestrate(args: argparse.Namespace) -> int:
 
     # One part at a time on a GPU (a part's measurements must have the device to themselves); --jobs 2 in the dry
     # run, where the two CPU cores of CI each take one.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        passed = list(pool.map(run_one, parts))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            passed = list(pool.map(run_one, parts))
+    finally:
+        if estimator is not None and estimator.poll() is None:
+            _stop_group(estimator)
     failures = passed.count(False)
     summary.line()
     logs = work_dir.relative_to(ROOT) if work_dir.is_relative_to(ROOT) else work_dir

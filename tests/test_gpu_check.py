@@ -60,7 +60,8 @@ def test_dry_run_writes_every_part(tmp_path):
         else:  # reversible and few-bit may be refused at bf16 by the library; the refusal is then recorded
             assert status == "ok" or status.startswith("failed after"), row
     estimate = _rows(train.split("## Measured peak beside the GPU estimate")[1], "none")[0]
-    assert float(estimate[2]) > 0 and "parameters" in estimate[4], estimate
+    # a number, or the estimate's own error (torch 2.13's FakeTensorMode refuses the meta-built model's to_empty)
+    assert estimate[4].startswith("failed: ") or (float(estimate[2]) > 0 and "parameters" in estimate[4]), estimate
 
     hf = files["hf"]
     assert _rows(hf, "plain")[0][4] == "the reference"
@@ -86,19 +87,22 @@ def test_dry_run_writes_every_part(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_failed_part_and_a_part_out_of_time_are_recorded_and_the_others_run(tmp_path):
-    """One part raises (injected), another is stopped at its limit: both are written as such, the rows the stopped
-    part wrote before its limit stay, and the exit status says the run found failures."""
-    done, out, _ = _dry(tmp_path, "--parts", "tests,peers", "--fail-part", "tests", "--limit", "peers=12")
+def test_a_failed_part_and_a_part_out_of_time_are_recorded_and_the_next_runs(tmp_path):
+    """One part raises, the next one hangs past its limit (both injected): the second runs after the first failed,
+    both are written as such, the lines the stopped part wrote before its limit stay, and the exit status says the
+    run found failures."""
+    injected = ["--fail-part", "tests", "--fail-part", "peers:hang", "--limit", "peers=10", "--jobs", "1"]
+    done, out, pack = _dry(tmp_path, "--parts", "tests,peers", *injected)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     summary = (out / "gpu_check-summary-cpu-dry.md").read_text()
     failed = _rows(summary, "a. CUDA test cases and README blocks")[0]
     assert failed[3].startswith("FAILED (exit 1): RuntimeError: --fail-part tests"), failed
     stopped = _rows(summary, "d. few-bit kernels; reversible core against RevLib 1.7.2")[0]
-    assert stopped[3] == "stopped at its limit of 12 s", stopped
+    assert stopped[3] == "stopped at its limit of 10 s", stopped
     peers = (out / "gpu_check-peers-cpu-dry.md").read_text()
-    assert peers.rstrip().endswith("**This part stopped at its limit of 12 s.**")
-    assert "| bits | dtype | elements |" in peers  # written before the limit
+    assert "Injected: written before the part's limit" in peers
+    assert peers.rstrip().endswith("**This part stopped at its limit of 10 s.**")
+    assert {p.name for p in pack.iterdir()} >= {"gpu_check-peers-cpu-dry.md", "gpu_check-cpu-dry.tar.gz"}
 
 
 def test_run_limited_stops_the_whole_process_group(tmp_path):
