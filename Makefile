@@ -16,7 +16,7 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 # pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
 PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
-.PHONY: venv venv-newer lint strip-notebooks typecheck test test-fast test-newer demo bench clean
+.PHONY: venv venv-newer lint strip-notebooks typecheck test test-fast test-newer demo bench gpu-wheels gpu-check clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
 LINT_PATHS := revlib_xla tests bench kernels colab
@@ -76,5 +76,33 @@ demo: venv
 bench: venv
 	$(PY) bench/reversible_vs_peers.py
 
+# A lent GPU (no package index there; see bench/README.md). `make gpu-wheels`, on a machine with an index, downloads
+# into $(GPU_WHEELS) the wheels the GPU image lacks, for its Python (3.12, manylinux x86-64): pydantic (a core
+# requirement) with its dependencies, and RevLib 1.7.2 for bench/reversible_vs_peers.py. Carry the folder along.
+GPU_WHEELS ?= .gpu-wheels
+GPU_PYTHON_VERSION ?= 3.12
+GPU_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_DOWNLOAD = $(PYTHON) -m pip download -q --dest $(GPU_WHEELS) --only-binary=:all: \
+	--python-version $(GPU_PYTHON_VERSION) --implementation cp \
+	--abi cp$(subst .,,$(GPU_PYTHON_VERSION)) --abi abi3 --abi none $(addprefix --platform ,$(GPU_PLATFORMS) any)
+
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	$(GPU_DOWNLOAD) -c constraints.txt 'pydantic>=2.5'
+	$(GPU_DOWNLOAD) --no-deps revlib==1.7.2
+	@ls $(GPU_WHEELS)
+
+# `make gpu-check` on the GPU machine: installs from $(GPU_WHEELS) only (--no-index), then bench/gpu_check.py's four
+# parts (~9 minutes) write bench/results/gpu_check-*-cuda-<device>.md; GPU_CHECK_PACK=$$OUT copies them and a
+# .tar.gz of everything there. `make gpu-check GPU_CHECK_DRY=1`: the same command at toy sizes on the CPU (CI).
+GPU_PYTHON ?= python3
+GPU_CHECK_DRY ?=
+GPU_CHECK_PACK ?=
+GPU_CHECK_OUT ?= $(if $(filter 1,$(GPU_CHECK_DRY)),runs/gpu-check-dry/results,bench/results)
+
+gpu-check: $(if $(filter 1,$(GPU_CHECK_DRY)),venv)
+	$(if $(filter 1,$(GPU_CHECK_DRY)),$(PY) bench/gpu_check.py --dry,$(GPU_PYTHON) bench/gpu_check.py --wheels $(GPU_WHEELS)) \
+		--out-dir $(GPU_CHECK_OUT) $(if $(GPU_CHECK_PACK),--pack $(GPU_CHECK_PACK))
+
 clean:
-	rm -rf $(VENV) $(NEWER_VENV) build *.egg-info
+	rm -rf $(VENV) $(NEWER_VENV) build *.egg-info .gpu-site

@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A CUDA jax (the JAX reference tests on a GPU machine) takes 75 % of the GPU at its first array by default, in each
+# pytest-xdist worker that imports it; the torch cases of that worker and the other workers then run out of memory.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import pytest
 import torch

@@ -11,8 +11,7 @@ import contextlib
 
 import pytest
 
-pytest.importorskip("jax", reason="the JAX reference needs jax (pip install 'revlib_xla[jax]')")
-import jax.experimental
+jax = pytest.importorskip("jax", reason="the JAX reference needs jax (pip install 'revlib_xla[jax]')")
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -187,15 +186,28 @@ def skip_unsupported_float64(device, dtype):
 _REFERENCE_CACHE = {}
 
 
+def x64_mode():
+    """JAX's 64-bit mode for the arrays created and traced inside: ``jax.enable_x64(True)`` where jax has it (0.8
+    and later; 0.9 removed ``jax.experimental.enable_x64``), else ``jax.experimental.enable_x64()`` (jax 0.7)."""
+    enable = getattr(jax, "enable_x64", None)
+    if enable is not None:
+        return enable(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
 def jax_reference(case, dtype, model, coupling_specs, x_host, w_host):
     """Loss, parameter gradients (by torch name) and input gradient from the JAX reference, as numpy arrays.
 
     Models and inputs are seeded, so the reference depends on (case, dtype) only: it is computed once and shared
-    by the device kinds. float64 needs JAX's x64 mode while its arrays are created and traced."""
+    by the device kinds. float64 needs JAX's x64 mode while its arrays are created and traced. The reference runs on
+    JAX's CPU device wherever jax has a GPU too (a CUDA jax would otherwise compute it there, float32 matmuls in
+    TF32)."""
     key = (case, dtype)
     if key not in _REFERENCE_CACHE:
-        x64 = jax.experimental.enable_x64() if dtype == torch.float64 else contextlib.nullcontext()
-        with x64:
+        x64 = x64_mode() if dtype == torch.float64 else contextlib.nullcontext()
+        with x64, jax.default_device(jax.devices("cpu")[0]):
             net, params = from_torch(model, coupling_specs)
             jx, jw = jnp.asarray(x_host.numpy()), jnp.asarray(w_host.numpy())
             loss, (param_grads, x_grad) = net.value_and_grad(params, jx, lambda out: loss_jax(out, jw))
@@ -206,6 +218,14 @@ def jax_reference(case, dtype, model, coupling_specs, x_host, w_host):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_x64_mode_makes_float64_arrays_inside_only():
+    """The x64 switch this jax has (jax >= 0.9 has no jax.experimental.enable_x64) turns 64-bit arrays on inside
+    the block and leaves the default (32 bits) outside it."""
+    with x64_mode():
+        assert jnp.asarray(1.0, dtype=jnp.float64).dtype == jnp.float64
+    assert jnp.asarray(1.0).dtype == jnp.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])

@@ -4,6 +4,8 @@ Blocks run in the order they appear; the blocks of one section (a ``## `` headin
 namespace, so a block may use what an earlier block of its section defined. A block whose first line says
 ``# needs CUDA``, ``# needs a TPU`` or ``# needs torch_xla`` is skipped, visibly, where that is missing (with the
 rest of its section, which may build on it). The test finds whatever blocks the README holds: nothing here lists them.
+A section whose code runs on CUDA where it can (a ``# needs CUDA`` block, or code that names ``cuda``) carries
+``(cuda)`` in its test id, so that ``pytest -k cuda`` (bench/gpu_check.py on a GPU) runs it with the CUDA cases.
 """
 
 import importlib.util
@@ -58,7 +60,17 @@ def missing_hardware(block: Block):
     return None
 
 
+def runs_cuda(blocks: list[Block]) -> bool:
+    """Whether a section's code runs on CUDA where there is a GPU: a block marked ``# needs CUDA``, or code that
+    names ``cuda`` (``torch.cuda.is_available()``, ``device="cuda"``)."""
+    return any(re.search(r"\bcuda\b", block.code, re.IGNORECASE) for block in blocks)
+
+
 SECTIONS = python_blocks(README.read_text(encoding="utf-8"))
+
+
+def section_id(section: str) -> str:
+    return f"{section} (cuda)" if runs_cuda(SECTIONS[section]) else section
 
 
 def test_blocks_are_found_by_section_and_hardware_marks_are_read():
@@ -71,13 +83,15 @@ def test_blocks_are_found_by_section_and_hardware_marks_are_read():
     assert sections["One"] == [Block(4, "x = 1\n"), Block(11, "# needs a TPU\ny = x\n")]
     assert missing_hardware(sections["One"][0]) is None and missing_hardware(sections["One"][1]) == "a TPU"
     assert missing_hardware(sections["Two"][0]) == (None if torch.cuda.is_available() else "CUDA")
+    assert runs_cuda(sections["Two"]) and not runs_cuda(sections["One"])
+    assert runs_cuda([Block(1, "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n")])
 
 
 def test_the_readme_has_python_blocks():
     assert sum(len(blocks) for blocks in SECTIONS.values()) >= 6
 
 
-@pytest.mark.parametrize("section", list(SECTIONS))
+@pytest.mark.parametrize("section", list(SECTIONS), ids=section_id)
 @pytest.mark.slow
 def test_readme_section_runs(section, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # whatever a block writes lands in a temporary directory

@@ -22,7 +22,10 @@ from revlib_xla.train.loop import train
 from revlib_xla.train.strategy import language_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# On the CPU wherever the machine has a GPU too (train.device=auto would pick it: the models below are compared
+# with CPU references and CPU batches, and resumed bit for bit); a test on another device overrides it after TINY.
 TINY = [
+    "train.device=cpu",
     "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
     "data.seq_len=16",
     "data.batch_size=4",

@@ -21,7 +21,10 @@ from revlib_xla.train.strategy import (
     make_step,
 )
 
+# On the CPU wherever the machine has a GPU too (train.device=auto would pick it, and the models below are compared
+# with CPU references on CPU batches); a test on another device passes it to build_model or overrides it after TINY.
 TINY = [
+    "train.device=cpu",
     "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
     "data.seq_len=12",
     "data.batch_size=4",
