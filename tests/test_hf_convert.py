@@ -299,9 +299,21 @@ def test_momentum_tends_to_the_original_and_trains_exactly(name):
 
 
 def test_momentum_refuses_to_train_where_the_inverse_is_lost():
+    """beta=0.01 in float32: floating-point streams lose the input over 4 layers and are refused; the exact streams
+    (the default) rebuild it bit for bit (the gradients of the same function layer by layer with plain autograd)
+    while the momentum stream, which grows by 1/beta per layer, fits the grid, and refuse beyond, naming the layer."""
     model = memory_efficient(tiny("llama-tiny", depth=4, dtype=torch.float32), "momentum", beta=0.01)
+    model.revlib_xla_conversion.net.exact = False
     with pytest.raises(ReversibleError, match="rebuilt from the output"):
         step(model)
+    model.revlib_xla_conversion.net.exact = None
+    model.revlib_xla_conversion.net._verified.clear()
+    out, got = step(model)
+    plain, want = step(model, output_hidden_states=True)
+    assert torch.equal(out.logits, plain.logits) and all(torch.equal(got[n], want[n]) for n in want)
+    deeper = memory_efficient(tiny("llama-tiny", depth=6, dtype=torch.float32), "momentum", beta=0.01)
+    with pytest.raises(ReversibleError, match=r"layer \d+ \('\d+-1': MomentumNetSide\) produced a value of magnitude"):
+        step(deeper)
 
 
 # -- generate, state dicts, hidden states ----------------------------------------------------------------------------

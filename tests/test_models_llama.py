@@ -200,21 +200,29 @@ def rebuild_error(model: LlamaLM, x: torch.Tensor, autocast: bool = False) -> fl
 @pytest.mark.slow
 @torch.no_grad()
 def test_reversible_forms_rebuild_their_input_at_depth():
-    """init_weights scales the branches' output projections and (untied) gives the embedding unit scale: the streams
-    outweigh what is subtracted from them, so 16 layers rebuild their input closely, also under bfloat16 autocast;
-    HF's init (every weight N(0, 0.02)) loses more than two digits."""
+    """Floating-point streams (exact=False): init_weights scales the branches' output projections and (untied) gives
+    the embedding unit scale, so the streams outweigh what is subtracted from them and 16 layers rebuild their input
+    closely, also under bfloat16 autocast; HF's init (every weight N(0, 0.02)) loses more than two digits. Exact
+    streams (the default) rebuild it bit for bit whatever the init, tied or not, also under autocast."""
     config = llama_config("llama-tiny", n_layers=16)
     x = tokens(config, batch=1, time=32)
-    reversible, momentum = build_llama(config, "reversible"), build_llama(config, "momentum")
+    floats = {"exact": False}
+    reversible, momentum = build_llama(config, "reversible", **floats), build_llama(config, "momentum", **floats)
     ours = rebuild_error(reversible, x)
     assert ours < 1e-6 and rebuild_error(reversible, x, autocast=True) < 5e-4
     assert rebuild_error(momentum, x) < 5e-5
-    tied = build_llama(dataclasses.replace(config, tie_embeddings=True), "reversible")
+    tied = build_llama(dataclasses.replace(config, tie_embeddings=True), "reversible", **floats)
     assert 10 * ours < rebuild_error(tied, x) < 1e-4
     for param in reversible.parameters():
         if param.dim() > 1:
             param.normal_(0.0, 0.02)
     assert rebuild_error(reversible, x) > 100 * ours
+    exact_tied = build_llama(dataclasses.replace(config, tie_embeddings=True), "reversible")
+    for param in exact_tied.parameters():
+        if param.dim() > 1:
+            param.normal_(0.0, 0.02)
+    for model in (build_llama(config, "reversible"), build_llama(config, "momentum"), exact_tied):
+        assert rebuild_error(model, x) == 0.0 and rebuild_error(model, x, autocast=True) == 0.0
 
 
 def saved(model: LlamaLM, x: torch.Tensor) -> int:
