@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -203,7 +203,9 @@ class MeshConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """The loop: steps, evaluation, logging, checkpoints, device and where everything is written."""
+    """The loop: steps, evaluation, logging, checkpoints, device and where everything is written. ``nonfinite``:
+    what a step whose loss or gradient norm is NaN or inf does: ``stop`` the run (with an error naming the step;
+    the checkpoints keep finite weights) or ``skip`` the step's update (see :mod:`revlib_xla.train.loop`)."""
 
     steps: int = Field(default=100, ge=1)
     eval_every: int = Field(default=50, ge=0)
@@ -216,6 +218,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(default=3, ge=1)
     resume: bool = True
     progress: bool = True
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient norm: stop the run, or skip the step
 
 
 class RunConfig(_Section):
@@ -246,6 +249,12 @@ class RunConfig(_Section):
                 f"strategy.fused_optimizer=true steps each parameter inside the backward pass, so gradients cannot "
                 f"be accumulated over optim.grad_accum_steps={o.grad_accum_steps}; set optim.grad_accum_steps=1 or "
                 f"strategy.fused_optimizer=false"
+            )
+        if s.fused_optimizer and self.train.nonfinite == "skip":
+            raise ValueError(
+                "train.nonfinite=skip drops the update of a step whose loss or gradient norm is NaN or inf, but "
+                "strategy.fused_optimizer=true updates each parameter during the backward pass, before that is "
+                "known; set train.nonfinite=stop or strategy.fused_optimizer=false"
             )
         if s.fused_optimizer and o.grad_clip > 0:
             raise ValueError(
