@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -255,3 +256,68 @@ def test_skip_policy_drops_the_update_of_a_nan_step_and_trains_on(tmp_path, monk
 def test_non_finite_hyperparameters_are_refused(override):
     with pytest.raises(ConfigError, match=f"{override.split('=')[0]}=(nan|inf).*finite"):
         load_config(None, [override])
+
+
+def _uint32_tokens(tmp_path):
+    path = tmp_path / "ids32.bin"
+    np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint32).tofile(path)
+    return path
+
+
+def _binary_config(tmp_path):
+    path = tmp_path / "config.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    return path
+
+
+def _twice_config(tmp_path):
+    path = tmp_path / "twice.yaml"
+    path.write_text("optim:\n  lr: 3.0e-3\n  warmup_steps: 2\n  lr: 3.0\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    "make, overrides, expected",
+    [
+        (_binary_config, [], "is not a text file (not UTF-8)"),
+        (_twice_config, [], "the key 'lr' is given twice in one mapping (lines 2 and 4); give each key once"),
+        (None, ["model.overrides={dim: 32, dim: 64}"], "the key 'dim' is given twice"),
+        (None, ["train.out_dir=FILE"], "is a file, not a directory"),
+        (None, ["train.out_dir=FILE/run"], "train.out_dir='FILE/run': the directory cannot be created"),
+        (
+            _uint32_tokens,
+            ["data.kind=tokens", "data.path=MADE"],
+            "looks like a file of uint32 ids. Set data.token_dtype",
+        ),
+        (
+            None,
+            ["model.hf_config=gpt2-tiny", "model.overrides={}", "data.seq_len=512"],
+            "data.seq_len=512 is longer than the 256 positions of the learned position embeddings",
+        ),
+    ],
+    ids=[
+        "binary config",
+        "duplicated yaml key",
+        "duplicated key in override",
+        "out_dir a file",
+        "out_dir under a file",
+        "uint32 tokens as uint16",
+        "gpt2 beyond its positions",
+    ],
+)
+def test_bad_input_is_one_line_through_the_cli(tmp_path, capsys, make, overrides, expected):
+    """Cases 8 and 9: each was an internal traceback (UnicodeDecodeError, FileExistsError, IndexError in the
+    embedding) or silently accepted (the last duplicated key wins; every other uint16 id is 0)."""
+    if "gpt2" in " ".join(overrides):
+        pytest.importorskip("transformers")
+    made = make(tmp_path) if make else None
+    file = tmp_path / "a-file"
+    file.write_text("")
+    config = str(made) if make in (_binary_config, _twice_config) else "tpu_configs/cpu-smoke.yaml"
+    overrides = [o.replace("MADE", str(made)).replace("FILE", str(file)) for o in overrides]
+    if not any(o.startswith("train.out_dir") for o in overrides):
+        overrides.append(f"train.out_dir={tmp_path / 'run'}")
+    code = main(["train", "--config", config, *TINY, *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("revlib-xla train: error: ") and err.count("\n") == 1, err
+    assert expected.replace("FILE", str(file)) in err, err

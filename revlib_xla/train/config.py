@@ -394,9 +394,39 @@ def _config_error(exc: ValidationError) -> ConfigError:
     return ConfigError("; ".join(lines))
 
 
-def _parse_value(text: str) -> Any:
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping that names a key twice (PyYAML keeps the last value silently)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+
+
+def _unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: the merged keys may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise _DuplicateKey(f"the key {key!r} is given twice in one mapping (lines {seen[key]} and {line})")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)  # type: ignore[arg-type]
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+
+
+def _parse_value(text: str, item: str = "") -> Any:
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return _load_yaml(text) if text.strip() else ""
+    except _DuplicateKey as exc:
+        raise ConfigError(f"override {item!r}: {exc}") from None
     except yaml.YAMLError:
         return text
 
@@ -409,7 +439,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10 or strategy=reversible")
-        value = _parse_value(text)
+        value = _parse_value(text, item)
         if key == "strategy" and not isinstance(value, dict):
             key = "strategy.activations"
         parts = key.split(".")
@@ -436,7 +466,14 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         if not file.is_file():
             raise ConfigError(f"--config {str(path)!r}: no such file (the shipped configs are in tpu_configs/)")
         try:
-            loaded = yaml.safe_load(file.read_text())
+            loaded = _load_yaml(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"--config {str(path)!r} is not a text file (not UTF-8); give a YAML run config such as "
+                f"tpu_configs/cpu-smoke.yaml"
+            ) from None
+        except _DuplicateKey as exc:
+            raise ConfigError(f"--config {str(path)!r}: {exc}; give each key once") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--config {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
         if loaded is not None and not isinstance(loaded, Mapping):
