@@ -76,7 +76,11 @@ class CheckpointError(OSError):
 
 class CheckpointMismatch(ValueError):
     """A whole checkpoint that does not fit the model or optimizer it is loaded into (another model, or another
-    strategy's optimizer state); the message names the checkpoint and what differs."""
+    strategy's optimizer state); the message names the checkpoint and what differs, ``path`` is its directory."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class NonFiniteWeights(ValueError):
@@ -485,14 +489,16 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     if missing or unexpected:
         raise CheckpointMismatch(
             f"checkpoint {ckpt}: the weights do not match the model (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}); was it written by a run with another model or strategy?"
+            f"{unexpected[:5]}); was it written by a run with another model or strategy?",
+            ckpt,
         )
     here = optimizer.state_dict()  # (empty for a sharded model's stand-in while loading: nothing to compare)
     if here and _optimizer_form(saved) != _optimizer_form(here):
         raise CheckpointMismatch(
             f"checkpoint {ckpt}: its optimizer state is that of {_optimizer_form(saved)}, this run's optimizer "
             f"({type(optimizer).__name__}) keeps that of {_optimizer_form(here)}; was it written with another "
-            f"strategy (strategy.fused_optimizer, strategy.offload.optimizer)?"
+            f"strategy (strategy.fused_optimizer, strategy.offload.optimizer)?",
+            ckpt,
         )
     tensors = {name: (tensor, index) for name, tensor, index in weight_slices(model)}
     tensors.update((name, (b, None)) for name, b in model.named_buffers())
@@ -503,7 +509,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             target = tensor if index is None else tensor[index]
             if target.shape != value.shape:
                 raise CheckpointMismatch(
-                    f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
+                    f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}",
+                    ckpt,
                 )
             if value.dtype != tensor.dtype:
                 exact.setdefault(id(tensor), {})[index] = value
@@ -513,7 +520,8 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
     except (KeyError, ValueError, IndexError) as exc:
         raise CheckpointMismatch(
             f"checkpoint {ckpt}: its optimizer state does not fit this run's optimizer ({type(exc).__name__}: "
-            f"{exc}); was it written with another strategy or model?"
+            f"{exc}); was it written with another strategy or model?",
+            ckpt,
         ) from None
     load_masters = getattr(optimizer, "load_master_weights", None)
     if load_masters is not None and exact:  # saved masters more precise than the device weights: restored exactly

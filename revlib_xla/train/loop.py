@@ -254,12 +254,13 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
             try:
                 found, restored, skipped = find_resumable(ckpt_dir, whole_lm, whole_optimizer)
             except CheckpointMismatch as exc:
-                changes = _config_changes(Path(str(exc).split(":", 1)[0].removeprefix("checkpoint ")), cfg)
+                changes = _config_changes(exc.path, cfg) if exc.path is not None else ""
                 raise CheckpointMismatch(
                     f"{exc}"
                     + (f" Its run had other settings ({changes})." if changes else "")
                     + " Resume with the settings it was written with, or start over with train.resume=false (the "
-                    "earlier run's files are moved aside) or another train.out_dir"
+                    "earlier run's files are moved aside) or another train.out_dir",
+                    exc.path,
                 ) from None
             if found is None or restored is None:  # raised inside: the sharded model keeps its initial weights
                 raise CheckpointError(
