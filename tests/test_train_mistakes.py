@@ -82,24 +82,57 @@ BREAKS = {
 }
 
 
-@pytest.mark.parametrize("broken", list(BREAKS))
+@pytest.mark.parametrize("broken", ["latest names a missing directory", "truncated weights"])
 def test_a_broken_latest_resumes_from_the_newest_whole_checkpoint(four_steps, tmp_path, broken):
-    """The run resumes from the newest whole checkpoint (step 4 when only `latest` is broken, else step 2) with a
-    warning naming what it passed over, continues to the same weights as an uninterrupted run, and logs each
-    step once."""
+    """Cases 1 and 5 end to end: the run resumes from the newest whole checkpoint (step 4 when only `latest` is
+    broken, step 2 when step 4's weights are truncated) with a warning naming what it passed over, ends with the
+    weights of an uninterrupted run, and logs each step once (the killed run had logged step 5)."""
     out = _copy(four_steps, tmp_path)
     BREAKS[broken](out / "checkpoints")
-    expected = 4 if broken in ("latest names a missing directory", "latest is empty") else 2
+    expected = 4 if broken.startswith("latest") else 2
     with pytest.warns(UserWarning, match="resume: passed over checkpoint") as caught:
         resumed = train(_cfg(out, "train.steps=6"))
     assert resumed.start_step == expected and resumed.final_step == 6
     said = " ".join(str(w.message) for w in caught)
-    named = "latest" if expected == 4 else "step_00000004"
-    assert named in said, said
-    assert _steps_logged(out) == [1, 2, 3, 4, 5, 6][:expected] + list(range(expected + 1, 7))
+    assert ("latest" if expected == 4 else "step_00000004: model.safetensors") in said, said
+    assert _steps_logged(out) == [1, 2, 3, 4, 5, 6]
     whole = four_steps.parent / "whole"
     final = [_weights(run / "checkpoints" / "step_00000006") for run in (out, whole)]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[1])
+
+
+@pytest.fixture(scope="module")
+def saved_twice(tmp_path_factory):
+    """Checkpoints of a small model at steps 2 and 4 (``latest`` names step 4)."""
+    root = tmp_path_factory.mktemp("saved")
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    for step in (2, 4):
+        ck.save_checkpoint(root, model, opt, ck.Checkpoint(step, {}, {}), "")
+    return root
+
+
+@pytest.mark.parametrize("broken", list(BREAKS))
+def test_resume_passes_over_each_kind_of_broken_checkpoint_naming_it(saved_twice, tmp_path, broken):
+    root = tmp_path / "checkpoints"
+    shutil.copytree(saved_twice, root)
+    BREAKS[broken](root)
+    model = torch.nn.Linear(4, 4)
+    found, restored, skipped = ck.find_resumable(root, model, torch.optim.AdamW(model.parameters()))
+    expected = 4 if broken.startswith("latest") and "without" not in broken else 2
+    assert found == root / f"step_0000000{expected}" and restored.step == expected
+    named = {
+        "latest names a missing directory": "step_00000009 (named by latest): the directory does not exist",
+        "latest names a directory without its state": "step_00000004: state.pt is missing",
+        "latest is empty": "latest: empty or unreadable",
+        "truncated weights": "step_00000004: model.safetensors has",
+        "empty optimizer file": "step_00000004: optimizer.pt has 0 bytes",
+        "optimizer file cut by 1 byte": "step_00000004: optimizer.pt has",
+    }[broken]
+    assert len(skipped) == 1 and skipped[0].startswith(named), skipped
+    assert ck.latest_checkpoint(root) in (None, root / "step_00000004")
 
 
 def test_with_no_whole_checkpoint_the_run_refuses_instead_of_starting_over(four_steps, tmp_path, capsys):
