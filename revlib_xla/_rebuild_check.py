@@ -181,6 +181,7 @@ class Verdict:
             return
         if value <= self.tolerance:
             return
+        nonfinite = value != value or value == float("inf")  # a finite input rebuilt as NaN or inf: not rounding
         when = (
             "The previous training step's backward (the first of this model with these dtypes; on a lazy device "
             "the measurement is read once the step has run, at this forward)"
@@ -189,6 +190,12 @@ class Verdict:
         )
         wrong = "that step's gradients were" if previous else "the gradients it computed are"
         stepped = " A fused optimizer has already stepped the layers with them." if self.fused else ""
+        if nonfinite:
+            raise ReversibleError(
+                f"ReversibleSequential: {when} rebuilt the finite input {self.what} as NaN or inf: a layer computed "
+                f"NaN or inf (weights holding NaN or inf, or an overflow), which no wider dtype fixes; {wrong} NaN "
+                f"or inf as well.{stepped} Check the weights (torch.isfinite) and the loss."
+            )
         raise ReversibleError(
             f"ReversibleSequential does not rebuild its input: {when} rebuilt the input {self.what} with a relative "
             f"error of {value:.3g} (max abs error / max abs value; tolerance {self.tolerance:.1g}): an additive "
@@ -247,6 +254,8 @@ class RebuildCheck:
             return
         x0, x1 = self.streams
         self.streams = None  # measured once, also when the graph is kept for another backward
+        if not (x0.numel() and x1.numel()):
+            return  # an empty batch: nothing to compare (checked next time)
         changed = (x0._version, x1._version) != self.versions  # in place after the forward: nothing to compare with
         if changed and self.group is None:
             return  # (checked next time)

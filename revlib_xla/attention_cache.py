@@ -88,7 +88,7 @@ def _rule(key: Any) -> Any:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         cache = getattr(_local, "cache", None)
         if cache is None or cache._busy:
-            return op.redispatch(keyset.remove(key), *args, **kwargs)
+            return recompute.redispatch_below(op, keyset, key, args, kwargs)
         cache._busy = True
         try:
             with _Mode(cache):

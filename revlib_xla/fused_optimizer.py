@@ -31,8 +31,15 @@ What the training loop around a fused step may and may not do, and how each is e
 * Gradient accumulation cannot be fused (each backward steps): once ``step()`` has been called, a parameter stepped
   again before the next ``step()`` is refused, and ``step()`` refuses when a parameter was stepped more than once
   since the previous ``step()``.
-* Global-norm clipping cannot be fused, and cannot be detected either: ``clip_grad_norm_`` only reads ``.grad``,
-  which the fused step has already freed (it finds no gradient and returns 0).
+* Global-norm clipping cannot be fused: it needs the norm of every gradient before the first parameter moves, and
+  the fused step moves the first parameter as soon as its gradient exists. ``torch.nn.utils.clip_grad_norm_`` called
+  on fused parameters after the backward would find their gradients freed and clip nothing (it returns 0); it
+  raises :class:`FusedOptimizerError` instead (importing this module wraps torch's function with that check; it is
+  unchanged for every other parameter). What a fused step can clip is each group's gradients by their own norm,
+  right before its step: ``fuse_optimizer(model, factory, max_grad_norm=...)`` (one parameter per group), or
+  ``fused.max_grad_norm = ...`` on a ``ReversibleSequential``'s own fused optimizer (one layer per group). That is
+  per-parameter (per-layer) clipping, not the global norm; a global norm would need a second backward pass (the
+  first only to measure it), twice the backward's time.
 * Data parallelism across processes (DDP, FSDP) cannot be fused: the gradient a fused step reads is this process's
   own, not yet averaged across processes, so the replicas would drift apart. While torch.distributed runs several
   processes a fused step is refused before any weight moves (unless ``independent_processes`` is set).
@@ -49,6 +56,9 @@ backward still reads.
 
 from __future__ import annotations
 
+import functools
+import math
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -123,11 +133,15 @@ class FusedOptimizer(torch.optim.Optimizer):
     independent_processes: bool = False
     """Allow fused steps while torch.distributed runs several processes: only when they train separate models."""
 
+    max_grad_norm: float | None = None
+    """Clip each group's gradients by their own norm to at most this before its step (``None``: no clipping); see
+    the module docstring for why not the global norm."""
+
     # GradScaler.step(optimizer) hands the step to an optimizer that says it handles loss scaling itself, instead
     # of failing on its own assertion; step() then refuses with the reason.
     _step_supports_amp_scaling = True
     # Attributes a copy does not take: the parameter index (rebuilt), what a scheduler or a GradScaler patched on.
-    _TRANSIENT: tuple[str, ...] = ("_of", "step", "_opt_called", "grad_scale", "found_inf")
+    _TRANSIENT: tuple[str, ...] = ("_of", "_by_id", "step", "_opt_called", "grad_scale", "found_inf")
 
     def __init__(
         self, groups: Sequence[Sequence[nn.Parameter]], factory: OptimizerFactory, names: Sequence[str] | None = None
@@ -190,6 +204,15 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._of: dict[int, int] = {
             id(p): gi for gi, opt in enumerate(self.optimizers) for g in opt.param_groups for p in g["params"]
         }
+        self._by_id = {id(p): p for p in self.params}
+        for p in self.params:
+            _COVERED[id(p)] = self
+        _install_clip_check()
+
+    def _unregister(self) -> None:
+        for p in self.params:
+            if _COVERED.get(id(p)) is self:
+                del _COVERED[id(p)]
 
     def covers(self, param: torch.Tensor) -> bool:
         return id(param) in self._of
@@ -231,6 +254,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 # The model was converted (.double(), .to(device)) after this optimizer's first step: torch's own
                 # load_state_dict casts the state to each parameter's dtype and device.
                 opt.load_state_dict(opt.state_dict())
+            if self.max_grad_norm is not None:
+                grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+                _torch_clip_grad_norm_(grads, self.max_grad_norm)
             opt.step()
             self.steps_taken += 1
             self._stepped[gi] = self._stepped.get(gi, 0) + 1
@@ -447,6 +473,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
 
     def remove(self) -> None:
         """Remove the hooks and detach reversible sequences from this optimizer (the model trains unfused again)."""
+        self._unregister()
         for h in self._param_hooks:
             h.remove()
         self._param_hooks = []
@@ -480,7 +507,9 @@ def fused_optimizer_of(module: nn.Module) -> FusedOptimizer | None:
     return own if isinstance(own, FusedOptimizer) else None
 
 
-def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> FusedOptimizer:
+def fuse_optimizer(
+    model: nn.Module, optimizer_factory: OptimizerFactory, *, max_grad_norm: float | None = None
+) -> FusedOptimizer:
     """Fuse ``optimizer_factory``'s optimizer into ``model``'s backward pass and return it.
 
     Each trainable parameter gets its own optimizer ``optimizer_factory([param])`` and a post-accumulate-grad hook
@@ -489,6 +518,11 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
     is updated and holds no gradients; ``optimizer.step()``/``zero_grad()`` on the returned object update nothing
     (``step()`` checks the loop, see the module docstring), schedulers take it as their optimizer, and
     ``.remove()`` undoes the fusion.
+
+    ``max_grad_norm``: each parameter's gradient is clipped by its own norm to at most this before its step
+    (per-parameter clipping: the global norm cannot be known before the first step; see the module docstring).
+    ``torch.nn.utils.clip_grad_norm_`` on the fused parameters after the backward raises
+    :class:`FusedOptimizerError` (their gradients are gone: it would clip nothing).
 
     Works on any module (plain ones, checkpointed ones, reversible sequences). Raises
     :class:`FusedOptimizerError` for tied parameters (naming their paths), for a factory that does not return an
@@ -522,4 +556,66 @@ def fuse_optimizer(model: nn.Module, optimizer_factory: OptimizerFactory) -> Fus
                 f"fuse_optimizer: {type(module).__name__} was already built with fused_optimizer=...; use one or "
                 f"the other"
             )
-    return _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0 < max_grad_norm < math.inf):
+        raise FusedOptimizerError(f"fuse_optimizer: max_grad_norm={max_grad_norm!r}; give a positive finite number")
+    fused = _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)
+    fused.max_grad_norm = max_grad_norm
+    return fused
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.nn.utils.clip_grad_norm_ on fused parameters: refused where it would silently clip nothing
+
+_COVERED: weakref.WeakValueDictionary[int, FusedOptimizer] = weakref.WeakValueDictionary()
+"""``id(parameter)`` -> the live fused optimizer that steps it (kept by :meth:`FusedOptimizer._index`)."""
+
+
+def _unchecked(clip: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    inner: Callable[..., torch.Tensor] = getattr(clip, "__wrapped__", clip)
+    return inner if getattr(clip, "_revlib_checked", False) else clip
+
+
+_torch_clip_grad_norm_ = _unchecked(torch.nn.utils.clip_grad.clip_grad_norm_)
+"""torch's own clip_grad_norm_: what a fused step's per-group clipping runs."""
+
+
+def _fused_without_grad(params: Sequence[torch.Tensor]) -> tuple[FusedOptimizer, int] | None:
+    for p in params:
+        owner = _COVERED.get(id(p))
+        if owner is not None and owner._by_id.get(id(p)) is p and p.grad is None:
+            return owner, owner._of[id(p)]
+    return None
+
+
+def _checked(clip: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``clip`` (a ``clip_grad_norm_``) refusing the parameters of a fused optimizer whose gradients it freed."""
+    if getattr(clip, "_revlib_checked", False):
+        return clip
+
+    @functools.wraps(clip)  # (torch_xla replaces torch's function only when the signature is torch's: it is)
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        found = _fused_without_grad(params)
+        if found is not None:
+            owner, gi = found
+            raise FusedOptimizerError(
+                f"clip_grad_norm_ on the parameters of a fused optimizer ({owner.names[gi]}): the fused step "
+                f"updates each parameter during the backward and frees its gradient, so there is nothing left to "
+                f"clip (torch would return 0 and clip nothing). Clip each parameter's gradient by its own norm "
+                f"inside the fused step (fuse_optimizer(model, factory, max_grad_norm=...)), or use an unfused "
+                f"optimizer for global-norm clipping"
+            )
+        return clip(params, max_norm, *args, **kwargs)
+
+    clip_grad_norm_._revlib_checked = True  # type: ignore[attr-defined]
+    return clip_grad_norm_
+
+
+def _install_clip_check() -> None:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` with the fused-parameter check (again where something replaced it
+    since: torch_xla puts its own in place when it starts)."""
+    torch.nn.utils.clip_grad_norm_ = _checked(torch.nn.utils.clip_grad_norm_)
+    torch.nn.utils.clip_grad.clip_grad_norm_ = _checked(torch.nn.utils.clip_grad.clip_grad_norm_)
+
+
+_install_clip_check()

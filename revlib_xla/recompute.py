@@ -161,6 +161,21 @@ def _device_of(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
+def redispatch_below(op: Any, keyset: Any, key: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``op`` below the rule's key. Under a Python dispatch mode or on Python tensor subclasses (FakeTensorMode
+    while torch.compile traces, a TorchDispatchMode) the operator is dispatched again from the start, where the
+    scope's key would send it back to the rule endlessly: there it runs with the key excluded (what it calls inside
+    then draws as outside a scope; the random operator itself was handled here)."""
+    python = torch._C._len_torch_dispatch_stack() > 0 or any(
+        isinstance(a, Tensor) and torch._C._dispatch_keys(a).has(torch._C.DispatchKey.Python)
+        for a in (*args, *kwargs.values())
+    )
+    if not python:
+        return op.redispatch(keyset.remove(key), *args, **kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+        return op.redispatch(keyset.remove(key), *args, **kwargs)
+
+
 def _handing(op: Any, position: int, kwarg_only: bool, key: Any) -> Callable:
     """The rule for an operator with a ``generator`` argument: hand it the scope's generator when it has none."""
 
@@ -175,7 +190,7 @@ def _handing(op: Any, position: int, kwarg_only: bool, key: Any) -> Callable:
                     kwargs["generator"] = own  # a positional None is left out of args (defaults are dropped)
             else:
                 frame.users_generator(given)
-        return op.redispatch(keyset.remove(key), *args, **kwargs)
+        return redispatch_below(op, keyset, key, args, kwargs)
 
     return kernel
 
@@ -189,7 +204,7 @@ def _native_dropout(key: Any) -> Callable:
         frames = getattr(_local, "frames", None)
         own = frames[-1].generator(input.device) if frames and train is not False and input.numel() else None
         if own is None:
-            return op.redispatch(keyset.remove(key), input, p, train)
+            return redispatch_below(op, keyset, key, (input, p, train), {})
         keep = torch.empty_like(input, dtype=torch.bool).bernoulli_(1 - p, generator=own)
         return input * keep * (1.0 / (1 - p) if p < 1 else 0.0), keep
 
@@ -208,12 +223,12 @@ def _forking(op: Any, position: int, key: Any) -> Callable:
         frame = frames[-1] if frames else None
         glob = backend.default_generator(device) if frame is not None and p and frame.generator(device) else None
         if frame is None or frame.seed is None or glob is None:
-            return op.redispatch(keyset.remove(key), *args, **kwargs)
+            return redispatch_below(op, keyset, key, args, kwargs)
         frame.forks += 1
         state = glob.get_state()
         glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
         try:
-            return op.redispatch(keyset.remove(key), *args, **kwargs)
+            return redispatch_below(op, keyset, key, args, kwargs)
         finally:
             glob.set_state(state)
 

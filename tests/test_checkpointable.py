@@ -741,6 +741,20 @@ def test_default_plan_where_the_smallest_budget_is_the_plain_one():
     assert "Fn" not in checkpointed.sequence.counts()
 
 
+class _ReturnsNone(nn.Module):
+    def forward(self, x):
+        return None
+
+
+def test_a_stage_returning_no_tensor_and_an_input_of_no_tensor_are_refused_by_name():
+    model = revlib.Checkpointable(nn.Sequential(nn.Linear(4, 4), _ReturnsNone(), nn.Linear(4, 4)), mem_limit=2**30)
+    with pytest.raises(ValueError, match=r"stage 1 \(_ReturnsNone\) returned NoneType, which holds no tensor"):
+        model.measure(torch.randn(2, 4))
+    plain = revlib.Checkpointable(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), mem_limit=2**30)
+    with pytest.raises(ValueError, match=r"the sample input holds no tensor \(a list\)"):
+        plain.measure([[0.5, 1.0, 2.0, 3.0]])
+
+
 def test_a_schedule_that_cannot_run_is_refused_clearly():
     """A schedule set by hand is checked against the model before it runs; the executor names a missing input
     instead of a KeyError."""

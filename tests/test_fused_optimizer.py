@@ -534,13 +534,58 @@ def test_gradient_accumulation_is_refused():
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
-def test_clipping_after_a_fused_backward_finds_no_gradient():
-    """Documented, not detectable without patching torch: clip_grad_norm_ reads .grad, which the fused step freed."""
-    model = _plain()
-    revlib.fuse_optimizer(model, OPTIMIZERS["sgd"])
+@pytest.mark.parametrize("kind", ["fuse_optimizer", "reversible"])
+def test_clipping_after_a_fused_backward_is_refused_where_it_would_clip_nothing(kind):
+    """clip_grad_norm_ reads .grad, which the fused step freed: torch would return 0 and clip nothing (the weights
+    of such a run end far from one that clips); it raises, naming the parameter and what to do instead. Other
+    parameters clip as with torch's own function."""
     x = torch.randn(5, 2 * WIDTH)
+    if kind == "fuse_optimizer":
+        model = _plain()
+        revlib.fuse_optimizer(model, OPTIMIZERS["sgd"])
+    else:
+        model = _reversible(OPTIMIZERS["sgd"])
     (model(x) - x).square().mean().backward()
-    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad.clip_grad_norm_):
+        with pytest.raises(
+            FusedOptimizerError, match=r"clip_grad_norm_ on the parameters of a fused optimizer .*max_grad_norm"
+        ):
+            clip(model.parameters(), 1.0)
+    other = _plain(seed=1)
+    (other(x).sum() * 100).backward()
+    grads = [p.grad.clone() for p in other.parameters()]
+    norm = torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+    assert torch.equal(norm, torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    assert all(torch.equal(p.grad, g * (1.0 / (norm + 1e-6)).clamp(max=1.0)) for p, g in zip(other.parameters(), grads))
+
+
+@pytest.mark.parametrize("kind", ["fuse_optimizer", "reversible"])
+def test_fused_per_group_clipping_equals_clipping_each_gradient_before_an_unfused_step(kind):
+    """max_grad_norm: each group's gradients (a parameter's, or a reversible layer's) clipped by their own norm
+    right before its step: bit for bit the unfused run that clips each group so before optimizer.step()."""
+    max_norm = 0.05
+    if kind == "fuse_optimizer":
+        model, ref, width = _plain(), _plain(), 2 * WIDTH
+        revlib.fuse_optimizer(model, OPTIMIZERS["adamw"], max_grad_norm=max_norm)
+        groups = [[p] for p in ref.parameters()]
+    else:
+        model, ref, width = _reversible(OPTIMIZERS["adamw"]), _reversible(), 2 * WIDTH
+        revlib.fused_optimizer_of(model).max_grad_norm = max_norm
+        groups = [list(layer.parameters()) for layer in ref.children()]  # its fused groups: one per layer
+    opts = [OPTIMIZERS["adamw"](g) for g in groups]
+    clipped_any = False
+    for x in _batches(width, steps=4):
+        (model(x) - x).square().mean().mul(50).backward()
+        (ref(x) - x).square().mean().mul(50).backward()
+        for g, opt in zip(groups, opts):
+            clipped_any |= float(torch.nn.utils.clip_grad.clip_grad_norm_(g, max_norm)) > max_norm  # torch's
+            opt.step()
+            opt.zero_grad()
+    assert clipped_any  # the test clips something
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(FusedOptimizerError, match="max_grad_norm=inf"):
+        revlib.fuse_optimizer(_plain(), OPTIMIZERS["sgd"], max_grad_norm=float("inf"))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -283,6 +283,15 @@ def test_reversible_refuses_a_layer_whose_split_does_not_rebuild_it():
         step(model)
 
 
+def test_reversible_names_a_nan_embedding_as_nan_not_as_a_layout_it_cannot_split():
+    model = tiny("llama-tiny")
+    with torch.no_grad():
+        model.model.embed_tokens.weight[IDS[0, 3]] = float("nan")
+    memory_efficient(model, "reversible")
+    with pytest.raises(HFConversionError, match=r"the input of LlamaDecoderLayer holds NaN or inf .*torch.isfinite"):
+        step(model)
+
+
 # -- momentum --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "gpt-neox-tiny", "bert-tiny"])
 def test_momentum_tends_to_the_original_and_trains_exactly(name):

@@ -257,6 +257,29 @@ def test_a_non_finite_input_is_measured_again_next_step(measured):
     assert measured.count == 2 and model._verified
 
 
+def test_an_empty_batch_trains_without_a_check():
+    """A batch of size 0 (the last, empty shard of a split): nothing to compare; the check runs at the next step."""
+    model, ref = good_stack(), good_stack(memory_mode=MemoryModes.no_savings)
+    for m in (model, ref):
+        m(good_input()[:0]).sum().backward()
+    assert not model._verified
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref.parameters()))
+    model(good_input()).sum().backward()
+    assert model._verified
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_reported_as_such_not_as_rounding(bad):
+    model = good_stack()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = bad
+    with pytest.raises(
+        revlib.ReversibleError, match="rebuilt the finite input .* as NaN or inf: a layer computed"
+    ) as e:
+        model(good_input()).sum().backward()
+    assert "stream_dtype=" not in str(e.value) and "rounding" not in str(e.value)  # not the advice for rounding
+
+
 def test_verify_inverse_values():
     with pytest.raises(revlib.ReversibleError, match=r"verify_inverse='yes'.*'rebuild'"):
         ReversibleSequential(nn.Linear(2, 2), verify_inverse="yes")

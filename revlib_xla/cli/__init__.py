@@ -4,8 +4,10 @@ Each subcommand lives in a module of this package (``revlib_xla/cli/<name>.py``)
 ``add_arguments(parser)`` and ``run(args) -> int``; the dispatcher imports it only when it is asked for, so
 ``revlib-xla --help`` stays fast and a subcommand's optional dependencies are needed only by that subcommand.
 
-Errors a user can cause (a bad config key, an unknown chip, an unsupported strategy combination) are printed as one
-line, ``revlib-xla <command>: error: <message>``, with exit status 2 and no traceback.
+Errors a user can cause (a bad config key, an unknown chip, an unsupported strategy combination, an ``out_dir`` in
+use by another run, checkpoints of another model) are printed as one line, ``revlib-xla <command>: error:
+<message>``, with exit status 2 and no traceback; a run that fails on its own (the loss went NaN, no checkpoint can
+be resumed from or written) the same way with exit status 1.
 """
 
 from __future__ import annotations
@@ -29,13 +31,27 @@ class UsageError(ValueError):
     """An error in what the user asked for; the CLI prints its message without a traceback."""
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [UsageError]
-    for module, name in (("revlib_xla.train.config", "ConfigError"), ("revlib_xla.train.strategy", "StrategyError")):
+_USER_ERRORS = (
+    ("revlib_xla.train.config", "ConfigError"),
+    ("revlib_xla.train.strategy", "StrategyError"),
+    ("revlib_xla.train.rundir", "RunDirError"),
+    ("revlib_xla.train.checkpoint", "CheckpointMismatch"),
+)
+_RUN_FAILURES = (("revlib_xla.train.loop", "DivergedError"), ("revlib_xla.train.checkpoint", "CheckpointError"))
+
+
+def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    """The exception classes ``names`` lists among the modules imported so far."""
+    errors: list[type[BaseException]] = []
+    for module, name in names:
         loaded = sys.modules.get(module)
         if loaded is not None and hasattr(loaded, name):
             errors.append(getattr(loaded, name))
     return tuple(errors)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    return (UsageError, *_loaded(_USER_ERRORS))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as exc:
         print(f"revlib-xla {command}: error: {exc}", file=sys.stderr)
         return 2
+    except _loaded(_RUN_FAILURES) as exc:
+        print(f"revlib-xla {command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

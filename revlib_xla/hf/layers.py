@@ -231,6 +231,13 @@ class Branches:
                 got = self.residual(x, *args, **kw)
         finally:
             self.layer.train(was)
+        for what, value in (("input", x), ("output", want)):
+            if not bool(torch.isfinite(value).all()):
+                raise HFConversionError(
+                    f"strategy='reversible': the {what} of {type(self.layer).__name__} holds NaN or inf at the first "
+                    f"forward, so its split cannot be checked: the weights (or the embeddings before it) hold NaN or "
+                    f"inf, or its computation overflows. Check the model's weights (torch.isfinite)"
+                )
         err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
         tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(x.dtype, 2e-2)
         if not err <= tol:

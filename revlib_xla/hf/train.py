@@ -139,6 +139,26 @@ def check_hf_strategy(cfg: Any) -> None:
                 f"none/checkpoint/plan/reversible/momentum, strategy.fewbit, strategy.offload.optimizer or "
                 f"strategy.offload.activations instead"
             )
+    _check_positions(cfg)
+
+
+def _check_positions(cfg: Any) -> None:
+    """``data.seq_len`` within a learned position table (GPT-2's ``wpe``, BERT's ``position_embeddings``): a longer
+    sequence would index past its end. Rotary models (Llama) have no table and are not limited here."""
+    model = _meta_model(cfg)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    tables = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        and name.rsplit(".", 1)[-1] in ("wpe", "position_embeddings", "embed_positions")
+    ]
+    if tables and isinstance(limit, int) and cfg.data.seq_len > limit:
+        raise HFConversionError(
+            f"data.seq_len={cfg.data.seq_len} is longer than the {limit} positions of the learned position "
+            f"embeddings of model.hf_config={cfg.model.hf_config!r} ({tables[0]}); set data.seq_len={limit} or less, "
+            f"or model.overrides.max_position_embeddings={cfg.data.seq_len} (a larger table, newly initialized)"
+        )
 
 
 def _causal_mask(lm: nn.Module, tokens: Tensor) -> Tensor | None:

@@ -72,6 +72,11 @@ def measure_chain(
     global generators are as before."""
     options = options or {}
     x = detached(sample_input)
+    if not tensor_leaves(x):
+        raise ValueError(
+            f"Checkpointable: the sample input holds no tensor (a {type(sample_input).__name__}); measure on the "
+            f"model's input: a tensor, or a tuple, list or dict of tensors"
+        )
     measured: list[StageMeasurement] = []
     stage_options: list[list[StageOption]] = []
     progress = _progress(len(stages), "measuring stages", sizing.verbosity)
@@ -110,6 +115,12 @@ def measure_chain(
                 raise
             except Exception as exc:
                 raise type(exc)(f"Checkpointable: measuring stage {i} ({type(stage).__name__}) failed: {exc}") from exc
+            if not tensor_leaves(out):
+                raise ValueError(
+                    f"Checkpointable: stage {i} ({type(stage).__name__}) returned {type(out).__name__}, which holds "
+                    f"no tensor; each stage must return a tensor (or a tuple, list or dict of tensors) for the next "
+                    f"stage and the loss"
+                )
             for (name, _), module in zip(options.get(i, []), alternatives):
                 alt, _ = measure_stage(module, x, early_stop=False)  # options run only as Fe, in full
                 cbw = max(alt.cbw, value_bytes(out))

@@ -7,8 +7,10 @@ The parts, each usable on its own: :mod:`~revlib_xla.train.config` (the typed ru
 :mod:`~revlib_xla.train.loop` (the loop: evaluation, preemption, bit-exact resume).
 """
 
+from .checkpoint import CheckpointError, CheckpointMismatch
 from .config import ConfigError, RunConfig, load_config
-from .loop import TrainResult, train
+from .loop import DivergedError, TrainResult, train
+from .rundir import RunDirError
 from .strategy import StrategyError, build_model, build_optimizer, make_step
 
 __all__ = [
@@ -21,4 +23,8 @@ __all__ = [
     "make_step",
     "TrainResult",
     "train",
+    "DivergedError",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "RunDirError",
 ]

@@ -11,13 +11,22 @@ A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>/`` holding
   keeps ``torch.optim``'s per-parameter state;
 * ``state.pt``: the step, the data sampler's position, the random states (torch's CPU generator, the device's,
   numpy's, Python's) and the last metrics;
-* ``config.yaml``: the resolved run configuration.
+* ``config.yaml``: the resolved run configuration;
+* ``manifest.json``: the byte size of each file above, written last: a checkpoint is whole when every file it lists
+  has its recorded size (:func:`checkpoint_problem`).
 
 Saving is atomic: everything is written into a temporary directory, each file and the directory are flushed to
 disk (fsync), and the directory is renamed into place; only then is the ``latest`` pointer (a text file naming the
 directory) replaced, itself through a flushed temporary file and an atomic rename. A crash at any point leaves the
 previous ``latest`` intact and pointing at a complete checkpoint. The oldest checkpoints beyond ``keep`` are
 deleted after the pointer moved.
+
+Resuming (:func:`find_resumable`) takes the checkpoint ``latest`` names when it is whole, else the newest whole one,
+and names every checkpoint it passed over and why (a missing directory or file, a truncated or empty file, a file
+its loader cannot read: :class:`CheckpointError`). A checkpoint that is whole but belongs to another model or
+optimizer raises :class:`CheckpointMismatch` instead: an older checkpoint of the same run would not fit either.
+Weights that are not finite (NaN or inf) are never saved, so rotation never replaces a finite checkpoint by one
+that is not.
 """
 
 from __future__ import annotations
@@ -40,6 +49,12 @@ from .. import _tree, backend
 
 __all__ = [
     "Checkpoint",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "NonFiniteWeights",
+    "checkpoint_problem",
+    "checkpoint_steps",
+    "find_resumable",
     "weight_slices",
     "save_checkpoint",
     "load_checkpoint",
@@ -49,7 +64,27 @@ __all__ = [
 ]
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
 _PREFIX = "step_"
+_FILES = ("model.safetensors", "optimizer.pt", "state.pt", "config.yaml")
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written, or is not whole or not readable; the message names its directory and the
+    file."""
+
+
+class CheckpointMismatch(ValueError):
+    """A whole checkpoint that does not fit the model or optimizer it is loaded into (another model, or another
+    strategy's optimizer state); the message names the checkpoint and what differs, ``path`` is its directory."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class NonFiniteWeights(ValueError):
+    """Weights holding NaN or inf, refused by :func:`save_checkpoint`; the message names the tensor."""
 
 
 @dataclasses.dataclass
@@ -213,6 +248,38 @@ def _write(path: Path, write: Any) -> None:
     _fsync(path)
 
 
+def _check_finite(weights: dict[str, torch.Tensor]) -> None:
+    """Raise :class:`NonFiniteWeights` naming the first tensor of ``weights`` that holds NaN or inf."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = tensor[~torch.isfinite(tensor)]
+            raise NonFiniteWeights(
+                f"the weight {name} holds {bad.numel()} non-finite value(s) ({_nonfinite_kinds(bad)}) of "
+                f"{tensor.numel()}; a checkpoint of them would replace a finite one"
+            )
+
+
+def _nonfinite_kinds(values: torch.Tensor) -> str:
+    """``values`` (non-finite) as ``'nan'``, ``'inf'``, ``'-inf'`` or a combination, for messages."""
+    kinds = [
+        name
+        for name, present in (
+            ("nan", bool(values.isnan().any())),
+            ("inf", bool((values == float("inf")).any())),
+            ("-inf", bool((values == float("-inf")).any())),
+        )
+        if present
+    ]
+    return ", ".join(kinds)
+
+
+def _free_bytes(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     model: nn.Module,
@@ -223,16 +290,22 @@ def save_checkpoint(
 ) -> Path:
     """Write a checkpoint of ``model`` (the LM whose weights are saved), ``optimizer`` and ``state`` under
     ``directory`` atomically (see the module docstring), point ``latest`` at it and delete all but the newest
-    ``keep``. Returns the checkpoint's directory."""
+    ``keep``. Returns the checkpoint's directory. Weights holding NaN or inf raise :class:`NonFiniteWeights` and
+    nothing is written; a failed write (a full disk) raises :class:`CheckpointError` naming the checkpoint, and
+    ``latest`` still names the previous one."""
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     name = f"{_PREFIX}{state.step:08d}"
     final = root / name
+    weights, aliases = _weights(model, _masters(optimizer))
+    try:
+        _check_finite(weights)
+    except NonFiniteWeights as exc:
+        raise NonFiniteWeights(f"checkpoint {final} not written: {exc}") from None
     tmp = root / f".tmp-{name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        weights, aliases = _weights(model, _masters(optimizer))
         metadata = {"format": "pt", "tied": json.dumps(aliases)}
         _write(tmp / "model.safetensors", lambda p: save_file(weights, p, metadata=metadata))
         by_name = _optimizer_by_name(model, optimizer)
@@ -242,14 +315,23 @@ def save_checkpoint(
         _write(tmp / "optimizer.pt", lambda p: torch.save(host_optimizer, p))
         _write(tmp / "state.pt", lambda p: torch.save(dataclasses.asdict(state), p))
         _write(tmp / "config.yaml", lambda p: Path(p).write_text(config_yaml))
+        sizes = {file: (tmp / file).stat().st_size for file in _FILES}
+        _write(tmp / MANIFEST, lambda p: Path(p).write_text(json.dumps({"bytes": sizes}, indent=1) + "\n"))
         _fsync(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync(root)
         _point_latest(root, name)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (OSError, RuntimeError)) and not isinstance(exc, CheckpointError):
+            # torch.save on a full disk raises RuntimeError ("... unexpected pos ..."): say what and where
+            previous = latest_checkpoint(root)
+            raise CheckpointError(
+                f"writing checkpoint {final} failed ({_free_bytes(root)}): {type(exc).__name__}: {exc}; "
+                + (f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists")
+            ) from exc
         raise
     _prune(root, keep)
     return final
@@ -273,14 +355,90 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The checkpoint ``latest`` points at under ``directory``, or ``None`` when there is none."""
+def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint directory ``path`` is not whole (a missing directory or file, a file shorter or longer
+    than its manifest records, an empty file), or ``None`` when it is. A checkpoint written before manifests
+    existed is whole when its files are present and not empty."""
+    ckpt = Path(path)
+    if not ckpt.is_dir():
+        return "the directory does not exist"
+    try:
+        recorded = json.loads((ckpt / MANIFEST).read_text())["bytes"] if (ckpt / MANIFEST).is_file() else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{MANIFEST} cannot be read ({type(exc).__name__}: {exc})"
+    for file in _FILES:
+        if not (ckpt / file).is_file():
+            return f"{file} is missing"
+        size = (ckpt / file).stat().st_size
+        if recorded is not None and size != recorded.get(file):
+            return f"{file} has {size} bytes, {recorded.get(file)} were written"
+        if recorded is None and size == 0 and file != "config.yaml":
+            return f"{file} is empty"
+    return None
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name[len(_PREFIX) :]
+    return int(digits) if path.name.startswith(_PREFIX) and digits.isdigit() else None
+
+
+def checkpoint_steps(directory: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoint directories (``step_<N>``) under ``directory``, newest first."""
     root = Path(directory)
+    found = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and _step_of(p) is not None] if root.is_dir() else []
+    return sorted(found, key=lambda p: -(_step_of(p) or 0))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint ``latest`` points at under ``directory`` when it is whole (:func:`checkpoint_problem`), else
+    ``None``."""
+    named = _latest_name(Path(directory))
+    if named is None:
+        return None
+    path = Path(directory) / named
+    return path if checkpoint_problem(path) is None else None
+
+
+def _latest_name(root: Path) -> str | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "state.pt").is_file() else None
+    try:
+        return pointer.read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def find_resumable(
+    directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[Path | None, Checkpoint | None, list[str]]:
+    """Load the checkpoint a run resumes from: the one ``latest`` names if it is whole and readable, else the
+    newest one that is. Returns ``(its directory, what it restores, what was passed over)``, the last a line per
+    checkpoint skipped (its name and why). ``(None, None, skipped)`` when there is nothing to load: no checkpoint
+    (``skipped`` empty), or none whole (``skipped`` names each; a ``latest`` pointer to nothing counts). A whole
+    checkpoint of another model or optimizer raises :class:`CheckpointMismatch`."""
+    root = Path(directory)
+    named = _latest_name(root)
+    candidates = checkpoint_steps(root)
+    skipped: list[str] = []
+    if named is not None:
+        pointed = root / named
+        if pointed in candidates:
+            candidates.remove(pointed)
+            candidates.insert(0, pointed)
+        else:
+            skipped.append(f"{named} (named by {LATEST}): {checkpoint_problem(pointed) or 'not a checkpoint'}")
+    elif (root / LATEST).exists():
+        skipped.append(f"{LATEST}: empty or unreadable")
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            try:
+                return path, load_checkpoint(path, model, optimizer), skipped
+            except CheckpointError as exc:
+                problem = str(exc).removeprefix(f"checkpoint {path}: ")
+        skipped.append(f"{path.name}: {problem}")
+    return None, None, skipped
 
 
 def _whole(parts: dict[int | None, torch.Tensor]) -> torch.Tensor:
@@ -290,20 +448,57 @@ def _whole(parts: dict[int | None, torch.Tensor]) -> torch.Tensor:
     return torch.stack([parts[i] for i in sorted(i for i in parts if i is not None)])
 
 
+def _read(ckpt: Path, file: str, read: Any) -> Any:
+    """``read(path)`` of ``ckpt``'s ``file``, any failure to read it as :class:`CheckpointError` naming both."""
+    try:
+        return read(ckpt / file)
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {ckpt}: {file} cannot be read ({type(exc).__name__}: {' '.join(str(exc).split())})"
+        ) from exc
+
+
+def _optimizer_form(saved: dict[str, Any]) -> str:
+    if "by_name" in saved or set(saved) == {"state", "param_groups"}:
+        return "one torch.optim optimizer (state and param_groups)"
+    if "optimizers" in saved:
+        return f"a fused optimizer ({len(saved['optimizers'])} per-parameter optimizers)"
+    return "keys " + ", ".join(sorted(map(str, saved)))
+
+
 def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer) -> Checkpoint:
     """Restore ``model``'s weights and ``optimizer``'s state from the checkpoint directory ``path`` (weights are
     copied into the existing tensors, on their devices, so every reference to them stays valid); return the rest.
-    A checkpoint of a differently shaped model raises ``ValueError`` naming the tensor."""
+    A file that cannot be read (missing, truncated, corrupt) raises :class:`CheckpointError`; a checkpoint of a
+    differently shaped model, or of another kind of optimizer, raises :class:`CheckpointMismatch` naming the
+    tensor or the optimizer's form."""
     ckpt = Path(path)
-    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
-        stored = {k: f.get_tensor(k) for k in f.keys()}
+
+    def weights_of(file: Path) -> dict[str, torch.Tensor]:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+
+    stored = _read(ckpt, "model.safetensors", weights_of)
+    saved = _read(ckpt, "optimizer.pt", lambda f: torch.load(f, map_location="cpu", weights_only=False))
+    state = _read(ckpt, "state.pt", lambda f: torch.load(f, map_location="cpu", weights_only=False))
+    if not isinstance(saved, dict) or not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"checkpoint {ckpt}: optimizer.pt or state.pt does not hold what a checkpoint saves")
     weights, _ = _weights(model)
     missing = sorted(set(weights) - set(stored))
     unexpected = sorted(set(stored) - set(weights))
     if missing or unexpected:
-        raise ValueError(
+        raise CheckpointMismatch(
             f"checkpoint {ckpt}: the weights do not match the model (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}); was it written by a run with another model or strategy?"
+            f"{unexpected[:5]}); was it written by a run with another model or strategy?",
+            ckpt,
+        )
+    here = optimizer.state_dict()  # (empty for a sharded model's stand-in while loading: nothing to compare)
+    if here and _optimizer_form(saved) != _optimizer_form(here):
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt}: its optimizer state is that of {_optimizer_form(saved)}, this run's optimizer "
+            f"({type(optimizer).__name__}) keeps that of {_optimizer_form(here)}; was it written with another "
+            f"strategy (strategy.fused_optimizer, strategy.offload.optimizer)?",
+            ckpt,
         )
     tensors = {name: (tensor, index) for name, tensor, index in weight_slices(model)}
     tensors.update((name, (b, None)) for name, b in model.named_buffers())
@@ -313,16 +508,25 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             tensor, index = tensors[name]
             target = tensor if index is None else tensor[index]
             if target.shape != value.shape:
-                raise ValueError(
-                    f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}"
+                raise CheckpointMismatch(
+                    f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}",
+                    ckpt,
                 )
             if value.dtype != tensor.dtype:
                 exact.setdefault(id(tensor), {})[index] = value
             target.copy_(value.to(tensor.dtype))
-    saved = torch.load(ckpt / "optimizer.pt", map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(_optimizer_from_names(model, optimizer, saved) if "by_name" in saved else saved)
+    try:
+        optimizer.load_state_dict(_optimizer_from_names(model, optimizer, saved) if "by_name" in saved else saved)
+    except (KeyError, ValueError, IndexError) as exc:
+        raise CheckpointMismatch(
+            f"checkpoint {ckpt}: its optimizer state does not fit this run's optimizer ({type(exc).__name__}: "
+            f"{exc}); was it written with another strategy or model?",
+            ckpt,
+        ) from None
     load_masters = getattr(optimizer, "load_master_weights", None)
     if load_masters is not None and exact:  # saved masters more precise than the device weights: restored exactly
         load_masters({key: _whole(parts) for key, parts in exact.items()})
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
-    return Checkpoint(**state)
+    try:
+        return Checkpoint(**state)
+    except TypeError as exc:
+        raise CheckpointError(f"checkpoint {ckpt}: state.pt does not hold a checkpoint's state ({exc})") from None

@@ -56,7 +56,7 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -203,7 +203,9 @@ class MeshConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """The loop: steps, evaluation, logging, checkpoints, device and where everything is written."""
+    """The loop: steps, evaluation, logging, checkpoints, device and where everything is written. ``nonfinite``:
+    what a step whose loss or gradient norm is NaN or inf does: ``stop`` the run (with an error naming the step;
+    the checkpoints keep finite weights) or ``skip`` the step's update (see :mod:`revlib_xla.train.loop`)."""
 
     steps: int = Field(default=100, ge=1)
     eval_every: int = Field(default=50, ge=0)
@@ -216,6 +218,7 @@ class TrainConfig(_Section):
     keep_checkpoints: int = Field(default=3, ge=1)
     resume: bool = True
     progress: bool = True
+    nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient norm: stop the run, or skip the step
 
 
 class RunConfig(_Section):
@@ -246,6 +249,12 @@ class RunConfig(_Section):
                 f"strategy.fused_optimizer=true steps each parameter inside the backward pass, so gradients cannot "
                 f"be accumulated over optim.grad_accum_steps={o.grad_accum_steps}; set optim.grad_accum_steps=1 or "
                 f"strategy.fused_optimizer=false"
+            )
+        if s.fused_optimizer and self.train.nonfinite == "skip":
+            raise ValueError(
+                "train.nonfinite=skip drops the update of a step whose loss or gradient norm is NaN or inf, but "
+                "strategy.fused_optimizer=true updates each parameter during the backward pass, before that is "
+                "known; set train.nonfinite=stop or strategy.fused_optimizer=false"
             )
         if s.fused_optimizer and o.grad_clip > 0:
             raise ValueError(
@@ -385,9 +394,39 @@ def _config_error(exc: ValidationError) -> ConfigError:
     return ConfigError("; ".join(lines))
 
 
-def _parse_value(text: str) -> Any:
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping that names a key twice (PyYAML keeps the last value silently)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping."""
+
+
+def _unique_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: the merged keys may be overridden
+            continue
+        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if key in seen:
+            raise _DuplicateKey(f"the key {key!r} is given twice in one mapping (lines {seen[key]} and {line})")
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)  # type: ignore[arg-type]
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader
+
+
+def _parse_value(text: str, item: str = "") -> Any:
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        return _load_yaml(text) if text.strip() else ""
+    except _DuplicateKey as exc:
+        raise ConfigError(f"override {item!r}: {exc}") from None
     except yaml.YAMLError:
         return text
 
@@ -400,7 +439,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10 or strategy=reversible")
-        value = _parse_value(text)
+        value = _parse_value(text, item)
         if key == "strategy" and not isinstance(value, dict):
             key = "strategy.activations"
         parts = key.split(".")
@@ -427,7 +466,14 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
         if not file.is_file():
             raise ConfigError(f"--config {str(path)!r}: no such file (the shipped configs are in tpu_configs/)")
         try:
-            loaded = yaml.safe_load(file.read_text())
+            loaded = _load_yaml(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"--config {str(path)!r} is not a text file (not UTF-8); give a YAML run config such as "
+                f"tpu_configs/cpu-smoke.yaml"
+            ) from None
+        except _DuplicateKey as exc:
+            raise ConfigError(f"--config {str(path)!r}: {exc}; give each key once") from None
         except yaml.YAMLError as exc:
             raise ConfigError(f"--config {str(path)!r} is not valid YAML: {exc}".replace("\n", " ")) from None
         if loaded is not None and not isinstance(loaded, Mapping):

@@ -112,6 +112,8 @@ def load_data(cfg: RunConfig, vocab_size: int) -> TokenData:
             )
         tokens = np.memmap(file, dtype=dtype, mode="r")
         source = repr(d.path)
+        if d.token_dtype == "uint16":
+            _refuse_wide_ids(np.asarray(tokens[:_CHECK_AT_LOAD]), d.path)
     else:
         assert d.hf_dataset is not None
         tokens = _hf_tokens(d.hf_dataset, vocab_size)
@@ -126,6 +128,23 @@ def load_data(cfg: RunConfig, vocab_size: int) -> TokenData:
             )
     data.check(np.asarray(tokens[:_CHECK_AT_LOAD]), "the start")
     return data
+
+
+def _refuse_wide_ids(head: np.ndarray, path: str) -> None:
+    """Refuse a file of 32-bit ids read as ``uint16``: each id becomes two, its low half and its high half, which
+    is 0 (or a small number, for vocabularies above 65536) at every second position. Real 16-bit token streams do
+    not have that pattern over thousands of ids."""
+    pairs = len(head) // 2
+    if pairs < 32:
+        return
+    low, high = head[: 2 * pairs : 2], head[1 : 2 * pairs : 2]
+    if int(high.max()) <= 3 < int(low.max()):
+        share = float((high == 0).mean())
+        raise ConfigError(
+            f"data.path={path!r} read as data.token_dtype=uint16 gives ids whose every second one is {int(high.max())} "
+            f"or less ({share:.0%} of them 0), the high halves of 32-bit ids: it looks like a file of uint32 ids. "
+            f"Set data.token_dtype=uint32"
+        )
 
 
 @dataclasses.dataclass

@@ -10,12 +10,29 @@ SIGTERM (a TPU VM's preemption notice) or SIGINT (Ctrl-C): the current step fini
 :func:`train` returns normally (the CLI exits 0). With ``train.resume`` (the default) a run started again with the
 same ``out_dir`` continues from ``latest``: weights, optimizer state, learning-rate step, sampler position and
 random states are restored, so the resumed run ends with the same weights, bit for bit, as one never interrupted.
+
+What a run never does silently:
+
+* Resume: a checkpoint that is not whole (a file missing, truncated or unreadable) is passed over, with a warning
+  naming it and why, for the newest whole one (:func:`revlib_xla.train.checkpoint.find_resumable`); with
+  checkpoints present but none whole the run refuses rather than start from step 0 (``train.resume=false`` starts
+  over, setting the earlier run's files aside: :func:`revlib_xla.train.rundir.set_aside`). ``metrics.jsonl`` is cut
+  back to the step resumed from, so no step is logged twice.
+* One run per ``out_dir`` (:class:`revlib_xla.train.rundir.RunLock`); temporary checkpoint directories of a killed
+  run are removed at the start.
+* A loss or gradient norm that is NaN or inf stops the run (``train.nonfinite=stop``, the default) with
+  :class:`DivergedError` naming the step; the last checkpoints stay the finite ones (weights holding NaN or inf are
+  never saved). ``train.nonfinite=skip`` drops such a step's update instead (its gradients are discarded, the
+  learning-rate schedule moves on) and stops after :data:`MAX_SKIPPED_IN_A_ROW` skipped steps in a row. The loss
+  is read on the host one step late, so checking it does not stall an XLA device between steps; ``skip`` reads it
+  (and the gradient norm) before each update, which does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import signal
 import threading
 import time
@@ -23,17 +40,30 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import torch
 
 from .. import backend
 from ..sharding import apply_mesh
-from .checkpoint import Checkpoint, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointMismatch,
+    NonFiniteWeights,
+    checkpoint_steps,
+    find_resumable,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
-from .distributed import SilentLogger, distribute, join_processes, per_process_step, whole_state
-from .metrics import MetricsLogger, device_memory
+from .distributed import SilentLogger, distribute, join_processes, launched_rank, per_process_step, whole_state
+from .metrics import MetricsLogger, cut_back, device_memory
+from .rundir import RunLock, prepare_out_dir, remove_stale_temporaries, set_aside
 from .strategy import (
+    StepReport,
     build_model,
     build_optimizer,
     chip_spec,
@@ -47,10 +77,28 @@ from .strategy import (
     set_lr,
 )
 
-__all__ = ["TrainResult", "train", "evaluate", "WARMUP_STEPS"]
+__all__ = ["TrainResult", "DivergedError", "train", "evaluate", "WARMUP_STEPS", "MAX_SKIPPED_IN_A_ROW"]
 
 WARMUP_STEPS = 3
 """Steps after which the XLA compile count must stop growing (the first steps create the optimizer state)."""
+
+MAX_SKIPPED_IN_A_ROW = 5
+"""``train.nonfinite=skip``: the run stops after this many skipped steps in a row (the weights themselves went bad,
+or the learning rate is far too high: skipping more would train nothing)."""
+
+
+class DivergedError(RuntimeError):
+    """The loss, the gradient norm or the weights became NaN or inf; the message names the step, the value and the
+    last checkpoint, which holds finite weights."""
+
+
+def _describe(value: float) -> str:
+    """A float for a message: NaN and inf by name."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.6g}"
 
 
 @dataclasses.dataclass
@@ -68,6 +116,8 @@ class TrainResult:
     recompilations: int | None
     seconds: float
     model: torch.nn.Module
+    skipped_steps: list[int] = dataclasses.field(default_factory=list)
+    """``train.nonfinite=skip``: the steps whose update was dropped (a NaN or inf loss or gradient norm)."""
 
     @property
     def first_loss(self) -> float:
@@ -124,11 +174,51 @@ def evaluate(cfg: RunConfig, model: torch.nn.Module, batches: list[torch.Tensor]
         model.train(was_training)
 
 
+def _config_changes(ckpt: Path, cfg: RunConfig) -> str:
+    """The ``model.*`` and ``strategy.*`` keys whose values differ between the run that wrote ``ckpt`` (its
+    ``config.yaml``) and ``cfg``, as ``key: then -> now``; empty when they agree or it cannot be read."""
+    import yaml
+
+    def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+        if not isinstance(node, dict):
+            return {prefix.rstrip("."): node}
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+
+    try:
+        then = yaml.safe_load((ckpt / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return ""
+    now = cfg.model_dump(mode="json")
+    changed = []
+    for section in ("model", "strategy"):
+        a, b = (
+            flat(then.get(section, {}) if isinstance(then, dict) else {}, f"{section}."),
+            flat(now[section], f"{section}."),
+        )
+        changed += [
+            f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)
+        ]
+    return ", ".join(changed)
+
+
 def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
-    """Run the training ``cfg`` describes (resuming from ``<train.out_dir>/checkpoints/latest`` when
-    ``train.resume`` and one exists) and return what it did. ``crash_after``: stop right after that step without
-    saving anything, as a killed process would (for tests of resume)."""
+    """Run the training ``cfg`` describes (resuming from ``<train.out_dir>/checkpoints`` when ``train.resume`` and
+    a checkpoint exists: see the module docstring) and return what it did. ``crash_after``: stop right after that
+    step without saving anything, as a killed process would (for tests of resume). Raises :class:`DivergedError`
+    when the loss goes NaN or inf (``train.nonfinite=stop``), :class:`revlib_xla.train.rundir.RunDirError` when
+    another run uses ``train.out_dir``, :class:`revlib_xla.train.checkpoint.CheckpointError` when checkpoints are
+    present and none can be resumed from, and :class:`revlib_xla.train.checkpoint.CheckpointMismatch` when they
+    belong to another model or strategy."""
     start_time = time.perf_counter()
+    out = prepare_out_dir(cfg.train.out_dir)
+    with RunLock(out) if launched_rank() == 0 else contextlib.nullcontext() as lock:
+        return _train(cfg, out, lock, crash_after, start_time)
+
+
+def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | None, start_time: float) -> TrainResult:
     apply_mesh(cfg)  # before the device starts: SPMD over the mesh's devices, if several
     processes, device = join_processes(cfg, resolve_device(cfg))  # under torchrun: this process's place and device
     lm_config = model_config(cfg)
@@ -138,24 +228,62 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     model = distribute(build_model(cfg, device), processes, cfg)
     model.train()
     optimizer = build_optimizer(cfg, model)
-    step_fn = per_process_step(make_step(cfg, model, optimizer), processes)
-    out = Path(cfg.train.out_dir)
+    report = StepReport()
+    step_fn = per_process_step(make_step(cfg, model, optimizer, report), processes)
     ckpt_dir = out / "checkpoints"
     config_yaml = dump_config(cfg)
+    main = processes is None or processes.main  # logs and writes checkpoints
+    notes: list[str] = []  # said once the logger exists
+    if lock is not None and lock.taken_over:
+        notes.append(f"took over the stale run lock of {lock.taken_over}")
+    if main:
+        removed = remove_stale_temporaries(ckpt_dir)
+        if removed:
+            notes.append(f"removed what a killed save left in {ckpt_dir}: {', '.join(removed)}")
+        if not cfg.train.resume:
+            moved = set_aside(out)
+            if moved:
+                notes.append(
+                    "train.resume=false: starting over; the earlier run's files were moved aside: " + "; ".join(moved)
+                )
 
     start = 0
-    found = latest_checkpoint(ckpt_dir) if cfg.train.resume else None
-    if found is not None:
+    found: Path | None = None
+    if cfg.train.resume and (checkpoint_steps(ckpt_dir) or (ckpt_dir / "latest").exists()):
         with whole_state(model, optimizer, loading=True) as (whole_lm, whole_optimizer):
-            restored = load_checkpoint(found, whole_lm, whole_optimizer)
+            try:
+                found, restored, skipped = find_resumable(ckpt_dir, whole_lm, whole_optimizer)
+            except CheckpointMismatch as exc:
+                changes = _config_changes(exc.path, cfg) if exc.path is not None else ""
+                raise CheckpointMismatch(
+                    f"{exc}"
+                    + (f" Its run had other settings ({changes})." if changes else "")
+                    + " Resume with the settings it was written with, or start over with train.resume=false (the "
+                    "earlier run's files are moved aside) or another train.out_dir",
+                    exc.path,
+                ) from None
+            if found is None or restored is None:  # raised inside: the sharded model keeps its initial weights
+                raise CheckpointError(
+                    f"train.resume=true: {ckpt_dir} holds checkpoints, but none can be resumed from ("
+                    + "; ".join(skipped)
+                    + "); starting from step 0 would overwrite them. Set train.resume=false to start over (the "
+                    "earlier run's files are moved aside), or give another train.out_dir"
+                )
+        for line in skipped:
+            warnings.warn(f"resume: passed over checkpoint {line}", stacklevel=2)
         start = restored.step
         sampler.state = SamplerState.from_dict(restored.sampler)
         set_rng_state(restored.rng, device)
     else:
         backend.manual_seed(device, cfg.train.seed)
+    if main:
+        dropped = cut_back(out / "metrics.jsonl", start)
+        if dropped:
+            notes.append(
+                f"metrics.jsonl: dropped {dropped} record(s) after step {start} (this run logs those steps again)"
+            )
 
     _, peak = chip_spec(cfg.chip.name)
-    main = processes is None or processes.main  # logs and writes checkpoints
     logger = (MetricsLogger if main else SilentLogger)(
         out,
         cfg.train.steps,
@@ -165,6 +293,8 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
         peak * cfg.chip.chips,
         progress=cfg.train.progress,
     )
+    for note in notes:
+        logger.message(note)
     if found is not None:
         logger.message(f"resumed from {found} (step {start})")
     losses: dict[int, float] = {}
@@ -173,6 +303,27 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     recompilations: int | None = None
     last_ckpt: Path | None = found
     stop = _StopRequest()
+    skip = cfg.train.nonfinite == "skip"
+    unchecked: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []  # steps whose loss was not read yet
+    skipped_steps: list[int] = []
+    in_a_row = 0
+
+    def diverged(step: int, what: str) -> DivergedError:
+        kept = f"the last checkpoint, {last_ckpt}, holds finite weights" if last_ckpt else "no checkpoint was written"
+        return DivergedError(
+            f"step {step}: {what}; the run stopped ({kept}). Lower optim.lr (or give optim.warmup_steps, "
+            f"optim.grad_clip) and resume, or set train.nonfinite=skip to skip such steps"
+        )
+
+    def check(entries: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
+        """Raise :class:`DivergedError` for the first of ``entries`` whose loss or gradient norm is not finite."""
+        for n, loss_value, norm in entries:
+            value = float(loss_value)
+            if not math.isfinite(value):
+                raise diverged(n, f"the loss is {_describe(value)}")
+            if norm is not None and not math.isfinite(grad := float(norm)):
+                raise diverged(n, f"the gradient norm is {_describe(grad)} (the loss {_describe(value)})")
+        entries.clear()
 
     def save(step: int, metrics: dict[str, float]) -> Path | None:
         """Write a checkpoint (rank 0; every rank gathers a sharded model's whole tensors)."""
@@ -180,7 +331,12 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
         with whole_state(model, optimizer) as (whole_lm, whole_optimizer):
             if not main:
                 return None
-            return save_checkpoint(ckpt_dir, whole_lm, whole_optimizer, state, config_yaml, cfg.train.keep_checkpoints)
+            try:
+                return save_checkpoint(
+                    ckpt_dir, whole_lm, whole_optimizer, state, config_yaml, cfg.train.keep_checkpoints
+                )
+            except NonFiniteWeights as exc:
+                raise diverged(step, str(exc)) from None
 
     with logger, stop.installed():
         since, window_start, done = 0, time.perf_counter(), start
@@ -190,6 +346,21 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
             set_lr(optimizer, lr)
             loss = step_fn(sampler.next_batch())
             backend.sync(device)
+            if skip and report.skipped:
+                skipped_steps.append(done)
+                in_a_row += 1
+                logger.message(
+                    f"step {done}: the loss is {_describe(float(loss))}, the gradient norm "
+                    f"{_describe(float(report.grad_norm)) if report.grad_norm is not None else 'not computed'}: "
+                    f"update skipped (train.nonfinite=skip)"
+                )
+                if in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                    raise diverged(done, f"{in_a_row} steps in a row had a NaN or inf loss or gradient norm")
+            elif skip:
+                in_a_row = 0
+            else:
+                check(unchecked)  # the previous step's loss, computed by now: reading it does not stall the device
+                unchecked.append((done, loss, report.grad_norm))
             since += 1
             compiled = backend.compilations(device)
             if compiled is not None and done - start == WARMUP_STEPS:
@@ -208,6 +379,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
                 losses[done] = value
                 logger.step(done, value, lr, time.perf_counter() - window_start, device_memory(device), since)
                 since, window_start = 0, time.perf_counter()
+                check(unchecked)
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or last):
                 val_losses[done] = evaluate(cfg, model, val)
                 logger.eval(done, val_losses[done])
@@ -218,6 +390,7 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
             if processes is not None and processes.any(stop.signal is not None):
                 stop.signal = stop.signal or "SIGTERM"  # another process was asked to stop: stop after the same step
             if periodic or last or stop.signal:
+                check(unchecked)
                 last_ckpt = save(done, {"loss": losses.get(done, float("nan"))}) or last_ckpt
                 window_start = time.perf_counter()
             if stop.signal:
@@ -238,4 +411,5 @@ def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
         recompilations=recompilations,
         seconds=time.perf_counter() - start_time,
         model=model,
+        skipped_steps=skipped_steps,
     )

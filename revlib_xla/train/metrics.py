@@ -19,7 +19,7 @@ import torch
 
 from .. import backend
 
-__all__ = ["MetricsLogger", "device_memory"]
+__all__ = ["MetricsLogger", "device_memory", "cut_back"]
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -29,7 +29,8 @@ def device_memory(device: torch.device) -> int | None:
 
 
 class MetricsLogger:
-    """Writes ``<out_dir>/metrics.jsonl`` (one JSON object per logged step and per evaluation, appended on resume),
+    """Writes ``<out_dir>/metrics.jsonl`` (one JSON object per logged step and per evaluation, appended on resume;
+    the file is created at the first record, so a run that fails before its first step leaves none),
     TensorBoard scalars under ``<out_dir>/tb`` when ``tensorboard`` is installed, and a tqdm progress bar."""
 
     def __init__(
@@ -44,7 +45,7 @@ class MetricsLogger:
     ) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = self.path.open("a")
+        self.file: Any = None  # opened at the first record
         self.tokens_per_step = tokens_per_step
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
@@ -63,6 +64,8 @@ class MetricsLogger:
         self._last = time.perf_counter()
 
     def _write(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            self.file = self.path.open("a")
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tensorboard is not None:
@@ -119,10 +122,36 @@ class MetricsLogger:
             self.bar.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def cut_back(path: str | Path, step: int) -> int:
+    """Drop the records of ``metrics.jsonl`` at ``path`` after step ``step`` (what a run killed after its last
+    checkpoint logged, which the resumed run logs again), and lines that are not whole records (a write cut short);
+    the file is replaced atomically. Returns the number of lines dropped (0, and nothing written, when none)."""
+    file = Path(path)
+    if not file.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in file.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record.get("step", 0)) <= step
+        except (ValueError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = file.with_name(f".{file.name}.tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(file)
+    return dropped

@@ -29,6 +29,7 @@ Combinations the library cannot run correctly raise :class:`StrategyError` namin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, Protocol, cast
@@ -53,6 +54,7 @@ __all__ = [
     "build_optimizer",
     "layer_ndims",
     "make_step",
+    "StepReport",
     "lr_at",
     "set_lr",
     "LanguageModel",
@@ -600,16 +602,15 @@ class HostOptimizerState(torch.optim.Optimizer):
                 self._sums[i] = grad if total is None else total.add_(grad)
                 p.grad = None
 
-    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> None:
+    def clip_grad_norm_(self, params: list[nn.Parameter], max_norm: float) -> Tensor:
         """Clip by the global norm the gradients :meth:`step` will use: the host sums where :meth:`accumulate`
-        made them, else ``params``' device gradients."""
+        made them, else ``params``' device gradients. Returns the norm before clipping."""
         if not any(s is not None for s in self._sums):
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         for h, total in zip(self.host, self._sums):
             h.grad = total
         try:
-            torch.nn.utils.clip_grad_norm_(self.host, max_norm)  # scales the sums in place
+            return torch.nn.utils.clip_grad_norm_(self.host, max_norm)  # scales the sums in place
         finally:
             for h in self.host:
                 h.grad = None
@@ -736,11 +737,27 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # The step
 
 
-def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Tensor], Tensor]:
+@dataclasses.dataclass
+class StepReport:
+    """What the last call of a :func:`make_step` step reports beside its loss."""
+
+    grad_norm: Tensor | None = None
+    """The global gradient norm before clipping (0-d, on the device), where the step computed one: with
+    ``optim.grad_clip`` or ``train.nonfinite=skip``; else ``None``."""
+    skipped: bool = False
+    """``train.nonfinite=skip``: the loss or the gradient norm was NaN or inf, and the update was not applied."""
+
+
+def make_step(
+    cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer, report: StepReport | None = None
+) -> Callable[[Tensor], Tensor]:
     """One training step on a ``(B, T)`` token batch: forward and backward (over ``optim.grad_accum_steps``
     micro-batches), gradient clipping by the global norm (``optim.grad_clip``), the optimizer step, gradients
     freed; returns the mean loss (a 0-d tensor on the device). bf16 precision runs under autocast. On XLA it does not
-    sync: the caller cuts the step (:func:`revlib_xla.backend.sync`)."""
+    sync: the caller cuts the step (:func:`revlib_xla.backend.sync`). With ``train.nonfinite=skip`` the step reads
+    the loss and the gradient norm on the host before the update (a sync) and drops the gradients instead of
+    stepping when either is NaN or inf. ``report`` (if given) receives the gradient norm and whether the update was
+    skipped."""
     from ..sharding import shard_batch
 
     s = cfg.strategy
@@ -751,6 +768,8 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     accum = cfg.optim.grad_accum_steps
     clip = cfg.optim.grad_clip
+    skip = cfg.train.nonfinite == "skip"  # (refused with strategy.fused_optimizer by the config)
+    report = report if report is not None else StepReport()
     # bfloat16 device gradients are summed over micro-batches in float32 on the host, not rounded at each addition
     host = optimizer if isinstance(optimizer, HostOptimizerState) and optimizer.accumulates_on_host else None
 
@@ -779,10 +798,19 @@ def make_step(cfg: RunConfig, model: nn.Module, optimizer: torch.optim.Optimizer
                 host.accumulate()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
-        if clip > 0 and host is not None:
-            host.clip_grad_norm_(params, clip)
-        elif clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, clip)
+        norm: Tensor | None = None
+        limit = clip if clip > 0 else math.inf  # skip needs the norm: clipping to inf scales by 1 (exactly)
+        if (clip > 0 or skip) and host is not None:
+            norm = host.clip_grad_norm_(params, limit)
+        elif clip > 0 or skip:
+            norm = torch.nn.utils.clip_grad_norm_(params, limit)
+        full = getattr(norm, "full_tensor", None)  # FSDP2's gradients are DTensors, and so is their norm
+        report.grad_norm = full() if callable(full) else norm
+        report.skipped = False
+        if skip and not bool(torch.isfinite(total) & torch.isfinite(cast(Tensor, report.grad_norm))):
+            report.skipped = True
+            optimizer.zero_grad(set_to_none=True)
+            return total
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return total
