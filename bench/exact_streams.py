@@ -269,6 +269,82 @@ def memory_case(args: argparse.Namespace) -> dict[str, Any]:
 CASES = {"hf": hf_case, "native": native_case, "slice": slice_case, "time": time_case, "memory": memory_case}
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def report(records: list[dict[str, Any]]) -> str:
+    """The markdown of every recorded case (the newest record of each case and shape)."""
+    lines = [
+        "# Exact (fixed-point) reversible streams at real sizes, CPU",
+        "",
+        "Written by `python bench/exact_streams.py --report FILE.jsonl` from the records of `bench/exact_streams.py`;",
+        "every row ran on this project's 2-core CPU machine (no accelerator), often shared with other jobs: times are",
+        "for orientation, ratios come from interleaved rounds.",
+        "",
+    ]
+    machine = records[-1]["machine"] if records else {}
+    lines += [f"torch {machine.get('torch')}, {machine.get('threads')} threads, Python {machine.get('python')}.", ""]
+    grads = [r for r in records if r["case"] in ("hf", "native", "slice")]
+    if grads:
+        lines += [
+            "## Gradients: the memory-saving backward against `no_savings` (plain autograd, same function)",
+            "",
+            "| model | layers | hidden | vocab | precision | tokens | float streams | exact: loss equal | exact: "
+            "gradients bit-equal |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in grads:
+            model = r.get("config") or r.get("size")
+            precision = r.get("dtype") or ("fp32 weights, bf16 autocast" if r.get("autocast") else "fp32")
+            floats = r.get("float_streams")
+            if floats is None:
+                float_text = "-"
+            elif floats["refused"]:
+                float_text = f"refused (rebuild error {floats['rebuild_error']})"
+            else:
+                float_text = "accepted"
+            g = r["gradients"]
+            lines.append(
+                f"| {model} | {r['layers']} | {r['hidden']} | {r.get('vocab', 1024)} | {precision} | {r['tokens']} | "
+                f"{float_text} | {r.get('loss_equal', '-')} | {g['bit_equal']} of {g['parameters']} |"
+            )
+        lines.append("")
+    for r in (r for r in records if r["case"] == "time"):
+        lines += [
+            "## Step time: exact against floating-point streams",
+            "",
+            f"{r['size']} width (hidden {r['hidden']}), {r['layers']} layers, 1 x {r['tokens']} tokens, "
+            f"{'bf16 autocast' if r['autocast'] else 'float32'}, forward + backward, CPU process time, {r['rounds']} "
+            f"interleaved rounds (`verify_inverse=False` in both):",
+            "",
+            "| float streams (median) | exact streams (median) | exact / float, median of the rounds | range |",
+            "|---|---|---|---|",
+            f"| {r['float_s']:.2f} s | {r['exact_s']:.2f} s | {r['ratio_median']:.3f} | "
+            f"{r['ratio_range'][0]:.3f} - {r['ratio_range'][1]:.3f} |",
+            "",
+        ]
+    for r in (r for r in records if r["case"] == "memory"):
+        lines += [
+            "## Memory against depth (eager peak, MemTracker: tensor storages)",
+            "",
+            f"{r['size']} width, vocabulary 1024, 1 x {r['tokens']} tokens, "
+            f"{'bf16 autocast' if r['autocast'] else 'float32'}; activations and temporaries are what the step adds "
+            f"beyond parameters and gradients:",
+            "",
+            "| streams | layers | peak | parameters | gradients | activations + temporaries + other |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in r["rows"]:
+            rest = row["activations"] + row["temporaries"] + row["other"]
+            lines.append(
+                f"| {'exact' if row['exact'] else 'float'} | {row['depth']} | {_gib(row['total'])} | "
+                f"{_gib(row['parameters'])} | {_gib(row['gradients'])} | {_gib(rest)} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def machine() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
@@ -280,7 +356,8 @@ def machine() -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("case", choices=sorted(CASES), nargs="?")
+    parser.add_argument("--report", default=None, help="write the markdown of this JSON-lines file's records")
     parser.add_argument("--config", default="llama-3.2-1b")
     parser.add_argument("--size", default="llama-1b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -291,6 +368,16 @@ def main() -> None:
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--out", default=None, help="append the record to this JSON-lines file")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        out = os.path.splitext(args.report)[0] + ".md"
+        with open(out, "w") as f:
+            f.write(report(records) + "\n")
+        print(out)
+        return
+    if args.case is None:
+        parser.error("name a case, or --report FILE")
     if args.case == "slice" and args.layers is None:
         args.layers = 2
     if args.case in ("time",) and args.layers is None:

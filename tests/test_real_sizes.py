@@ -53,9 +53,10 @@ def hf_step(model, ids):
 )
 def test_hf_reversible_gradients_equal_no_savings_at_real_size(name, dtype, layers):
     """Every layer of the published shape (Llama-3.2-1B: 16 layers, hidden 2048, vocabulary 128256), random weights
-    as transformers initialises them, 1 x 32 tokens: the memory-saving backward's gradients are no_savings' (plain
-    autograd through the same function), bit for bit. Floating-point streams, as before, are refused by the
-    backward's rebuild check at Llama's width in float32 (rebuild error 3.6e-2 measured at 64 tokens)."""
+    as transformers initialises them, 1 x 32 tokens (bf16: 16): the memory-saving backward's gradients are
+    no_savings' (plain autograd through the same function), bit for bit. Floating-point streams, as before, are
+    refused by the backward's rebuild check at Llama's width in float32 (rebuild error 3.6e-2 measured at 64
+    tokens)."""
     require_transformers()
     from revlib_xla.hf import memory_efficient, model_from_config
 
@@ -64,7 +65,8 @@ def test_hf_reversible_gradients_equal_no_savings_at_real_size(name, dtype, laye
     model = model_from_config(name, dtype=dtype, **overrides).train()
     memory_efficient(model, "reversible")
     net = model.revlib_xla_conversion.net
-    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
+    tokens = 32 if dtype == torch.float32 else 16  # (bfloat16 matrix products are slow on CPUs without bf16 units)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
     if name == "llama-3.2-1b" and dtype == torch.float32:
         net.exact = False
         with pytest.raises(ReversibleError, match="does not rebuild its input"):
@@ -105,12 +107,12 @@ def native_step(lm, ids, autocast):
 )
 def test_native_llama_reversible_under_bf16_autocast_equals_no_savings(size, overrides):
     """llama-1b whole (16 layers, hidden 2048, vocabulary 128256) and two real layers of llama-8b (hidden 4096, GQA
-    32/8, FFN 14336; the whole model builds on the meta device), float32 weights under bfloat16 autocast: the
-    reversible form's gradients equal no_savings' bit for bit."""
+    32/8, FFN 14336; the whole model builds on the meta device), float32 weights under bfloat16 autocast, 1 x 16
+    tokens: the reversible form's gradients equal no_savings' bit for bit."""
     with torch.device("meta"):
         build_llama(llama_config(size), "reversible")  # full size, nothing allocated
     config = llama_config(size, **overrides)
-    ids = torch.randint(0, config.vocab_size, (1, 33), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, config.vocab_size, (1, 17), generator=torch.Generator().manual_seed(1))
     ref = native(config, MemoryModes.no_savings)
     loss = native_step(ref, ids, autocast=True)
     want = digests(ref)
@@ -122,12 +124,15 @@ def test_native_llama_reversible_under_bf16_autocast_equals_no_savings(size, ove
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_exact_reversible_training_equals_no_savings_step_for_step(autocast):
-    """100 AdamW steps on bytes at hidden 1024 (2 layers, 16 heads): the exact reversible form and no_savings lose
-    the same loss at every step, to the bit, in float32 and under bfloat16 autocast."""
-    config = llama_config("llama-1b", dim=1024, n_layers=2, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=256)
+    """100 AdamW steps on bytes at hidden 1024 (16 heads; float32: 2 layers, 32 tokens per step; bf16 autocast,
+    slow on CPUs without bf16 units: 1 layer, 16 tokens): the exact reversible form and no_savings lose the same loss
+    at every step, to the bit."""
+    layers, length = (1, 16) if autocast else (2, 32)
+    config = llama_config("llama-1b", dim=1024, n_layers=layers, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=256)
     data = torch.tensor(list(open(__file__, "rb").read()[:20000]), dtype=torch.long)
     gen = torch.Generator().manual_seed(0)
-    batches = [data[s : s + 33].unsqueeze(0) for s in torch.randint(0, len(data) - 33, (100,), generator=gen).tolist()]
+    starts = torch.randint(0, len(data) - length - 1, (100,), generator=gen).tolist()
+    batches = [data[s : s + length + 1].unsqueeze(0) for s in starts]
     losses = []
     for mode in (MemoryModes.no_savings, MemoryModes.autograd_function):
         lm = native(config, mode)
