@@ -436,8 +436,8 @@ class StorageTracker:
 
     @staticmethod
     def _size(storage: Any, device: torch.device) -> int:
-        nbytes = int(storage.nbytes())
-        return -(-nbytes // 512) * 512 if device.type == "cuda" else nbytes
+        unit = backend.backend_for(device).allocation_granularity
+        return -(-int(storage.nbytes()) // unit) * unit
 
     def _freed(self, key: int, ref: weakref.ReferenceType) -> None:
         entry = self._seen.get(key)
@@ -446,7 +446,7 @@ class StorageTracker:
             self._current[entry[2]] -= entry[1]
 
     def _note(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta" or backend.is_tracing_lazily(tensor):
+        if backend.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
             return
         try:
             storage = tensor.untyped_storage()
@@ -475,9 +475,7 @@ class StorageTracker:
         lower the level. A storage first seen as the output of an operation counts as allocated by it, even where
         the operation wrote into it in place: name what exists before (a gradient accumulated into, say) here."""
         for obj in objs:
-            tensors = (
-                [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tensor_leaves(obj)
-            )
+            tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tensor_leaves(obj)
             for tensor in tensors:
                 self._note(tensor)
                 if tensor.is_leaf and tensor.grad is not None:
@@ -492,6 +490,10 @@ class StorageTracker:
         """The most bytes live at once on devices of ``device``'s kind since the tracker was entered."""
         kind = backend.as_device(device).type
         return max(self._peak.get(kind, 0), self._current.get(kind, 0))
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self._peak = dict(self._current)
 
     def __enter__(self) -> StorageTracker:
         from torch.utils import _pytree
@@ -510,7 +512,7 @@ class StorageTracker:
 
         if self._mode is not None:
             raise RuntimeError("a StorageTracker cannot be entered twice at the same time")
-        self._peak = dict(self._current)
+        self.reset_peak()
         self._mode = _Mode()
         self._mode.__enter__()
         return self
