@@ -55,7 +55,8 @@ GPU_FOOTNOTE = (
 class GpuStep:
     """The estimated memory of one steady-state step (bytes): ``peak`` on the GPU, and the parts of it that are
     ``parameters``, ``optimizer`` state, ``inputs`` (the token batch) and ``buffers``; ``host``: an offloaded
-    optimizer's state and master weights, in host memory."""
+    optimizer's state and master weights, in host memory; ``allocated``: for a step that ran
+    (:func:`estimate_step` with ``fake=False``), the peak its host allocator handed out (else None)."""
 
     peak: int
     parameters: int
@@ -63,6 +64,7 @@ class GpuStep:
     inputs: int
     buffers: int
     host: int
+    allocated: int | None = None
 
     def report(self, chip: Chip, label: str = "", batch: int = 0) -> FitReport:
         """As a :class:`~revlib_xla.fit.report.FitReport` row for ``chip`` (``fits``: the peak within its memory)."""
@@ -123,20 +125,30 @@ def _device_part_only(optimizer: Any) -> Iterator[None]:
         del optimizer.step
 
 
-def estimate_step(cfg: Any) -> GpuStep:
+def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
     """The memory of ``cfg``'s steady-state training step on a GPU (see the module docstring); ``cfg`` as
     :func:`for_gpu` makes it. Raises :class:`~revlib_xla.fit.report.StepDoesNotFit` when ``plan`` finds no
-    schedule within the budget."""
+    schedule within the budget.
+
+    ``fake=False`` runs the same steps on real host tensors (weights from ``train.seed``), to check the estimate
+    against what a step that runs holds: :attr:`GpuStep.allocated` is then the peak of the bytes the host's
+    allocator handed out during a third step (:func:`revlib_xla.memory.allocator_peak`) above what was allocated
+    before it, plus the tensors the step starts from."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..memory import allocator_peak
     from ..planner import InfeasibleBudget
     from ..train import strategy as train_strategy
     from .strategies import _does_not_fit
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
+    allocated = None
     try:
-        model = train_strategy.build_model(cfg, "meta")
-        _on_fake_host(model, mode)
+        if fake:
+            model = train_strategy.build_model(cfg, "meta")
+            _on_fake_host(model, mode)
+        else:
+            model = train_strategy.build_model(cfg, "cpu")
         with mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=UserWarning)
             optimizer = train_strategy.build_optimizer(cfg, model)
@@ -152,6 +164,10 @@ def estimate_step(cfg: Any) -> GpuStep:
             tracker.track(model, tokens, *([] if offloaded else state))
             with tracker, _device_part_only(optimizer) if offloaded else contextlib.nullcontext():
                 step(tokens)
+            if not fake:
+                with _device_part_only(optimizer) if offloaded else contextlib.nullcontext():
+                    rise = allocator_peak(step, tokens).increase
+                allocated = rise + tensor_bytes([*params, *model.buffers(), tokens, *([] if offloaded else state)])
     except InfeasibleBudget as exc:  # no schedule within the budget the GPU leaves
         raise _does_not_fit(cfg, exc) from None
     except train_strategy.StrategyError as exc:
@@ -169,6 +185,7 @@ def estimate_step(cfg: Any) -> GpuStep:
         inputs=tensor_bytes(tokens),
         buffers=tensor_bytes(list(model.buffers())),
         host=host,
+        allocated=allocated,
     )
 
 

@@ -19,7 +19,6 @@ from typing import TypeVar
 
 from .chips import Chip
 from .report import FitReport, compile_or_refuse, compile_steps
-from .trace import TracedStep
 
 __all__ = ["BatchSearch", "max_batch"]
 
