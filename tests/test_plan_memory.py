@@ -101,3 +101,109 @@ def test_hf_plan_keeps_its_budget_and_auto_is_never_above_plain():
     for budget in (low, (low + high) / 2):
         checkpointable.compute_sequence(budget)
         assert _rise(step, planned) <= budget
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real width (Llama-3.2-1B: hidden 2048, 32 heads, 8 kv heads, MLP 8192, vocabulary 128256; 4 layers), in bfloat16.
+# The steps run on fake tensors (revlib_xla.fit.gpu: nothing allocated; bfloat16 matrix products on this 2-core CPU
+# run at 0.2 GFLOP/s) and their storages are counted as on real ones (the same counts: tests/test_fit_gpu.py).
+
+
+def _fake_rise(mode, step, model, tokens):
+    from revlib_xla.memory import StorageTracker
+
+    with mode:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        tracker = StorageTracker()
+        tracker.track(model, tokens)
+        with tracker:
+            start = tracker.current()
+            step(model)
+            return tracker.peak() - start
+
+
+def test_cli_plan_keeps_its_budget_at_llama_1b_width():
+    """The native llama-1b (4 of its 16 layers), 1 x 2048 tokens, bf16 autocast: the measured peak within each
+    budget from the smallest to the no-recomputation one, and budget auto at the plain model's peak. Before: the
+    loss's transient was taken as 0 and the stages measured in float32, and plans peaked 3-15 % above their
+    budgets (42 % at 4 x 1024)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from revlib_xla.fit.gpu import _on_fake_host
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        tokens = torch.zeros(1, 2048, dtype=torch.int64)
+
+    def make(strategy):
+        cfg = load_config(
+            None,
+            [
+                "model.name=llama-1b",
+                "model.overrides={n_layers: 4}",
+                "data.seq_len=2048",
+                "data.batch_size=1",
+                f"strategy.activations={strategy}",
+                "strategy.precision=bf16",
+                "chip.name=h100",
+            ],
+        )
+        model = build_model(cfg, "meta")
+        _on_fake_host(model, mode)
+        return model
+
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model.loss(tokens).backward()
+
+    plain = _fake_rise(mode, step, make("none"), tokens)
+    planned = make("plan")
+    with mode:
+        step(planned)  # measured and planned at the first step (budget auto: an H100 less the state)
+    assert _fake_rise(mode, step, planned, tokens) <= plain
+    checkpointable = planned.planned
+    low, high = checkpointable.min_memory() * 1.02, checkpointable.no_checkpoint_memory()
+    for budget in (low, (low + high) / 2, high):
+        checkpointable.compute_sequence(budget)
+        assert _fake_rise(mode, step, planned, tokens) <= budget
+
+
+@pytest.mark.slow
+def test_hf_plan_keeps_its_budget_at_llama_3_2_1b_width():
+    """transformers Llama with Llama-3.2-1B's shape (4 layers), bfloat16 weights, 1 x 2048 tokens: asked for
+    transformers' checkpointing's activation bytes, and at the smallest budget, the plan stays within them; budget
+    auto stays at the plain model's peak or below. Before: +18 % and +23 % (the tied head's weight gradient, which
+    autograd holds until the input embedding's backward, 0.5 GiB, was not counted)."""
+    require_transformers()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from revlib_xla.fit.gpu import _on_fake_host
+    from revlib_xla.hf import chunked_loss, memory_efficient, model_from_config
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        tokens = torch.zeros(1, 2048, dtype=torch.int64)
+
+    def make():
+        model = model_from_config("llama-3.2-1b", num_hidden_layers=4, device="meta", dtype=torch.bfloat16)
+        model.config.use_cache = False
+        _on_fake_host(model, mode)
+        return model.train()
+
+    def step(model):
+        with mode:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+
+    plain = _fake_rise(mode, step, make(), tokens)
+    transformers_checkpointing = make()
+    transformers_checkpointing.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chunked_loss(transformers_checkpointing)
+    theirs = _fake_rise(mode, step, transformers_checkpointing, tokens)
+    planned = memory_efficient(make(), "plan")
+    step(planned)
+    assert _fake_rise(mode, step, planned, tokens) <= plain
+    checkpointable = planned.revlib_xla_conversion.runner.checkpointable
+    for budget in (theirs, checkpointable.min_memory() * 1.02):
+        checkpointable.compute_sequence(budget)
+        assert _fake_rise(mode, step, planned, tokens) <= budget

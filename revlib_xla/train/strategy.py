@@ -209,6 +209,7 @@ class PlannedLM(nn.Module):
         self.lm = lm
         self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
         self.autocast = autocast
+        self._loss_sized: tuple[tuple[int, ...], torch.dtype | None] | None = None  # what loss_transient sized
         if sample is not None:
             self.plan(sample)
 
@@ -222,6 +223,7 @@ class PlannedLM(nn.Module):
         try:
             with torch.autocast(device_type=self.autocast or "cpu", dtype=torch.bfloat16, enabled=bool(self.autocast)):
                 self.planned.loss_tmp_memory_usage = self.loss_transient(sample)
+                self._loss_sized = (tuple(sample.shape), self._autocast_now())
                 self.planned.measure(sample)
             self.planned.compute_sequence()
         except InfeasibleBudget as exc:
@@ -242,11 +244,7 @@ class PlannedLM(nn.Module):
         if backend.is_tracing_lazily(sample):
             return 0
         head = cast(Any, self.lm).config
-        dtype = (
-            torch.get_autocast_dtype(self.autocast)
-            if self.autocast and torch.is_autocast_enabled(self.autocast)
-            else None
-        )
+        dtype = self._autocast_now()
         weight = next(self.lm.parameters())
         logits = torch.zeros(
             (*sample.shape, head.vocab_size), dtype=dtype or weight.dtype, device=sample.device, requires_grad=True
@@ -260,7 +258,17 @@ class PlannedLM(nn.Module):
         return max(0, peak - start - logits.numel() * logits.element_size())
 
     def forward(self, tokens: Tensor) -> Tensor:
+        sized = (tuple(tokens.shape), self._autocast_now())
+        if self.training and torch.is_grad_enabled() and self._loss_sized != sized:
+            # measured at this call (built on meta, or another batch shape): the loss stage is sized first
+            self.planned.loss_tmp_memory_usage = self.loss_transient(tokens)
+            self._loss_sized = sized
         return self.planned(tokens)
+
+    def _autocast_now(self) -> torch.dtype | None:
+        """The dtype autocast computes in on the LM's device now, or None where it is off."""
+        kind = backend.backend_for(next(self.lm.parameters()).device).autocast_device_type
+        return torch.get_autocast_dtype(kind) if kind and torch.is_autocast_enabled(kind) else None
 
     def loss(self, tokens: Tensor) -> Tensor:
         from ..models.llama import next_token_loss
