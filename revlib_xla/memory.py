@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -59,6 +60,7 @@ __all__ = [
     "tensor_bytes",
     "MemoryBreakdown",
     "EagerPeak",
+    "StorageTracker",
     "eager_peak",
     "CudaPeak",
     "cuda_peak",
@@ -409,6 +411,118 @@ def _breakdown(
     return MemoryBreakdown(total=total, **parts)
 
 
+class StorageTracker:
+    """Bytes of tensor storages on each kind of device while it is active, and their peak: a
+    ``TorchDispatchMode`` that notes the storage of every tensor an operation returns (each storage once, at its
+    size; on cuda rounded up to the caching allocator's 512-byte blocks, as ``MemTracker`` counts) and a weak
+    reference to it whose callback subtracts its bytes when it is freed. Storages made before it are counted
+    where :meth:`track` names them (their frees then lower the level).
+
+    ``MemTracker``'s figures without its module tracking: ``MemTracker`` registers a multi-tensor gradient hook on
+    every tensor entering or leaving a module under autograd, and that hook holds the tensors' graph nodes (a leaf's
+    gradient accumulator holds the leaf), in a cycle through C++ that Python's garbage collector cannot see: every
+    input and every graph never run backward stays alive for good. A planner measuring each stage several times
+    leaked that way a whole step's activations (``test_measuring_leaves_nothing_alive``). This tracker hooks
+    nothing but storages: a measurement leaves nothing behind. Usable on its own (``with StorageTracker() as t:
+    ...; t.peak("cpu")``); it counts what passes through dispatch, as ``MemTracker`` does (not the workspace a
+    fused kernel allocates inside itself).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ReferenceType, int, str]] = {}
+        self._current: dict[str, int] = {}
+        self._peak: dict[str, int] = {}
+        self._mode: Any = None
+
+    @staticmethod
+    def _size(storage: Any, device: torch.device) -> int:
+        unit = backend.backend_for(device).allocation_granularity
+        return -(-int(storage.nbytes()) // unit) * unit
+
+    def _freed(self, key: int, ref: weakref.ReferenceType) -> None:
+        entry = self._seen.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._seen[key]
+            self._current[entry[2]] -= entry[1]
+
+    def _note(self, tensor: torch.Tensor) -> None:
+        if backend.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses without one storage
+            return
+        kind = tensor.device.type
+        size = self._size(storage, tensor.device)
+        entry = self._seen.get(id(storage))
+        if entry is not None and entry[0]() is storage:
+            if entry[1] != size:  # resized in place
+                self._seen[id(storage)] = (entry[0], size, kind)
+                self._current[kind] += size - entry[1]
+            return
+        ref = weakref.ref(storage, functools.partial(self._freed, id(storage)))
+        self._seen[id(storage)] = (ref, size, kind)
+        self._current[kind] = self._current.get(kind, 0) + size
+
+    def _update_peak(self) -> None:
+        for kind, level in self._current.items():
+            if level > self._peak.get(kind, 0):
+                self._peak[kind] = level
+
+    def track(self, *objs: Any) -> None:
+        """Count the storages of the tensors in ``objs`` (tensors and nested containers of them, with their
+        ``.grad``; modules: their parameters, with their ``.grad``, and buffers) as live now, so that their frees
+        lower the level. A storage first seen as the output of an operation counts as allocated by it, even where
+        the operation wrote into it in place: name what exists before (a gradient accumulated into, say) here."""
+        for obj in objs:
+            tensors = [*obj.parameters(), *obj.buffers()] if isinstance(obj, torch.nn.Module) else tensor_leaves(obj)
+            for tensor in tensors:
+                self._note(tensor)
+                if tensor.is_leaf and tensor.grad is not None:
+                    self._note(tensor.grad)
+        self._update_peak()
+
+    def current(self, device: backend.DeviceLike = "cpu") -> int:
+        """Bytes live now on devices of ``device``'s kind."""
+        return self._current.get(backend.as_device(device).type, 0)
+
+    def peak(self, device: backend.DeviceLike = "cpu") -> int:
+        """The most bytes live at once on devices of ``device``'s kind since the tracker was entered."""
+        kind = backend.as_device(device).type
+        return max(self._peak.get(kind, 0), self._current.get(kind, 0))
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self._peak = dict(self._current)
+
+    def __enter__(self) -> StorageTracker:
+        from torch.utils import _pytree
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        tracker = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                out = func(*args, **(kwargs or {}))
+                for leaf in _pytree.tree_leaves(out):
+                    if isinstance(leaf, torch.Tensor):
+                        tracker._note(leaf)
+                tracker._update_peak()
+                return out
+
+        if self._mode is not None:
+            raise RuntimeError("a StorageTracker cannot be entered twice at the same time")
+        self.reset_peak()
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+
+
 def _is_factory(obj: Any) -> TypeGuard[Callable[..., Any]]:
     return callable(obj) and not isinstance(obj, (torch.nn.Module, torch.Tensor, torch.optim.Optimizer))
 
@@ -600,14 +714,20 @@ def _statistics_peak(fn: Callable[..., Any], dev: torch.device, *args: Any, **kw
 @dataclasses.dataclass(frozen=True)
 class AllocatorPeak:
     """How far the bytes allocated through PyTorch's allocator on ``device`` rose during a call above their level
-    just before it (``increase``, bytes); ``source`` names the counter the figure comes from."""
+    just before it (``increase``, bytes); ``source`` names the counter the figure comes from. ``retained``: the
+    bytes the call allocated that are still allocated once it has returned and its result is dropped (what it
+    leaves behind: a model and optimizer it built, or what a step keeps alive from one step to the next)."""
 
     increase: int
     device: str
     source: str
+    retained: int = 0
 
     def __str__(self) -> str:
-        return f"allocator peak on {self.device}: +{format_bytes(self.increase)} during the call ({self.source})"
+        return (
+            f"allocator peak on {self.device}: +{format_bytes(self.increase)} during the call, "
+            f"{format_bytes(self.retained)} left allocated after it ({self.source})"
+        )
 
 
 def allocator_peak(
@@ -628,7 +748,8 @@ def allocator_peak(
       e.g. oneDNN scratch space); the profiler slows the call, so do not time it.
       The profiler does not see frees of memory allocated before it started (it warns "Memory block of unknown
       size"), so the figure is exact for a call that frees nothing allocated before it (a training step that
-      accumulates into existing ``.grad`` tensors, or starts from ``.grad = None``) and an upper bound otherwise.
+      accumulates into existing ``.grad`` tensors, or starts from ``.grad = None``) and an upper bound otherwise;
+      the same holds for ``retained`` (exact for a call that builds the model it trains).
     * ``cuda``: the caching allocator's ``max_memory_allocated`` (:func:`cuda_peak`); allocator block rounding
       included, cached-but-free blocks excluded. Other devices whose backend has allocator statistics (TorchTPU,
       experimental): ``torch.accelerator.max_memory_allocated``.
@@ -639,7 +760,12 @@ def allocator_peak(
     family = backend.backend_for(dev)
     if family.allocator_statistics(dev):
         peak = _statistics_peak(fn, dev, *args, **kwargs)
-        return AllocatorPeak(increase=peak.peak - peak.before, device=peak.device, source=family.statistics_source)
+        return AllocatorPeak(
+            increase=peak.peak - peak.before,
+            device=peak.device,
+            source=family.statistics_source,
+            retained=peak.after - peak.before,
+        )
     if not family.memory_is_host:
         raise ValueError(
             f"allocator_peak measures cpu and cuda, not {dev.type}; on XLA the compiler decides what "
@@ -668,7 +794,7 @@ def allocator_peak(
     for _, nbytes in events:
         level += nbytes
         increase = max(increase, level)
-    return AllocatorPeak(increase=increase, device=str(dev), source="torch.profiler memory events")
+    return AllocatorPeak(increase=increase, device=str(dev), source="torch.profiler memory events", retained=level)
 
 
 # =================================================================================================================

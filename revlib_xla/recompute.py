@@ -591,7 +591,10 @@ class RecomputeState:
         """Whether a buffer whose version did not move kept its value through the unit's first run, without running
         pending work: compared where the values are ready (eager devices). On a lazy device (XLA) a buffer that
         still holds device data was not written (a write makes it a pending value); one that is pending is taken
-        as changing, and compared once the step has run (:meth:`_settle`, at a later call)."""
+        as changing, and compared once the step has run (:meth:`_settle`, at a later call). A fake tensor (a step
+        sized under ``FakeTensorMode``) has no value: its unmoved version counter is all there is to go by."""
+        if not (backend.holds_data(tensor) and backend.holds_data(before)):
+            return True
         if backend.value_ready(tensor) and backend.value_ready(before):
             return torch.equal(tensor, before)
         if backend.value_ready(tensor):

@@ -238,3 +238,39 @@ def test_cpu_smoke_trains_through_the_cli_with_each_strategy(tmp_path, capsys, s
     assert len(losses) == 8 and losses[0] == pytest.approx(np.log(256), abs=0.3)
     assert max(losses[-3:]) < losses[0] - 0.5, losses
     assert "loss " in capsys.readouterr().out
+
+
+def test_each_logged_step_records_its_peak_and_reserved_bytes(tmp_path, monkeypatch):
+    """metrics.jsonl's peak_bytes is the most allocated during the steps since the last record (the loop starts a
+    peak before each window), reserved_bytes the most the allocator held, memory_bytes what stays allocated
+    between steps; the progress bar shows the peak. The CPU has no allocator statistics (the fields are null
+    there), so here the CPU backend reads them from a StorageTracker that counts every storage of the run."""
+    from revlib_xla.memory import StorageTracker
+    from revlib_xla.train.metrics import MetricsLogger, StepMemory
+
+    tracker = StorageTracker()
+    cpu = type(backend.backend_for(torch.device("cpu")))
+    resets = []
+    monkeypatch.setattr(cpu, "allocator_statistics", lambda self, d: True, raising=False)
+    monkeypatch.setattr(cpu, "memory_allocated", lambda self, d: tracker.current("cpu"), raising=False)
+    monkeypatch.setattr(cpu, "max_memory_allocated", lambda self, d: tracker.peak("cpu"), raising=False)
+    monkeypatch.setattr(cpu, "max_memory_reserved", lambda self, d: None, raising=False)
+    monkeypatch.setattr(
+        cpu, "reset_peak_memory_stats", lambda self, d: (resets.append(1), tracker.reset_peak()), raising=False
+    )
+    cfg = load_config(None, [*TINY, "train.steps=3", f"train.out_dir={tmp_path}", "train.checkpoint_every=0"])
+    with tracker:
+        train(cfg)
+    records = [r for r in _records(tmp_path) if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert len(resets) == 5  # before the first step, after each record, after the final checkpoint
+    logits = 4 * 16 * 256 * 4  # batch x positions x vocabulary, float32: alive at each step's peak
+    for r in records:
+        assert r["peak_bytes"] >= r["memory_bytes"] + logits and r["reserved_bytes"] is None
+    # AdamW's state (two moments per weight) exists from the first step's end on: what stays between steps grows
+    assert records[1]["memory_bytes"] == records[2]["memory_bytes"] > records[0]["memory_bytes"] - 1
+
+    with MetricsLogger(tmp_path / "bar", 1, 0, 64, 1.0, 1e12, progress=True) as logger:
+        record = logger.step(1, 2.0, 1e-3, 0.5, StepMemory(peak=3 * 2**30, reserved=4 * 2**30, between=2**30))
+        assert logger.bar.postfix and "peak=3.00GiB" in logger.bar.postfix
+    assert (record["peak_bytes"], record["reserved_bytes"], record["memory_bytes"]) == (3 * 2**30, 4 * 2**30, 2**30)

@@ -140,6 +140,9 @@ class Backend:
     checkpoint_in_partial_backward: bool = True
     #: What :meth:`max_memory_allocated` reads, as :class:`revlib_xla.memory.AllocatorPeak` names its source.
     statistics_source: str = "torch.accelerator.max_memory_allocated"
+    #: Bytes the allocator rounds each allocation up to a multiple of (cuda's caching allocator: 512), as tensor
+    #: storage counts (:class:`revlib_xla.memory.StorageTracker`) count them.
+    allocation_granularity: int = 1
     #: Order in which :func:`revlib_xla.backend.default_device` prefers families that have hardware here.
     preference: int = 0
     #: The ``torch.distributed`` backend that reduces the family's tensors across processes (``gloo`` on the host,
@@ -269,6 +272,12 @@ class Backend:
     def max_memory_allocated(self, device: torch.device) -> int:
         """The most bytes handed out on ``device`` since the last :meth:`reset_peak_memory_stats`."""
         return int(torch.accelerator.max_memory_allocated(_index(device)))
+
+    def max_memory_reserved(self, device: torch.device) -> int | None:
+        """The most bytes the family's allocator held from the device (handed out or cached) since the last
+        :meth:`reset_peak_memory_stats`, or ``None`` where it does not report them."""
+        reserved = getattr(torch.accelerator, "max_memory_reserved", None)
+        return None if reserved is None else int(reserved(_index(device)))
 
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         """Start a new peak (and wait for queued work, so that it is not counted in the next peak)."""

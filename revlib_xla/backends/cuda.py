@@ -25,6 +25,7 @@ class CudaBackend(Backend):
     autocast_device_type: str | None = "cuda"
     preference = 20
     statistics_source = "torch.cuda.max_memory_allocated"
+    allocation_granularity = 512
     process_group_backend: str | None = "nccl"
 
     def __init__(self) -> None:
@@ -67,6 +68,9 @@ class CudaBackend(Backend):
 
     def max_memory_allocated(self, device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
+
+    def max_memory_reserved(self, device: torch.device) -> int | None:
+        return int(torch.cuda.max_memory_reserved(device))
 
     def reset_peak_memory_stats(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)

@@ -5,13 +5,17 @@ none,reversible] [--gpu h100] [key=value ...]``. The step ``revlib-xla train`` r
 meta/zero-copy tensors (nothing allocated, nothing run) and compiled deviceless for one chip by the TPU compiler;
 see :mod:`revlib_xla.fit`. With ``--chips N`` (or ``chip.chips``) the step is split over the config's ``mesh`` of
 N chips (:mod:`revlib_xla.sharding`) and compiled for a slice of N by the SPMD partitioner: what each chip holds.
-``--gpu`` adds eager FakeTensor estimates of the same step against a GPU's memory.
+
+``--gpu NAME`` sizes the same step for that GPU instead (:mod:`revlib_xla.fit.gpu`: the eager step run on fake
+tensors; no torch_xla, libtpu or jax needed), per strategy, ``--max-batch`` included; with ``--chip`` as well, for
+the TPU chip and then the GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+from typing import Any
 
 from . import UsageError
 
@@ -35,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated strategies to compare (config, none, checkpoint, reversible, plan, plan+fewbit, "
         "plan+fewbit+offload); default: the config as written and all the others",
     )
-    parser.add_argument("--gpu", help="also estimate the step on a GPU (h100, h200, a100-40gb, a100-80gb, l4, t4)")
+    parser.add_argument(
+        "--gpu",
+        help="size the step for a GPU instead (h100, h200, a100-40gb, a100-80gb, l4, t4): an eager estimate that "
+        "needs neither torch_xla nor libtpu; with --chip too, for both",
+    )
     parser.add_argument("--limit", type=int, default=4096, help="the largest batch --max-batch tries (4096)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.seq_len=2048")
 
@@ -50,11 +58,60 @@ def _chosen(args: argparse.Namespace) -> list:
         raise UsageError(f"--strategies: {exc}") from None
 
 
+def _print_searches(searches: list, limit: int, footnote: str) -> None:
+    """Each strategy's largest fitting batch, then the table of those batches' reports."""
+    from ..fit.report import format_table
+    from ..memory import format_bytes
+
+    print()
+    width = max(len(s.label) for s in searches)
+    for found in searches:
+        best = found.best_report
+        if best is None:
+            failure = found.smallest_failure
+            assert failure is not None
+            text = f"does not fit at batch 1 (needs >= {format_bytes(failure.at_least)})"
+        else:
+            cap = f" (the search stopped at --limit {limit})" if found.capped else ""
+            assert best.total is not None
+            text = f"largest batch {found.best}: {format_bytes(best.total)}{cap}"
+        print(f"  {found.label.ljust(width)}  {text}")
+    shown = [s.best_report or s.smallest_failure for s in searches]
+    print()
+    print(format_table([r for r in shown if r is not None], footnote))
+
+
+def _run_gpu(args: argparse.Namespace, gpu: Any, chosen: list) -> None:
+    """The GPU's table (or largest batches), per strategy: :mod:`revlib_xla.fit.gpu`."""
+    from ..fit.gpu import GPU_FOOTNOTE, GPU_SOURCE, gpu_max_batch, gpu_reports
+    from ..fit.report import format_table
+    from ..fit.strategies import load
+    from ..memory import format_bytes
+
+    base = load(args.config, args.overrides, chosen[0])
+    print(
+        f"{base.model.name}, seq_len {base.data.seq_len}, precision {base.strategy.precision}, on one {gpu.name} "
+        f"({format_bytes(gpu.hbm_bytes)}); {GPU_SOURCE}"
+    )
+    if args.max_batch:
+        searches = [
+            gpu_max_batch(
+                lambda batch, s=s: load(args.config, args.overrides, s, batch), gpu, label=s.name, limit=args.limit
+            )
+            for s in chosen
+        ]
+        _print_searches(searches, args.limit, GPU_FOOTNOTE)
+        return
+    configs = [load(args.config, args.overrides, s) for s in chosen]
+    print(f"batch {base.data.batch_size}\n")
+    print(format_table(gpu_reports(configs, gpu, [s.name for s in chosen]), GPU_FOOTNOTE))
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the per-chip memory of each strategy (or its largest batch), with fits / does not fit."""
     from ..fit import chips
     from ..fit.report import COMPILER_SOURCE, FOOTNOTE, format_table
-    from ..fit.strategies import gpu_estimate, load, search_strategies, size_strategies, smallest_change, strategy
+    from ..fit.strategies import load, search_strategies, size_strategies, smallest_change, strategy
     from ..memory import format_bytes
     from ..sharding import ShardingError, resolve_mesh
     from ..tpu_compile import slice_topology
@@ -64,6 +121,19 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--chips {args.chips}: the number of chips the run is split over (>= 1)")
         args.overrides = [*args.overrides, f"chip.chips={args.chips}"]
     chosen = _chosen(args)
+    gpu = None
+    if args.gpu:
+        try:
+            gpu = chips.chip(args.gpu, "gpu")
+        except ValueError as exc:
+            raise UsageError(f"--gpu: {exc}") from None
+        if not args.chip:  # the GPU alone: nothing is compiled for a TPU
+            if args.chips is not None and args.chips > 1:
+                raise UsageError(
+                    f"--chips {args.chips}: --gpu sizes the step for one GPU; give --chip too to size a TPU slice"
+                )
+            _run_gpu(args, gpu, chosen)
+            return 0
     if args.chip:
         try:
             chips.chip(args.chip, "tpu")
@@ -83,17 +153,12 @@ def run(args: argparse.Namespace) -> int:
             slice_topology(target.name, count)
     except (ShardingError, ValueError) as exc:
         raise UsageError(f"--chips {count}: {exc}") from None
-    gpu = None
-    if args.gpu:
-        try:
-            gpu = chips.chip(args.gpu, "gpu")
-        except ValueError as exc:
-            raise UsageError(f"--gpu: {exc}") from None
     missing = [name for name in ("torch_xla", "jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
     if missing:
         raise UsageError(
             f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "
-            f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9)"
+            f"{', '.join(missing)} (not installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9); "
+            f"or size it for a GPU alone with --gpu NAME (no --chip), which needs none of them"
         )
     where = f"on one {target.name}" if count == 1 else f"per chip of {count} {target.name} chips (mesh {mesh})"
     header = (
@@ -103,22 +168,7 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     if args.max_batch:
         searches = search_strategies(args.config, args.overrides, target, chosen, args.limit)
-        print()
-        width = max(len(s.label) for s in searches)
-        for found in searches:
-            best = found.best_report
-            if best is None:
-                failure = found.smallest_failure
-                assert failure is not None
-                text = f"does not fit at batch 1 (needs >= {format_bytes(failure.at_least)})"
-            else:
-                cap = f" (the search stopped at --limit {args.limit})" if found.capped else ""
-                assert best.total is not None
-                text = f"largest batch {found.best}: {format_bytes(best.total)}{cap}"
-            print(f"  {found.label.ljust(width)}  {text}")
-        shown = [s.best_report or s.smallest_failure for s in searches]
-        print()
-        print(format_table([r for r in shown if r is not None], FOOTNOTE))
+        _print_searches(searches, args.limit, FOOTNOTE)
     else:
         reports = size_strategies(args.config, args.overrides, target, chosen)
         print(f"batch {base.data.batch_size}\n")
@@ -130,13 +180,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{smallest_change(args.config, args.overrides, target, reports, args.limit)}."
             )
     if gpu is not None:
-        peak = gpu_estimate(base)
-        verdict = "fits" if peak.total <= gpu.usable_bytes else "does NOT fit"
-        print(
-            f"\nGPU estimate (eager, FakeTensor storage bytes; no CUDA context or allocator overhead, an estimate): "
-            f"the config's step on one {gpu.name} ({format_bytes(gpu.hbm_bytes)}): peak {format_bytes(peak.total)} "
-            f"(parameters {format_bytes(peak.parameters)}, gradients {format_bytes(peak.gradients)}, optimizer state "
-            f"{format_bytes(peak.optimizer)}, activations {format_bytes(peak.activations)}, temporaries "
-            f"{format_bytes(peak.temporaries)}): {verdict}"
-        )
+        print()
+        _run_gpu(args, gpu, chosen)
     return 0

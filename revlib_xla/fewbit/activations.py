@@ -315,7 +315,15 @@ def check_bits(name: str, bits: Any) -> int:
 
 @functools.cache
 def derivative_for(name: str, bits: int, params: tuple[tuple[str, Any], ...]) -> Any:
-    """The :class:`StepCode` or :class:`Band` derivative the backward of ``name`` uses."""
+    """The :class:`StepCode` or :class:`Band` derivative the backward of ``name`` uses, computed on real numbers
+    also when first asked for inside ``FakeTensorMode`` (a step sized without running it)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _derivative(name, bits, params)
+
+
+def _derivative(name: str, bits: int, params: tuple[tuple[str, Any], ...]) -> Any:
     if name in PIECEWISE:
         return PIECEWISE[name].band(**dict(params))
     table = stepwise_table(name, bits, params)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
 from ..tpu_compile import slice_topology
@@ -44,6 +45,8 @@ __all__ = [
     "FOOTNOTE",
     "COMPILER_SOURCE",
 ]
+
+Step = TypeVar("Step")  # what compile_or_refuse's tracers make: a TracedStep, or a run config for the GPU estimate
 
 #: How a report's figures come about, printed under every table.
 COMPILER_SOURCE = "from the TPU compiler (deviceless libtpu), not a TPU run"
@@ -146,11 +149,11 @@ class StepDoesNotFit(Exception):
 
 
 def compile_or_refuse(
-    tracers: Sequence[Callable[[], TracedStep]],
+    tracers: Sequence[Callable[[], Step]],
     chip: Chip,
     labels: Sequence[str],
     batches: Sequence[int],
-    compile_fn: Callable[[list[TracedStep], Chip, list[str], list[int]], list[FitReport]],
+    compile_fn: Callable[[list[Step], Chip, list[str], list[int]], list[FitReport]],
 ) -> list[FitReport]:
     """Each step traced (``tracers``) and compiled together by ``compile_fn``, its report in its place; a step
     whose tracing refuses it (:class:`StepDoesNotFit`: e.g. no checkpointing plan fits) is reported as not fitting,

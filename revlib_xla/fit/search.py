@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TypeVar
 
 from .chips import Chip
 from .report import FitReport, compile_or_refuse, compile_steps
-from .trace import TracedStep
 
 __all__ = ["BatchSearch", "max_batch"]
+
+Step = TypeVar("Step")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,16 +63,17 @@ def _guess(reports: dict[int, FitReport], lo: int, usable: int) -> int:
 
 
 def max_batch(
-    trace_at: Callable[[int], TracedStep],
+    trace_at: Callable[[int], Step],
     chip: Chip,
     *,
     label: str = "",
     limit: int = 65536,
-    compile_fn: Callable[[list[TracedStep], Chip, list[str], list[int]], list[FitReport]] = compile_steps,
+    compile_fn: Callable[[list[Step], Chip, list[str], list[int]], list[FitReport]] = compile_steps,  # type: ignore[assignment]
 ) -> BatchSearch:
     """The largest batch whose step fits ``chip`` (see the module docstring). ``trace_at(batch)`` traces the step
     at that batch (:func:`revlib_xla.fit.trace_step`); ``limit`` bounds the search; ``compile_fn`` compiles traced
-    steps into reports (default: the deviceless TPU compiler)."""
+    steps into reports (default: the deviceless TPU compiler). Any other sizing fits the same search: the GPU
+    estimate (:func:`revlib_xla.fit.gpu.gpu_max_batch`) passes run configs and estimates them."""
     if limit < 1:
         raise ValueError(f"limit={limit}: the largest batch to try must be at least 1")
     reports: dict[int, FitReport] = {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +30,6 @@ __all__ = [
     "size_strategies",
     "search_strategies",
     "smallest_change",
-    "gpu_estimate",
 ]
 
 
@@ -223,23 +221,3 @@ def smallest_change(
         f"{failure.parameters / 2**30:.2f} GiB, optimizer state {failure.optimizer / 2**30:.2f} GiB); use a "
         f"smaller model, a chip with more memory or strategy.offload.optimizer=true"
     )
-
-
-def gpu_estimate(cfg: Any) -> Any:
-    """The eager peak of the same step on a GPU-like eager device, from FakeTensors (nothing allocated): an
-    estimate of tensor storage bytes (:func:`revlib_xla.memory.eager_peak`), without CUDA context or allocator
-    overhead. The step runs once first so that the optimizer state exists, as in every later step."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ..memory import eager_peak
-    from ..train import strategy as train_strategy
-
-    with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
-        # MemTracker's module tracker warns for hooks of modules it no longer sees (recomputing engines).
-        warnings.filterwarnings("ignore", message="Module is None", category=UserWarning)
-        model = train_strategy.build_model(cfg, "cpu")
-        optimizer = train_strategy.build_optimizer(cfg, model)
-        step = train_strategy.make_step(cfg, model, optimizer)
-        tokens = torch.zeros(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64)
-        step(tokens)
-        return eager_peak(lambda m, t: step(t), model, tokens, optimizer=optimizer, zero_grad=False)

@@ -223,6 +223,8 @@ class HeadBytes:
     hidden: int = 0
     element_size: int = 4  # the head's dtype; the loss works in float32 (transformers upcasts)
     chunked: bool = False
+    tied: bool = False  # the head's weight is the input embedding's
+    embedding: int = 0  # bytes of the input embedding's weight, where it gets a gradient
 
     @classmethod
     def of(cls, model: nn.Module, chunked: bool) -> HeadBytes:
@@ -230,7 +232,32 @@ class HeadBytes:
         weight = getattr(_head.output_head(model), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return cls()
-        return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked)
+        get_input = getattr(model, "get_input_embeddings", None)
+        embedding = getattr(get_input() if callable(get_input) else None, "weight", None)
+        tied = embedding is weight
+        size = (
+            embedding.numel() * embedding.element_size()
+            if isinstance(embedding, torch.Tensor) and embedding.requires_grad
+            else 0
+        )
+        return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked, tied, size)
+
+    def embedding_backward(self, hidden_bytes: int) -> int:
+        """Bytes the input embedding's backward holds, after the layers', given the bytes of its output (the
+        layers' input) ``hidden_bytes``: its dense weight gradient beside that output and its gradient, and, tied,
+        the head's gradient waiting beside them (:meth:`held_gradient`), then the two gradients' sum. At
+        Llama-3.2-1B's vocabulary in float32 that is 2.9 GiB, above every plan's peak of a 1 x 512 step: no budget
+        below it holds."""
+        if not self.tied:
+            return self.embedding + 2 * hidden_bytes if self.embedding else 0
+        return max(2 * self.embedding + 2 * hidden_bytes, 3 * self.embedding)
+
+    def held_gradient(self) -> int:
+        """Bytes held through the whole backward of the layers: a tied head's weight gradient. Autograd sums the
+        two gradients of a weight used twice before accumulating it, so the head's (computed first) waits in the
+        engine's buffer until the input embedding's backward, after every layer's (Llama-3.2-1B in bfloat16:
+        0.5 GiB, which the plan at real width overshot its budget by)."""
+        return self.vocab * self.hidden * self.element_size if self.tied else 0
 
     def __call__(self, tokens: int) -> int:
         if self.chunked:
@@ -251,6 +278,38 @@ class _LayerCheckpointable(Checkpointable):
     def __init__(self, stages: nn.Sequential, mem_limit: float | None, head: HeadBytes = HeadBytes()) -> None:
         super().__init__(stages, mem_limit=mem_limit)
         self.head = head
+
+    def held_during_backward(self) -> float:
+        """Checkpointable's (the output and its gradient) and a tied head's weight gradient
+        (:meth:`HeadBytes.held_gradient`)."""
+        return super().held_during_backward() + self.head.held_gradient()
+
+    def after_layers(self) -> float:
+        """The least budget the step needs whatever the schedule: the input embedding's backward after the
+        layers' (:meth:`HeadBytes.embedding_backward`)."""
+        return float(self.head.embedding_backward(int(self._need_chain("after_layers").cw[0])))
+
+    def min_memory(self) -> float:
+        return max(super().min_memory(), self.after_layers())
+
+    def no_checkpoint_memory(self) -> float:
+        return max(super().no_checkpoint_memory(), self.after_layers())
+
+    def get_expected_memory(self) -> float:
+        return max(super().get_expected_memory(), self.after_layers())
+
+    def compute_sequence(self, mem_limit: float | str | None = None, mem_slots: int | None = None) -> Any:
+        from ..planner import InfeasibleBudget
+
+        if mem_limit is not None or self.mem_limit is not None:
+            limit = parse_bytes(mem_limit if mem_limit is not None else cast(float, self.mem_limit), "budget")
+            if limit < self.after_layers():
+                raise InfeasibleBudget(
+                    f"memory_efficient: budget {limit:.6g} bytes is below what the step holds after its layers "
+                    f"(the input embedding's backward: {self.after_layers():.6g} bytes); pass a larger budget",
+                    self.after_layers(),
+                )
+        return super().compute_sequence(mem_limit, mem_slots)
 
     def measure(self, sample_input: Any) -> Chain:
         hidden = sample_input[0]

@@ -168,6 +168,22 @@ class _Deferred:
         self.inp, self.edges, self.saves = inp, edges, saves
 
 
+class _OutputEdges:
+    """x̄_L of the last stage once the forward phase has returned the model's output: the gradient edges of the
+    output's tensors (None where one needs no gradient), all its backward needs, so that the output's values are
+    the caller's alone to keep or free (a language model's logits, freed once the loss has been computed from them,
+    as with the plain model)."""
+
+    __slots__ = ("edges",)
+
+    def __init__(self, out: Any) -> None:
+        with torch.enable_grad():
+            self.edges = [
+                torch.autograd.graph.get_gradient_edge(o.view_as(o)) if o.requires_grad else None
+                for o in tensor_leaves(out)
+            ]
+
+
 class _Run:
     """One execution of a schedule: the live values between its forward phase and its backward phase (``x``: stage
     inputs, ``xbar``: what a stage run with autograd keeps, as (input, output) of its graph, ``grad``: gradients of
@@ -346,6 +362,13 @@ class _Run:
 
     def backward(self, i: int) -> None:
         inp, out = self.xbar.pop(i + 1)
+        if isinstance(out, _OutputEdges):
+            grads = self.grad.pop(i + 1)
+            pairs = [(e, g) for e, g in zip(out.edges, grads) if e is not None and g is not None]
+            self._backward([e for e, _ in pairs], [g for _, g in pairs], inp)
+            self.grad[i] = _input_grads(inp)
+            self.caches.pop(i, None)
+            return
         if out is _DEFERRED:
             deferred = self.deferred.pop(i)
             grads = self.grad.pop(i + 1)
@@ -436,8 +459,12 @@ class _Run:
             backend.holds_data(t) and not backend.is_tracing_lazily(t) for t in inputs
         )
         self.run(0, self.loss_at, backward=False)
-        out = self._input(len(self.stages))
+        n = len(self.stages)
+        out = self._input(n)
         self.run(self.loss_at, self.loss_at + 1, backward=False)
+        kept = self.xbar.get(n)
+        if _EDGE_ROOTS and kept is not None and kept[1] is not _DEFERRED:
+            self.xbar[n] = (kept[0], _OutputEdges(kept[1]))  # the output's values stay the caller's
         return out
 
     def route(self, params: Sequence[torch.Tensor]) -> None:

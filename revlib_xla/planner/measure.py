@@ -2,8 +2,10 @@
 
 Sizes are bytes of tensor storages (each storage once): ``cw`` of a stage's input, ``cbw`` of what its forward
 with autograd leaves alive (saved tensors and output, what existed before not counted), and the transient peaks
-of its forward and backward, tracked by PyTorch's ``MemTracker`` (allocations and frees of tensor storages, on any
-eager device; parameter gradients are allocated beforehand so they are not counted). Times are medians of repeated
+of its forward and backward, tracked by :class:`~revlib_xla.memory.StorageTracker` (allocations and frees of tensor
+storages, on any eager device, as PyTorch's ``MemTracker`` counts them, without the module hooks through which
+``MemTracker`` keeps every measured input and graph alive; parameter gradients are allocated beforehand so they are
+not counted). Times are medians of repeated
 runs on the device, synchronised.
 
 On XLA nothing runs eagerly: sizes here come from shapes (what autograd saves, the stage's input not counted, as on
@@ -27,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from .. import backend
 from .._tree import detached, tensor_leaves
-from ..memory import SavedTensorCounter, _breakdown, _mem_tracker, stablehlo_of, tensor_bytes
+from ..memory import SavedTensorCounter, StorageTracker, stablehlo_of, tensor_bytes
 from .stages import inverse_of
 
 __all__ = [
@@ -140,15 +142,6 @@ def value_bytes(x: Any) -> int:
 
 def differentiable(x: Any) -> list[torch.Tensor]:
     return [t for t in tensor_leaves(x) if t.requires_grad]
-
-
-def _tracker():
-    MemTracker, _ = _mem_tracker()
-    return MemTracker()
-
-
-def _total(snapshot, device: torch.device) -> int:
-    return _breakdown(snapshot, device, _mem_tracker()[1]).total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,12 +278,12 @@ def measure_stage(
         # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both; grad_fwd_tmp,
         # what the plan charges a forward with autograd, only the latter (a layer's attention scores and MLP
         # activations are kept there, counted in cbw, not transient).
-        tracker = _tracker()
-        tracker.track_external(stage, *tensors)
+        tracker = StorageTracker()
+        tracker.track(stage, *tensors)
         with tracker:
-            start = _total(tracker.get_tracker_snapshot("current"), device)
+            start = tracker.current(device)
             nograd_out = stage(x)
-            nograd_tmp = max(0, _total(tracker.get_tracker_snapshot("peak"), device) - start - value_bytes(nograd_out))
+            nograd_tmp = max(0, tracker.peak(device) - start - value_bytes(nograd_out))
         del nograd_out
     inverse_time = None
     if reversible:
@@ -308,21 +301,21 @@ def measure_stage(
         for _ in range(max(1, repeats)):
             inp = grad_leaves(x)
             saved: list[torch.Tensor] = []
-            tracker = _tracker()
-            tracker.track_external(stage, *tensor_leaves(inp))
+            tracker = StorageTracker()
+            tracker.track(stage, *tensor_leaves(inp))
             with torch.autograd.graph.saved_tensors_hooks(_appending_to(saved), _same), tracker:
-                start = _total(tracker.get_tracker_snapshot("current"), device)
+                start = tracker.current(device)
                 y = stage(inp)
-                end = _total(tracker.get_tracker_snapshot("current"), device)
-                peak = _total(tracker.get_tracker_snapshot("peak"), device)
+                end = tracker.current(device)
+                peak = tracker.peak(device)
             cbw = max(end - start, value_bytes(y))
             grad_fwd_tmp = max(0, peak - end)
             fwd_tmp = max(grad_fwd_tmp, nograd_tmp)
             outs = differentiable(y)
             grads = [torch.ones_like(o) for o in outs]
-            tracker = _tracker()
+            tracker = StorageTracker()
             # Known to the tracker, so that freeing them during the backward lowers its level.
-            tracker.track_external(stage, *saved, *tensor_leaves(inp), *tensor_leaves(y), *grads)
+            tracker.track(stage, *saved, *tensor_leaves(inp), *tensor_leaves(y), *grads)
             # Emptied, not just unnamed: the list outlives this scope (the pack hook's closure), and the saved
             # tensors it held would stay alive through the whole backward, where autograd frees each node's as
             # it goes (the executor's backward does): measured so, a layer's bwd_tmp counted most of its saved
@@ -330,7 +323,7 @@ def measure_stage(
             saved.clear()
             in_grad = tensor_bytes([t for t in tensor_leaves(inp) if t.requires_grad])
             with tracker:
-                start = _total(tracker.get_tracker_snapshot("current"), device)
+                start = tracker.current(device)
                 # The backward as the executor runs it (execute._roots): from the outputs' gradient edges where
                 # torch takes them, so the output's values (x_{i+1}, counted in cbw) are freed before it runs.
                 roots, seeds = _roots(y, tuple(grads))
@@ -341,7 +334,7 @@ def measure_stage(
                     torch.autograd.backward(roots, seeds)
                 backend.sync(device)
                 bw_times.append(time.perf_counter() - began)
-                peak = _total(tracker.get_tracker_snapshot("peak"), device)
+                peak = tracker.peak(device)
             bwd_tmp = max(0, peak - start - in_grad)
             del roots, seeds, inp
     finally:
@@ -386,20 +379,20 @@ def _cache_costs(
         cached.append(_seconds(replayed, device))
     cached_fw = fw * min(1.0, min(cached) / max(min(plain), 1e-12))
     # the cache's tensors exist before: what the forward returns from them (views) is not an allocation
-    tracker = _tracker()
-    tracker.track_external(stage, *tensor_leaves(x), *cache.tensors())
+    tracker = StorageTracker()
+    tracker.track(stage, *tensor_leaves(x), *cache.tensors())
     with tracker:
-        start = _total(tracker.get_tracker_snapshot("current"), device)
+        start = tracker.current(device)
         out = replayed()
-        nograd_tmp = _total(tracker.get_tracker_snapshot("peak"), device) - start - value_bytes(out)
+        nograd_tmp = tracker.peak(device) - start - value_bytes(out)
     del out
     inp = grad_leaves(x)
-    tracker = _tracker()
-    tracker.track_external(stage, *tensor_leaves(inp), *cache.tensors())
+    tracker = StorageTracker()
+    tracker.track(stage, *tensor_leaves(inp), *cache.tensors())
     with tracker, cache.replaying():
-        start = _total(tracker.get_tracker_snapshot("current"), device)
+        start = tracker.current(device)
         y = stage(inp)
-        end = _total(tracker.get_tracker_snapshot("current"), device)
+        end = tracker.current(device)
     del y, inp
     # the cached tensors are at most all the forward stops keeping; its output it keeps in any case
     return size, cached_fw, max(end - start, cbw - size, out_bytes), max(0, nograd_tmp)

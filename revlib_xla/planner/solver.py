@@ -535,8 +535,16 @@ def solve(chain: Chain, mem_limit: float, mem_slots: int = 500, dtype: torch.dty
 
     Sizes are rounded up to multiples of ``mem_limit / mem_slots`` (rotor's discretization), so the plan is
     optimal within that resolution and never exceeds the limit. Returns a :class:`Schedule` with ``ops``,
-    ``makespan`` and ``peak_memory`` (peak computed on the exact sizes).
+    ``makespan`` and ``peak_memory`` (peak computed on the exact sizes). The tables are real tensors also when
+    planning inside ``FakeTensorMode`` (a step sized without running it).
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _solve(chain, mem_limit, mem_slots, dtype)
+
+
+def _solve(chain: Chain, mem_limit: float, mem_slots: int, dtype: torch.dtype) -> Schedule:
     if not isinstance(chain, Chain):
         raise TypeError(f"solve: chain must be a revlib_xla.planner.Chain, not {type(chain).__name__}")
     if not (isinstance(mem_slots, int) and mem_slots >= 1):

@@ -60,7 +60,7 @@ from .checkpoint import (
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
 from .distributed import SilentLogger, distribute, join_processes, launched_rank, per_process_step, whole_state
-from .metrics import MetricsLogger, cut_back, device_memory
+from .metrics import MetricsLogger, cut_back, start_peak, step_memory
 from .rundir import RunLock, prepare_out_dir, remove_stale_temporaries, set_aside
 from .strategy import (
     StepReport,
@@ -340,6 +340,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
 
     with logger, stop.installed():
         since, window_start, done = 0, time.perf_counter(), start
+        start_peak(device)
         for step in range(start, cfg.train.steps):
             done = step + 1
             lr = lr_at(cfg, step)
@@ -377,13 +378,15 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
             if done % cfg.train.log_every == 0 or done == start + 1 or last or stop.signal:
                 value = float(loss)
                 losses[done] = value
-                logger.step(done, value, lr, time.perf_counter() - window_start, device_memory(device), since)
+                logger.step(done, value, lr, time.perf_counter() - window_start, step_memory(device), since)
                 since, window_start = 0, time.perf_counter()
                 check(unchecked)
+                start_peak(device)
             if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or last):
                 val_losses[done] = evaluate(cfg, model, val)
                 logger.eval(done, val_losses[done])
                 window_start = time.perf_counter()
+                start_peak(device)  # the evaluation's memory is not a training step's
             if crash_after is not None and done == crash_after:
                 break
             periodic = cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
@@ -393,6 +396,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                 check(unchecked)
                 last_ckpt = save(done, {"loss": losses.get(done, float("nan"))}) or last_ckpt
                 window_start = time.perf_counter()
+                start_peak(device)
             if stop.signal:
                 logger.message(
                     f"{stop.signal}: stopped after step {done} of {cfg.train.steps}; checkpoint {last_ckpt}. "

@@ -1,7 +1,12 @@
 """What a training run reports: a progress bar, a JSON-lines log, and TensorBoard when it is installed.
 
 Each logged step records the loss, the learning rate, tokens per second, the step time, an estimate of the model
-FLOPs utilisation (MFU) on the configured chip, and the device memory its allocator reports (where it reports one).
+FLOPs utilisation (MFU) on the configured chip, and the device memory its allocator reports, where it reports one
+(cuda; accelerators served by ``torch.accelerator``): ``peak_bytes``, the most bytes allocated at once during the
+steps since the last record (what a step needs: weights, gradients, optimizer state and its activations at their
+peak), ``reserved_bytes``, the most the allocator held from the device meanwhile (allocated or cached: what the
+device must have), and ``memory_bytes``, what stays allocated between steps (weights, gradients kept, optimizer
+state). The progress bar shows the peak.
 MFU = (training FLOPs per token, :func:`revlib_xla.models.llama.train_flops_per_token`) x tokens per second /
 (the chip's peak dense bf16 FLOP/s x chips): an estimate against ``chip.name``, meaningful when the run is on that
 chip.
@@ -9,6 +14,7 @@ chip.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -19,13 +25,44 @@ import torch
 
 from .. import backend
 
-__all__ = ["MetricsLogger", "device_memory", "cut_back"]
+__all__ = ["MetricsLogger", "StepMemory", "cut_back", "device_memory", "step_memory", "start_peak"]
 
 
 def device_memory(device: torch.device) -> int | None:
     """Bytes the device's allocator holds now, where it reports them (cuda, TorchTPU); else ``None``."""
     found = backend.backend_for(device)
     return found.memory_allocated(device) if found.allocator_statistics(device) else None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Device memory of the steps since :func:`start_peak`, from the allocator's statistics (bytes): ``peak`` (the
+    most allocated at once), ``reserved`` (the most held from the device, allocated or cached; ``None`` where the
+    allocator does not report it) and ``between`` (allocated now, after the last step)."""
+
+    peak: int
+    reserved: int | None
+    between: int
+
+
+def start_peak(device: torch.device) -> None:
+    """Start the peak that the next :func:`step_memory` reads (where the allocator keeps statistics)."""
+    found = backend.backend_for(device)
+    if found.allocator_statistics(device):
+        found.reset_peak_memory_stats(device)
+
+
+def step_memory(device: torch.device) -> StepMemory | None:
+    """The memory of the steps since :func:`start_peak` (:class:`StepMemory`), or ``None`` where the device's
+    allocator reports none (cpu; XLA, whose compiler plans memory: see ``revlib-xla memory``)."""
+    found = backend.backend_for(device)
+    if not found.allocator_statistics(device):
+        return None
+    return StepMemory(
+        peak=found.max_memory_allocated(device),
+        reserved=found.max_memory_reserved(device),
+        between=found.memory_allocated(device),
+    )
 
 
 class MetricsLogger:
@@ -74,9 +111,10 @@ class MetricsLogger:
                     self.tensorboard.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
     def step(
-        self, step: int, loss: float, lr: float, seconds: float, memory: int | None, steps_since: int = 1
+        self, step: int, loss: float, lr: float, seconds: float, memory: StepMemory | None, steps_since: int = 1
     ) -> dict[str, Any]:
-        """Record training step ``step`` (1-based: steps done) whose last ``steps_since`` steps took ``seconds``."""
+        """Record training step ``step`` (1-based: steps done) whose last ``steps_since`` steps took ``seconds`` and
+        used ``memory`` (None where the allocator reports nothing: the memory fields are null)."""
         tokens_per_s = self.tokens_per_step * steps_since / max(seconds, 1e-9)
         record: dict[str, Any] = {
             "kind": "train",
@@ -86,7 +124,9 @@ class MetricsLogger:
             "tokens_per_s": tokens_per_s,
             "step_time_s": seconds / steps_since,
             "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
-            "memory_bytes": memory,
+            "peak_bytes": None if memory is None else memory.peak,
+            "reserved_bytes": None if memory is None else memory.reserved,
+            "memory_bytes": None if memory is None else memory.between,
         }
         self._write(record)
         if self.bar is not None:
@@ -97,7 +137,7 @@ class MetricsLogger:
                 "mfu": f"{100 * record['mfu']:.1f}%",
             }
             if memory is not None:
-                postfix["mem"] = f"{memory / 2**30:.2f}GiB"
+                postfix["peak"] = f"{memory.peak / 2**30:.2f}GiB"
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(steps_since)
         return record

@@ -197,30 +197,80 @@ class PlannedLM(nn.Module):
     """The LM run by the planner (:class:`revlib_xla.Checkpointable` over ``lm.as_sequential()``), measured and
     planned on a sample batch when built (else at the first training step); ``lm`` holds the weights (shared)."""
 
-    def __init__(self, lm: nn.Module, budget: int, tpu_generation: str | None, sample: Tensor | None = None) -> None:
+    def __init__(
+        self,
+        lm: nn.Module,
+        budget: int,
+        tpu_generation: str | None,
+        sample: Tensor | None = None,
+        autocast: str | None = None,
+    ) -> None:
         super().__init__()
         from ..checkpointable import Checkpointable
 
         self.lm = lm
         self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
+        self.autocast = autocast
+        self._loss_sized: tuple[tuple[int, ...], torch.dtype | None] | None = None  # what loss_transient sized
         if sample is not None:
             self.plan(sample)
 
     def plan(self, sample: Tensor) -> None:
         """Measure the stages on ``sample`` (a token batch of the step's shape) and plan now, before an optimizer is
-        fused into the backward (the measurement's backward passes would step it)."""
+        fused into the backward (the measurement's backward passes would step it); under autocast to bfloat16 on
+        the ``autocast`` device type where the step runs so (``strategy.precision=bf16``): the activations the step
+        keeps are bfloat16, half what a float32 measurement finds."""
         from ..planner.solver import InfeasibleBudget
 
         try:
-            self.planned.measure(sample)
+            with torch.autocast(device_type=self.autocast or "cpu", dtype=torch.bfloat16, enabled=bool(self.autocast)):
+                self.planned.loss_tmp_memory_usage = self.loss_transient(sample)
+                self._loss_sized = (tuple(sample.shape), self._autocast_now())
+                self.planned.measure(sample)
             self.planned.compute_sequence()
         except InfeasibleBudget as exc:
             raise StrategyError(f"strategy.budget: {exc}; raise strategy.budget or use strategy.budget=auto") from None
         for p in self.parameters():
             p.grad = None
 
+    def loss_transient(self, sample: Tensor) -> int:
+        """The transient memory of :meth:`loss` on the logits of ``sample`` (a token batch of the step's shape), the
+        chain's loss stage (rotor's ``loss_tmp_memory_usage``): what the cross entropy's forward and backward hold at
+        their peak besides the logits and their gradient, which the plan counts already. At Llama's vocabulary this
+        is several times the logits (their float32 copy and log-probabilities, and those gradients); a plan that took
+        it as 0 peaked above its budget there. Measured on an eager device (:class:`revlib_xla.memory.StorageTracker`);
+        0 on XLA, where the compiled stages' sizes stand for it."""
+        from ..memory import StorageTracker
+        from ..models.llama import next_token_loss
+
+        if backend.is_tracing_lazily(sample):
+            return 0
+        head = cast(Any, self.lm).config
+        dtype = self._autocast_now()
+        weight = next(self.lm.parameters())
+        logits = torch.zeros(
+            (*sample.shape, head.vocab_size), dtype=dtype or weight.dtype, device=sample.device, requires_grad=True
+        )
+        tracker = StorageTracker()
+        tracker.track(logits, sample)
+        with tracker, torch.enable_grad():
+            start = tracker.current(sample.device)
+            next_token_loss(logits, sample).backward()
+            peak = tracker.peak(sample.device)
+        return max(0, peak - start - logits.numel() * logits.element_size())
+
     def forward(self, tokens: Tensor) -> Tensor:
+        sized = (tuple(tokens.shape), self._autocast_now())
+        if self.training and torch.is_grad_enabled() and self._loss_sized != sized:
+            # measured at this call (built on meta, or another batch shape): the loss stage is sized first
+            self.planned.loss_tmp_memory_usage = self.loss_transient(tokens)
+            self._loss_sized = sized
         return self.planned(tokens)
+
+    def _autocast_now(self) -> torch.dtype | None:
+        """The dtype autocast computes in on the LM's device now, or None where it is off."""
+        kind = backend.backend_for(next(self.lm.parameters()).device).autocast_device_type
+        return torch.get_autocast_dtype(kind) if kind and torch.is_autocast_enabled(kind) else None
 
     def loss(self, tokens: Tensor) -> Tensor:
         from ..models.llama import next_token_loss
@@ -467,7 +517,8 @@ def build_model(
         micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
         sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target)
         budget = planning_budget(budget, active_mesh(target))  # measured on the whole batch: see there
-        return PlannedLM(lm, budget, generation, sample=None if on_meta else sample)
+        autocast = backend.backend_for(target).autocast_device_type if s.precision == "bf16" else None
+        return PlannedLM(lm, budget, generation, sample=None if on_meta else sample, autocast=autocast)
     return lm
 
 
