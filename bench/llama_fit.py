@@ -232,6 +232,9 @@ def record_run(path: Path, key: str, overrides: list[str], report_out: list | No
         "row": report.row(),
         "seconds": round(time.perf_counter() - start, 1),
     }
+    run = load(str(path), overrides, STRATEGIES["config"])
+    if run.strategy.activations in ("reversible", "momentum"):  # which streams the reversible stack ran on
+        record[key]["streams"] = "exact" if run.strategy.exact else "float"
     record_path.write_text(json.dumps(record, indent=1) + "\n")
     if report_out is not None:
         report_out.append(report)
@@ -252,6 +255,19 @@ def base_overrides(model: str, chip: chips.Chip, args: argparse.Namespace) -> li
         f"strategy.precision={args.precision}",
         f"chip.name={chip.name}",
     ] + (["model.scan=true"] if args.scan else [])
+
+
+#: The streams of a reversible row compiled before exact (fixed-point) streams existed: floating-point streams, the
+#: step ``strategy.exact=false`` compiles now (the configs' one-block records recompiled so: the same bytes).
+FLOAT_STREAMS = "float streams (compiled before exact streams)"
+
+
+def streams_of(row: dict) -> str | None:
+    """The streams a headline row's step ran on: ``exact``, ``float``, or for a reversible row recorded before
+    exact streams existed, :data:`FLOAT_STREAMS`; ``None`` for a strategy without reversible streams."""
+    if not row["strategy"].startswith("reversible"):
+        return None
+    return row.get("streams") or FLOAT_STREAMS
 
 
 #: The note on rows compiled with ``--scan``.
@@ -277,6 +293,8 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
     rows = []
     for key in keys:
         mine = [r for r in verified if (r["model"], r["chip"], r["strategy"]) == key]
+        if any(r.get("streams") == "exact" for r in mine):  # exact streams (the default) replace the earlier ones
+            mine = [r for r in mine if r.get("streams") == "exact"]
         guess = next((r for r in predicted if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
         before = next((r for r in earlier if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
         row: dict = dict(zip(("model", "chip", "strategy"), key))
@@ -352,6 +370,8 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     for r in rows:
         shown = r.get("shown") or {}
         how = r["how"] + (f"; {shown['note']}" if shown.get("note") else "")
+        streams = streams_of(dict(shown, strategy=r["strategy"])) if shown and "not compiled)" not in r["how"] else None
+        how += f"; {streams} streams" if streams in ("exact", "float") else f"; {streams}" if streams else ""
 
         def b(value: int | None) -> str:
             return "-" if value is None else format_bytes(value)
@@ -521,6 +541,8 @@ def predict_or_verify(args: argparse.Namespace) -> int:
                     row["seconds"] = seconds
                     if args.scan:
                         row["note"] = SCANNED
+                    if row["strategy"].startswith("reversible"):
+                        row["streams"] = "exact"  # the default (no strategy.exact=false here)
                     f.write(json.dumps(row) + "\n")
                     print(json.dumps(row), flush=True)
     return 0
