@@ -177,41 +177,68 @@ def ci_overrides(cfg) -> list[str]:
     return [*CHECK_OVERRIDES, f"data.batch_size={mesh.ways(BATCH_AXES)}", f"data.seq_len={CI_SEQ_LEN}"]
 
 
-def record_configs(full: bool, names: str = "", only_ci: bool = False) -> None:
+def record_configs(full: bool, names: str = "", only_ci: bool = False, keys: str = "") -> None:
     """Write ``tpu_configs/<name>.hbm.json`` for every shipped TPU config (or those ``names`` lists, comma
     separated): the HBM `revlib-xla memory` reports at the reduced depth CI checks (``check``; a sharded config's
     CI check is ``ci``: one row per batch shard, :data:`CI_SEQ_LEN` positions) and, with ``full``, at full depth.
-    ``only_ci``: the sharded configs' ``ci`` checks alone."""
-    from revlib_xla.fit.strategies import size_strategies
-
-    for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
-        if names and path.stem not in names.split(","):
-            continue
+    ``only_ci``: the sharded configs' ``ci`` checks alone; ``keys``: only these records (comma separated)."""
+    for path in shipped_configs(names):
         cfg = load(str(path), [], STRATEGIES["config"])
-        if cfg.chip.name not in chips.TPU_CHIPS or path.stem == "cpu-smoke":
-            continue
-        chip = chips.chip(cfg.chip.name, "tpu")
-        record_path = path.with_suffix(".hbm.json")
-        record = json.loads(record_path.read_text()) if record_path.exists() else {}
-        record.update(chip=chip.name, source=COMPILER_SOURCE, versions=dict(_versions()))
-        runs = [("check", CHECK_OVERRIDES)] + ([("full", [])] if full else [])
-        if cfg.chip.chips > 1:
-            runs.insert(0, ("ci", ci_overrides(cfg)))
+        runs = config_runs(cfg, full)
         if only_ci:
             runs = [(key, overrides) for key, overrides in runs if key == "ci"]
+        if keys:
+            runs = [(key, overrides) for key, overrides in runs if key in keys.split(",")]
         for key, overrides in runs:
-            start = time.perf_counter()
-            [report] = size_strategies(str(path), overrides, chip, [STRATEGIES["config"]])
-            record[key] = {
-                "overrides": overrides,
-                "hbm_bytes": report.total,
-                "at_least_bytes": report.at_least,
-                "fits": report.fits,
-                "row": report.row(),
-                "seconds": round(time.perf_counter() - start, 1),
-            }
-            record_path.write_text(json.dumps(record, indent=1) + "\n")
-            print(path.name, key, record[key]["row"], flush=True)
+            print(path.name, key, record_run(path, key, overrides)["row"], flush=True)
+
+
+def shipped_configs(names: str = "") -> list[Path]:
+    """The shipped TPU configs (``tpu_configs/*.yaml`` for a TPU chip), or those ``names`` lists (comma separated)."""
+    paths = []
+    for path in sorted((ROOT / "tpu_configs").glob("*.yaml")):
+        if (names and path.stem not in names.split(",")) or path.stem == "cpu-smoke":
+            continue
+        if load(str(path), [], STRATEGIES["config"]).chip.name in chips.TPU_CHIPS:
+            paths.append(path)
+    return paths
+
+
+def config_runs(cfg, full: bool) -> list[tuple[str, list[str]]]:
+    """The records of a config and their overrides: ``ci`` (sharded configs), ``check``, and ``full`` with ``full``."""
+    runs = [("check", CHECK_OVERRIDES)] + ([("full", [])] if full else [])
+    if cfg.chip.chips > 1:
+        runs.insert(0, ("ci", ci_overrides(cfg)))
+    return runs
+
+
+def record_run(path: Path, key: str, overrides: list[str], report_out: list | None = None) -> dict:
+    """Compile config ``path`` with ``overrides`` deviceless and write the report as ``key`` of its record (the
+    :class:`revlib_xla.fit.FitReport` is appended to ``report_out`` where given)."""
+    from revlib_xla.fit.strategies import size_strategies
+
+    cfg = load(str(path), [], STRATEGIES["config"])
+    chip = chips.chip(cfg.chip.name, "tpu")
+    start = time.perf_counter()
+    [report] = size_strategies(str(path), overrides, chip, [STRATEGIES["config"]])
+    record_path = path.with_suffix(".hbm.json")
+    record = json.loads(record_path.read_text()) if record_path.exists() else {}
+    record.update(chip=chip.name, source=COMPILER_SOURCE, versions=dict(_versions()))
+    record[key] = {
+        "overrides": overrides,
+        "hbm_bytes": report.total,
+        "at_least_bytes": report.at_least,
+        "fits": report.fits,
+        "row": report.row(),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+    run = load(str(path), overrides, STRATEGIES["config"])
+    if run.strategy.activations in ("reversible", "momentum"):  # which streams the reversible stack ran on
+        record[key]["streams"] = "exact" if run.strategy.exact else "float"
+    record_path.write_text(json.dumps(record, indent=1) + "\n")
+    if report_out is not None:
+        report_out.append(report)
+    return record[key]
 
 
 def _versions() -> dict:
@@ -228,6 +255,19 @@ def base_overrides(model: str, chip: chips.Chip, args: argparse.Namespace) -> li
         f"strategy.precision={args.precision}",
         f"chip.name={chip.name}",
     ] + (["model.scan=true"] if args.scan else [])
+
+
+#: The streams of a reversible row compiled before exact (fixed-point) streams existed: floating-point streams, the
+#: step ``strategy.exact=false`` compiles now (the configs' one-block records recompiled so: the same bytes).
+FLOAT_STREAMS = "float streams (compiled before exact streams)"
+
+
+def streams_of(row: dict) -> str | None:
+    """The streams a headline row's step ran on: ``exact``, ``float``, or for a reversible row recorded before
+    exact streams existed, :data:`FLOAT_STREAMS`; ``None`` for a strategy without reversible streams."""
+    if not row["strategy"].startswith("reversible"):
+        return None
+    return row.get("streams") or FLOAT_STREAMS
 
 
 #: The note on rows compiled with ``--scan``.
@@ -253,6 +293,8 @@ def headline_rows(earlier: list[dict], predicted: list[dict], verified: list[dic
     rows = []
     for key in keys:
         mine = [r for r in verified if (r["model"], r["chip"], r["strategy"]) == key]
+        if any(r.get("streams") == "exact" for r in mine):  # exact streams (the default) replace the earlier ones
+            mine = [r for r in mine if r.get("streams") == "exact"]
         guess = next((r for r in predicted if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
         before = next((r for r in earlier if (r["model"], r["chip"], r["strategy"]) == key and "error" not in r), None)
         row: dict = dict(zip(("model", "chip", "strategy"), key))
@@ -328,6 +370,8 @@ def headline_markdown(rows: list[dict], strategies: dict) -> str:
     for r in rows:
         shown = r.get("shown") or {}
         how = r["how"] + (f"; {shown['note']}" if shown.get("note") else "")
+        streams = streams_of(dict(shown, strategy=r["strategy"])) if shown and "not compiled)" not in r["how"] else None
+        how += f"; {streams} streams" if streams in ("exact", "float") else f"; {streams}" if streams else ""
 
         def b(value: int | None) -> str:
             return "-" if value is None else format_bytes(value)
@@ -497,6 +541,8 @@ def predict_or_verify(args: argparse.Namespace) -> int:
                     row["seconds"] = seconds
                     if args.scan:
                         row["note"] = SCANNED
+                    if row["strategy"].startswith("reversible"):
+                        row["streams"] = "exact"  # the default (no strategy.exact=false here)
                     f.write(json.dumps(row) + "\n")
                     print(json.dumps(row), flush=True)
     return 0
@@ -526,6 +572,7 @@ def main() -> int:
     parser.add_argument(
         "--ci-only", action="store_true", help="with --configs: only the sharded configs' CI checks (`ci`)"
     )
+    parser.add_argument("--config-keys", default="", help="with --configs: only these records (check, ci, full)")
     parser.add_argument(
         "--predict",
         metavar="JSONL",
@@ -547,7 +594,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     if args.configs:
-        record_configs(args.full_configs, args.config_names, args.ci_only)
+        record_configs(args.full_configs, args.config_names, args.ci_only, args.config_keys)
         return 0
     if args.predict or args.verify:
         return predict_or_verify(args)

@@ -16,6 +16,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from revlib_xla import backend, cli, memory  # noqa: E402
 from revlib_xla.hf import memory_efficient, model_from_config  # noqa: E402
+from revlib_xla.hf.layers import HFConversionError  # noqa: E402
 from revlib_xla.planner import Op, simulate  # noqa: E402
 from revlib_xla.train.config import load_config  # noqa: E402
 from revlib_xla.train.strategy import StrategyError, build_model, flops_per_token, param_count  # noqa: E402
@@ -56,6 +57,13 @@ def test_strategies_apply_to_the_transformers_model_and_the_spec_counts_it():
         ("momentum", lambda m: m.lm.revlib_xla_conversion.net is not None),
     ]:
         assert check(build_model(load_config(SMOKE, [*base, f"strategy={strategy}"]), "cpu")), strategy
+    for strategy in ("reversible", "momentum"):  # strategy.exact: fixed-point streams (default) or floating-point
+        exact = build_model(load_config(SMOKE, [*base, f"strategy={strategy}"]), "cpu").lm.revlib_xla_conversion.net
+        floating = build_model(load_config(SMOKE, [*base, f"strategy={strategy}", "strategy.exact=false"]), "cpu")
+        assert exact.exact_format(torch.float32) is not None and exact.exact is None, strategy
+        assert floating.lm.revlib_xla_conversion.net.exact is False, strategy
+    with pytest.raises(HFConversionError, match="exact= applies to strategy='reversible' and 'momentum', not 'plan'"):
+        memory_efficient(model_from_config("gpt2-tiny"), "plan", exact=False)
     meta = build_model(load_config(SMOKE, [*base, "strategy=plan"]), "meta")
     assert all(p.is_meta for p in meta.parameters())
 

@@ -66,6 +66,11 @@ def test_a_dumped_config_loads_back_equal(tmp_path):
         (["train.steps"], r"expected key=value"),
         (["train.steps.x=1"], r"train.steps=\{.x.: 1\}: .*integer"),
         (["model.scan=maybe"], r"model.scan='maybe': .*\(expected bool\)"),
+        (["strategy=reversible", "strategy.exact=maybe"], r"strategy.exact='maybe': .*\(expected bool\)"),
+        (
+            ["strategy=checkpoint", "strategy.exact=false"],
+            r"strategy.exact=false .*strategy.activations=checkpoint .*set strategy.activations=reversible or momentum",
+        ),
         (["model.scan=true"], r"model.scan=true .*strategy.activations=none .*Set strategy.activations=reversible"),
         (["model.scan=true", "strategy=momentum"], r"model.scan=true .*momentum form.*strategy.activations=reversible"),
         (

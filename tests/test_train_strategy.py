@@ -341,6 +341,34 @@ def test_reversible_forms_step_as_their_own_no_savings_form(form):
     _close(weights, {n: t.detach() for n, t in ref.state_dict().items()})
 
 
+@pytest.mark.parametrize("form", ["reversible", "momentum"])
+def test_strategy_exact_chooses_the_streams_and_exact_ones_give_the_no_savings_gradients(form):
+    """strategy.exact (default true): the reversible forms' stack runs on fixed-point streams, whose memory-saving
+    gradients equal plain autograd's through the same function (no_savings) bit for bit in float32; false: on
+    floating-point streams. Float64 weights (how the strategies are checked) keep float64 streams either way."""
+    from revlib_xla import MemoryModes
+    from revlib_xla.fixed_point import GRID
+    from revlib_xla.models.llama import build_llama
+    from revlib_xla.train.strategy import model_config
+
+    cfg = _cfg(f"strategy={form}", "strategy.beta=0.5")
+    model = build_model(cfg)
+    assert cfg.strategy.exact is True and model.layers.exact is None  # None: the library's exact default
+    assert model.layers.exact_format(torch.float32) is GRID and model.layers.exact_format(torch.bfloat16) is GRID
+    assert build_model(cfg, dtype=torch.float64).layers.exact_format(torch.float64) is None
+    floating = build_model(_cfg(f"strategy={form}", "strategy.beta=0.5", "strategy.exact=false"))
+    assert floating.layers.exact is False and floating.layers.exact_format(torch.float32) is None
+
+    ref = build_llama(model_config(cfg), form, beta=0.5, memory_mode=MemoryModes.no_savings)
+    ref.load_state_dict(model.state_dict())
+    batch = _batches()[0]
+    assert torch.equal(model.loss(batch), ref.loss(batch))
+    model.loss(batch).backward()
+    ref.loss(batch).backward()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("form", ["reversible", "checkpoint", "plan"])
 def test_fewbit_and_bf16_compose_with_the_activation_strategies(form):

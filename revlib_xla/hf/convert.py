@@ -569,6 +569,7 @@ def memory_efficient(
     beta: float = DEFAULT_BETA,
     fewbit: int = 0,
     chunked_loss: bool = True,
+    exact: bool | None = None,
 ) -> nn.Module:
     """Run a transformers model's layer stack with less activation memory; returns ``model``, changed in place.
 
@@ -589,6 +590,9 @@ def memory_efficient(
             chunks of tokens, with no tensor of the vocabulary's size kept for the backward
             (:mod:`revlib_xla.hf.head`: the same gradients; the loss has no second derivative). False keeps
             transformers' loss.
+        exact: ``reversible`` and ``momentum``: the streams' arithmetic, as :class:`revlib_xla.ReversibleSequential`'s
+            ``exact`` (default ``None``: fixed-point streams that rebuild every layer's input bit for bit, for
+            float32 and narrower weights; ``False``: floating-point streams, checked by the backward).
 
     Train with ``use_cache=False``: a training forward drops an empty KV cache with a warning (the backward
     recomputes the layers) and refuses one that holds tokens. Under ``torch.no_grad()`` the KV cache works as usual.
@@ -602,6 +606,8 @@ def memory_efficient(
         )
     if strategy != "plan" and budget != "auto":
         raise HFConversionError(f"memory_efficient: budget= applies to strategy='plan', not {strategy!r}")
+    if strategy == "plan" and exact is not None:
+        raise HFConversionError("memory_efficient: exact= applies to strategy='reversible' and 'momentum', not 'plan'")
     stack = find_layer_stack(model)
     layers = list(stack.layers)
     runner: _Runner
@@ -616,11 +622,11 @@ def memory_efficient(
         runner = _Planned(layers, limit, HeadBytes.of(model, chunked_loss and _head.applies(model)))
     elif strategy == "reversible":
         blocks = [block for b in branches for block in (b.f, b.g)]
-        runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None), 1.0)
+        runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None, exact=exact), 1.0)
     else:
         if not (0.0 < beta < 1.0) or math.isnan(beta):
             raise HFConversionError(f"memory_efficient: beta must be in (0, 1), got {beta!r}")
-        net = momentum_net(*[_Residual(layer) for layer in layers], split_dim=None, beta=beta)
+        net = momentum_net(*[_Residual(layer) for layer in layers], split_dim=None, beta=beta, exact=exact)
         runner = _TwoStream(strategy, layers, net, beta)
     converted = ConvertedLayers(layers, runner)
     converted.train(stack.layers.training)

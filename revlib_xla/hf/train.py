@@ -247,6 +247,7 @@ def build_hf_lm(
             budget=budget if s.activations == "plan" and budget is not None else "auto",
             beta=s.beta,
             fewbit=s.fewbit,
+            exact=None if s.exact else False,  # (plan: no streams; the config refuses exact=false with it)
         )
     elif s.fewbit:
         from .convert import convert_layer_activations

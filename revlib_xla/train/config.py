@@ -92,6 +92,7 @@ class StrategyConfig(_Section):
     param_dtype: Literal["fp32", "bf16"] = "fp32"
     loss_chunk: int | Literal["auto"] = "auto"
     beta: float = 0.9
+    exact: bool = True  # the reversible and momentum forms' streams: fixed-point (true) or floating-point (false)
     data_parallel: Literal["ddp", "fsdp2"] = (
         "ddp"  # how torchrun's processes split the model: revlib_xla.train.distributed
     )
@@ -239,6 +240,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"strategy.budget={s.budget!r} is the planner's budget and applies only to strategy.activations=plan "
                 f"(here {s.activations!r}); remove strategy.budget or set strategy.activations=plan"
+            )
+        if not s.exact and s.activations not in ("reversible", "momentum"):
+            raise ValueError(
+                f"strategy.exact=false chooses the streams of a reversible stack, which strategy.activations="
+                f"{s.activations} does not have; remove strategy.exact or set strategy.activations=reversible or "
+                f"momentum"
             )
         if s.param_dtype == "bf16":
             _check_bf16_weights(s)

@@ -5,6 +5,10 @@
   ``reversible`` / ``momentum`` (the LM's two-stream reversible and MomentumNet forms, activations rebuilt in the
   backward pass), ``plan`` (:class:`revlib_xla.Checkpointable` over the LM's stages with the fastest schedule that
   fits ``budget`` bytes; ``auto`` = the chip's HBM less the parameters, gradients and optimizer state).
+* ``exact`` (``reversible`` and ``momentum``): the two residual streams as fixed-point integers, so the backward
+  rebuilds every layer's input bit for bit (true, the default: :mod:`revlib_xla.fixed_point`, 8 bytes per stream
+  element), or as floating-point numbers checked by the backward's rebuild check (false: the bytes of the
+  activations' dtype, and a refusal where the rebuilt input is off).
 * ``fewbit``: the MLP activation's derivative stored in that many bits (:mod:`revlib_xla.fewbit`).
 * ``offload.params``: parameters (and their gradients) live in host memory and are streamed to the device layer by
   layer (:class:`revlib_xla.OffloadModel`); ``offload.optimizer``: the optimizer state in host memory (see
@@ -481,9 +485,11 @@ def build_model(
 
     chunk = loss_chunk(cfg, sharded=active_mesh(target) is not None)
     with torch.device("meta"):  # built without allocating, then materialised where it runs
-        stacked = {"scan": None} if cfg.model.scan else {}  # None: the loop on XLA, layer by layer on cpu/cuda
+        stack: dict[str, Any] = {"scan": None} if cfg.model.scan else {}  # None: an XLA loop, else layer by layer
+        if form != "plain":  # exact: None, the library's fixed-point streams (float64 weights keep float64 ones)
+            stack["exact"] = None if s.exact else False
         try:
-            lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stacked)
+            lm = build_llama(model_config(cfg), form, checkpoint=checkpoint, beta=s.beta, loss_chunk=chunk, **stack)
         except ReversibleError as exc:
             if not cfg.model.scan:
                 raise
