@@ -720,8 +720,8 @@ def train_one(spec_path: str) -> int:
     build_step = loop.make_step
     current: dict[str, Any] = {}
 
-    def make_step(cfg: Any, model: Any, optimizer: Any) -> Callable[[Any], Any]:
-        step_fn = build_step(cfg, model, optimizer)
+    def make_step(cfg: Any, model: Any, optimizer: Any, report: Any = None) -> Callable[[Any], Any]:
+        step_fn = build_step(cfg, model, optimizer, report)
         cuda, steps_path, count = cfg.train.device == "cuda", current["steps"], 0
 
         def measured(batch: Any) -> Any:

@@ -135,10 +135,13 @@ def branch_gradient(dstream: Tensor, shape: torch.Size, dtype: torch.dtype) -> T
 class StreamGuard:
     """The range check of one forward: every value added into a stream (the input, each block's output) must fit
     the grid (:meth:`FixedPoint.bound`) and be finite. Each layer records the extremes of what it adds (one
-    reduction, no synchronization); :meth:`judge` reads them all at once after the forward (eager devices) and raises
-    :class:`FixedStreamError` naming the first layer at fault. On a lazy device (XLA) reading them would run the
-    step's graph in the middle of the step: the verdict is read at the model's next forward instead
-    (:meth:`ready`)."""
+    reduction, no synchronization). On an eager device alone, :meth:`judge` reads them all at once after the forward
+    and raises :class:`FixedStreamError` naming the first layer at fault. Where reading would cost the step (a lazy
+    device, XLA: the read runs or waits for the step's graph) or would leave other processes waiting (a
+    data-parallel group: one rank raising while the others enter the gradient all-reduce), nothing is read:
+    :meth:`poison` turns the forward's outputs into NaN where the check failed, so that a stream that overflowed can
+    only show as a non-finite loss, never as a finite wrong number, and :meth:`judge` names the layer when asked
+    afterwards (:func:`revlib_xla.reversible.stream_range_error`)."""
 
     def __init__(self, grid: FixedPoint, layers: int, describe) -> None:
         self.grid = grid
@@ -172,19 +175,25 @@ class StreamGuard:
             self.packed = torch.stack(self.extremes)
         self.extremes = []
 
-    def ready(self) -> bool:
-        return self.packed is None or backend.value_ready(self.packed)
+    def poison(self) -> Tensor | None:
+        """A 0-dim float32 tensor (after :meth:`close`): 0 where every recorded value fits the grid, NaN where one
+        does not or is not finite (NaN compares false); nothing is read."""
+        if self.packed is None:
+            return None
+        fits = (self.packed[:, 0] > -self.limit) & (self.packed[:, 1] < self.limit)
+        return torch.where(fits.all(), 0.0, float("nan"))
 
     def judge(self, previous: bool = False) -> None:
+        """Read the extremes; raise :class:`FixedStreamError` for the first layer at fault (``previous``: the
+        forward is an earlier one, whose outputs were made NaN instead)."""
         if self.packed is None:
             return
         values = self.packed.cpu().tolist()
-        self.packed = None
         for where, (lo, hi) in zip(self.where, values):
             if lo > -self.limit and hi < self.limit:
                 continue
             what = self.describe(where)
-            when = " (in the previous step's forward; on XLA it is read once the step has run)" if previous else ""
+            when = " (in an earlier forward, whose outputs were made NaN: see StreamGuard)" if previous else ""
             finite = all(v == v and abs(v) != float("inf") for v in (lo, hi))
             if not finite:
                 raise FixedStreamError(

@@ -1002,8 +1002,10 @@ class ReversibleSequential(nn.Sequential):
             differentiated straight through). The blocks see the stream decoded to at least float32 (cast to the
             input's dtype when that is narrower), and the output is returned in the input's dtype. Cost: 8 bytes
             per stream element (two streams, whatever the depth), a few element-wise passes per layer, and a range
-            check per layer read once per forward (a value beyond 2**31 / (layers + 1), NaN or infinity raises
-            :class:`revlib_xla.fixed_point.FixedStreamError` naming the layer). Float64 inputs keep floating-point
+            check per layer (a value beyond 2**31 / (layers + 1), NaN or infinity raises
+            :class:`revlib_xla.fixed_point.FixedStreamError` naming the layer, read once per forward; on XLA and
+            in a data-parallel group nothing is read and the outputs become NaN instead, see
+            :func:`stream_range_error`). Float64 inputs keep floating-point
             streams by default (they rebuild to ~1e-16). On XLA the recomputation is compiled with the backward and
             may round a reduction (normalization, softmax) differently from the forward in its last bits; the
             backward's rebuild check stays armed there.
@@ -1376,7 +1378,7 @@ class ReversibleSequential(nn.Sequential):
         state = super().__getstate__()
         state["_streamer"] = None
         state["_rebuild_pending"] = []  # lazy values of this process's steps
-        state["_guards_pending"] = []
+        state["_last_guard"] = None
         return state
 
     @property
@@ -1444,9 +1446,6 @@ class ReversibleSequential(nn.Sequential):
         pending = self.__dict__.get("_rebuild_pending")
         if pending:  # an earlier step's rebuild, measured on a lazy device: read it once computed
             _rebuild_check.settle(pending)
-        guards = self.__dict__.get("_guards_pending")
-        if guards:  # an earlier step's stream range check, on a lazy device: read it once computed
-            _settle_guards(guards)
         x0, x1, two_stream = self._split(inp)
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
@@ -1486,7 +1485,7 @@ class ReversibleSequential(nn.Sequential):
                 x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
             plan.fixed_streams = None
         if plan.guard is not None:
-            self._judge(plan.guard)
+            x0, x1 = self._judge(plan.guard, x0, x1)
             plan.guard = None
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
@@ -1503,13 +1502,19 @@ class ReversibleSequential(nn.Sequential):
         with its KV cache, per-layer hooks); see :class:`LayerWalk`."""
         return LayerWalk(self, x0, x1)
 
-    def _judge(self, guard: _fixed.StreamGuard) -> None:
-        """The forward's stream range check: read now, or (lazy devices) at the next forward."""
+    def _judge(self, guard: _fixed.StreamGuard, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+        """The forward's stream range check: read now and raised (an eager device in one process), or, where a
+        read would cost the step or leave other ranks waiting, the outputs made NaN if it failed (no read; the
+        guard is kept for :func:`stream_range_error`)."""
         guard.close()
-        if guard.ready():
+        poison = guard.poison()
+        if poison is None:
+            return x0, x1
+        if not (backend.is_tracing_lazily(x0) or _data_parallel()):
             guard.judge()
-        else:
-            self.__dict__.setdefault("_guards_pending", []).append(guard)
+            return x0, x1
+        self.__dict__["_last_guard"] = guard
+        return x0 + poison.to(x0.dtype), x1 + poison.to(x1.dtype)
 
     def _fsdp_units(self, plan: _Plan) -> list[fsdp.LayerUnits | None] | None:
         """The FSDP2 units inside the blocks, per layer (see :mod:`revlib_xla.fsdp`), refusing the layouts the
@@ -1654,13 +1659,28 @@ class LayerWalk:
         return self.x0.to(self.dtype), self.x1.to(self.dtype)
 
 
-def _settle_guards(pending: list[_fixed.StreamGuard]) -> None:
-    """Read the range checks of earlier forwards whose values are ready, raising for a failed one."""
-    ready = [g for g in pending if g.ready()]
-    for guard in ready:
-        pending.remove(guard)
-    for guard in ready:
-        guard.judge(previous=True)
+def _data_parallel() -> bool:
+    """Whether this process is one of several in a torch.distributed group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def stream_range_error(module: nn.Module) -> _fixed.FixedStreamError | None:
+    """Why the outputs of ``module``'s last forward are NaN, if its exact streams overflowed there: the
+    :class:`FixedStreamError` naming the first layer at fault, for each :class:`ReversibleSequential` in
+    ``module``, read now (on XLA and in a data-parallel group the range check reads nothing during the step and
+    makes the outputs NaN instead; a training loop that sees a non-finite loss asks this). ``None`` if none
+    overflowed."""
+    for sub in module.modules():
+        guard = sub.__dict__.get("_last_guard") if isinstance(sub, ReversibleSequential) else None
+        if guard is None:
+            continue
+        try:
+            guard.judge(previous=True)
+        except _fixed.FixedStreamError as exc:
+            return exc
+    return None
 
 
 def _plain_copies(plan: _Plan, i: int) -> dict[str, Tensor] | None:

@@ -5,6 +5,7 @@ cannot hold. Real widths: tests/test_real_sizes.py."""
 
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -317,23 +318,39 @@ def test_a_value_beyond_the_grid_is_refused_naming_the_layer():
     assert fixed_point.GRID.range_in_values(3) == pytest.approx(2.0**31 / 4)
 
 
-def test_xla_reads_the_range_check_at_the_next_forward():
-    """On XLA the check's extremes are outputs of the step's graph: nothing runs inside the step, and the next
-    forward raises for the previous one."""
+def test_xla_reads_nothing_and_an_overflow_makes_the_outputs_nan():
+    """On XLA the range check reads nothing (a read would run or wait for the step's graph): nothing runs inside
+    the step, nothing is transferred after it, and a forward whose stream overflowed returns NaN (never a finite
+    wrong number); stream_range_error names the layer afterwards. A forward in range is untouched."""
     if not backend.xla_available():
         pytest.skip("torch_xla is not installed (pip install 'revlib_xla[xla]')")
     import torch_xla.debug.metrics as met
 
+    from revlib_xla.reversible import stream_range_error
+
     xla = backend.device_for("xla")
-    model = ReversibleSequential(nn.Linear(4, 4), Scale(1e12), split_dim=-1).to(xla)
-    x = torch.randn(3, 8).to(xla)
-    backend.sync(xla)
-    before = (met.metric_data("ExecuteTime") or [0])[0]
-    model(x).sum().backward()
-    assert (met.metric_data("ExecuteTime") or [0])[0] == before
-    backend.sync(xla)
-    with pytest.raises(FixedStreamError, match=r"layer 1 \('0-1': Scale\) produced a value .* previous step"):
-        model(x)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    for scale, overflows in ((2.0, False), (1e12, True)):
+        torch.manual_seed(0)
+        model = ReversibleSequential(nn.Linear(4, 4), Scale(scale), split_dim=-1)
+        want = None if overflows else model(x).detach()  # (on the CPU an overflow raises)
+        model = model.to(xla)
+        backend.sync(xla)
+        met.clear_all()
+        out = model(x.to(xla))
+        out.sum().backward()
+        assert met.metric_data("ExecuteTime") is None  # nothing ran inside the step
+        backend.sync(xla)
+        assert met.metric_data("TransferFromDeviceTime") is None  # nothing read after it either
+        got = out.cpu()
+        if overflows:
+            assert got.isnan().all()
+            error = stream_range_error(model)
+            assert isinstance(error, FixedStreamError)
+            assert re.search(r"layer 1 \('0-1': Scale\) produced a value .* earlier forward", str(error))
+        else:
+            assert stream_range_error(model) is None
+            torch.testing.assert_close(got, want)
 
 
 def test_an_empty_batch_runs():

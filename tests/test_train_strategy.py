@@ -75,7 +75,7 @@ def _close(a, b, rtol=1e-9, atol=1e-12):
 SAME_FUNCTION = [
     ["strategy=checkpoint"],
     ["strategy=plan"],
-    pytest.param(["strategy=plan", "strategy.budget=560kB"], marks=pytest.mark.slow),  # most stages recomputed
+    pytest.param(["strategy=plan", "strategy.budget=580kB"], marks=pytest.mark.slow),  # most stages recomputed (smallest: 566 kB)
     ["strategy.offload.params=true"],
     ["strategy.offload.params=true", "strategy=checkpoint"],
     ["strategy.offload.activations=true"],

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from .. import backend
+from ..reversible import stream_range_error
 from ..sharding import apply_mesh
 from .checkpoint import (
     Checkpoint,
@@ -310,8 +311,10 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
 
     def diverged(step: int, what: str) -> DivergedError:
         kept = f"the last checkpoint, {last_ckpt}, holds finite weights" if last_ckpt else "no checkpoint was written"
+        overflow = stream_range_error(model)  # exact reversible streams that overflowed make the loss NaN
+        why = f" ({overflow})" if overflow is not None else ""
         return DivergedError(
-            f"step {step}: {what}; the run stopped ({kept}). Lower optim.lr (or give optim.warmup_steps, "
+            f"step {step}: {what}{why}; the run stopped ({kept}). Lower optim.lr (or give optim.warmup_steps, "
             f"optim.grad_clip) and resume, or set train.nonfinite=skip to skip such steps"
         )
 
