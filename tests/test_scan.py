@@ -59,7 +59,10 @@ def _step(model, device, dtype=torch.float64, layerwise=False, autocast=False, p
     torch.manual_seed(2)
     with torch.autocast("xla", dtype=torch.bfloat16, enabled=autocast):
         y = model(x, **kwargs)
-    loss = (y.sin() * torch.linspace(-1, 1, y.shape[1], dtype=y.dtype, device=device)).sum()
+    # The loss weights are made on the host: torch_xla computes a float64 linspace in float32, which XLA:CPU
+    # rounds differently from program to program (folded at compile time or fused multiply-add at run time).
+    weights = torch.linspace(-1, 1, y.shape[1], dtype=y.dtype).to(device)
+    loss = (y.sin() * weights).sum()
     if params:
         loss.backward()
         grads = [p.grad for p in model.parameters()]
