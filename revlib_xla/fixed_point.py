@@ -160,19 +160,19 @@ class StreamGuard:
         else:  # one pass
             lo, hi = torch.aminmax(scaled)
         self.where.append(where)
-        self.extremes.append(torch.stack([lo.float(), hi.float()]))
+        self.extremes.append(torch.stack([lo.float(), hi.float()]).unsqueeze(0))
 
     def record_many(self, where: Sequence[int], extremes: Tensor) -> None:
         """Extremes already reduced (a compiled loop's per-iteration outputs): ``extremes[k]`` is ``(lo, hi)`` of
         ``where[k]``."""
         self.where.extend(where)
-        self.extremes.extend(extremes.float().unbind(0))
+        self.extremes.append(extremes.float())  # one piece (a compiled program that does not grow with depth)
 
     def close(self) -> None:
         """The forward is over: every extreme in one tensor (on a lazy device, one more output of the step's graph,
         read with one transfer)."""
         if self.extremes:
-            self.packed = torch.stack(self.extremes)
+            self.packed = torch.cat(self.extremes) if len(self.extremes) > 1 else self.extremes[0]
         self.extremes = []
 
     def poison(self) -> Tensor | None:
