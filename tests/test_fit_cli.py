@@ -105,3 +105,18 @@ def test_memory_without_torch_xla_says_what_to_install(capsys, monkeypatch):
     assert re.search(
         r"which needs (\S+, )*libtpu \(not installed here\): pip install 'revlib_xla\[xla,tpu-compile\]'", err
     )
+
+
+def test_plan_without_torch_xla_says_what_to_install_and_what_works(capsys, monkeypatch):
+    """``revlib-xla plan`` in a core install (no torch_xla, jax or libtpu; ``make test-newer`` runs it there as it
+    is): one line, exit 2, naming what to install and the GPU estimate that needs none of them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    code, out, err = run(capsys, "plan", "--config", SMOKE, "--budget", "8GiB", *TINY)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and out == "", (out, err)
+    assert re.search(
+        r"which need (\S+, )*libtpu \(not installed here\): pip install 'revlib_xla\[xla,tpu-compile\]'", err
+    )
+    assert "revlib-xla memory --gpu NAME --strategies plan" in err

@@ -17,7 +17,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["COMMANDS", "UsageError", "main"]
+__all__ = ["COMMANDS", "TPU_SIZING", "UsageError", "main", "missing_modules"]
 
 COMMANDS: dict[str, str] = {
     "train": "train a model from a config (tpu_configs/*.yaml) with a memory strategy",
@@ -38,6 +38,18 @@ _USER_ERRORS = (
     ("revlib_xla.train.checkpoint", "CheckpointMismatch"),
 )
 _RUN_FAILURES = (("revlib_xla.train.loop", "DivergedError"), ("revlib_xla.train.checkpoint", "CheckpointError"))
+
+
+TPU_SIZING = ("torch_xla", "jax", "jaxlib", "libtpu")
+"""What sizing a step for a TPU without one needs: torch_xla traces it, the TPU compiler (libtpu, through jax)
+compiles it deviceless."""
+
+
+def missing_modules(names: Sequence[str] = TPU_SIZING) -> list[str]:
+    """Those of ``names`` not installed here (looked up, not imported)."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
