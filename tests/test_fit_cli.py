@@ -92,6 +92,7 @@ def test_plan_prints_the_schedule_with_its_predictions(capsys):
     assert "stages:" in out and "operations (" in out
     code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1KiB", *TINY)
     assert code == 2 and "the smallest budget for this model and input is" in err
+    assert "pass a larger --budget" in err and "mem_limit" not in err and "Checkpointable" not in err, err
 
 
 def test_memory_without_torch_xla_says_what_to_install(capsys, monkeypatch):
@@ -120,3 +121,19 @@ def test_plan_without_torch_xla_says_what_to_install_and_what_works(capsys, monk
         r"which need (\S+, )*libtpu \(not installed here\): pip install 'revlib_xla\[xla,tpu-compile\]'", err
     )
     assert "revlib-xla memory --gpu NAME --strategies plan" in err
+
+
+def test_memory_help_lists_the_strategies_the_table_prints(capsys):
+    """``memory --help`` named 7 strategies where the table printed 10: its default list is the table's rows, and
+    with the rest it names every strategy ``--strategies`` accepts."""
+    from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES
+
+    with pytest.raises(SystemExit):
+        main(["memory", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    found = re.search(r"to compare; default: (.*?); also: (.*?)(?: \(|$| --| -h| key=value)", text)
+    assert found, text
+    default = [name.split(" (")[0] for name in found.group(1).split(", ")]
+    also = found.group(2).split(", ")
+    assert default == ["config", *DEFAULT_COMPARISON]
+    assert sorted(default + also) == sorted(STRATEGIES)

@@ -375,3 +375,17 @@ def test_bad_input_is_one_line_through_the_cli(tmp_path, capsys, make, overrides
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("revlib-xla train: error: ") and err.count("\n") == 1, err
     assert expected.replace("FILE", str(file)) in err, err
+
+
+def test_an_unknown_chip_is_said_before_anything_is_built_or_announced(tmp_path, capsys, monkeypatch):
+    """A wrong chip.name was reported only after the model was built and "writing to ..." was printed."""
+    monkeypatch.setattr(strategy, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    code = main(
+        ["train", "--config", "tpu_configs/cpu-smoke.yaml", *TINY, f"train.out_dir={tmp_path}", "chip.name=V5E"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and not any(tmp_path.iterdir()), (out, err)
+    assert err == (
+        "revlib-xla train: error: chip.name='V5E' is not a known chip (did you mean 'v5e'?); choose one of v4, v5e, "
+        "v5p, v6e, h100, h200, a100-40gb, a100-80gb, l4, t4\n"
+    )

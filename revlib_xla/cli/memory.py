@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        help="comma-separated strategies to compare (config, none, checkpoint, reversible, plan, plan+fewbit, "
-        "plan+fewbit+offload); default: the config as written and all the others",
+        help="comma-separated strategies to compare; default: config (the config as written), none, checkpoint, "
+        "reversible, plan, plan+fewbit, plan+fewbit+offload, reversible+offload, reversible+offload+bf16, "
+        "reversible+fused; also: reversible+offload+bf16+scan",
     )
     parser.add_argument(
         "--gpu",

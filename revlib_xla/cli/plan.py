@@ -58,6 +58,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         planned = plan_config(cfg, budget)
     except InfeasibleBudget as exc:
-        raise UsageError(f"--budget {args.budget}: {exc}") from None
+        raise UsageError(f"--budget {args.budget}: {exc.naming('--budget')}") from None
     print(format_schedule(planned, target))
     return 0

@@ -318,6 +318,7 @@ def save_checkpoint(
         _write(tmp / "optimizer.pt", lambda p: torch.save(host_optimizer, p))
         _write(tmp / "state.pt", lambda p: torch.save(dataclasses.asdict(state), p))
         _write(tmp / "config.yaml", lambda p: Path(p).write_text(config_yaml))
+        shutil.copymode(tmp / "config.yaml", tmp / "model.safetensors")  # safetensors writes 0600, not the umask's
         sizes = {file: (tmp / file).stat().st_size for file in _FILES}
         _write(tmp / MANIFEST, lambda p: Path(p).write_text(json.dumps({"bytes": sizes}, indent=1) + "\n"))
         _fsync(tmp)

@@ -67,13 +67,13 @@ from .strategy import (
     StepReport,
     build_model,
     build_optimizer,
-    chip_spec,
     compute_device,
     flops_per_token,
     lm_loss,
     lr_at,
     make_step,
     model_config,
+    peak_flops,
     resolve_device,
     set_lr,
 )
@@ -309,14 +309,13 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                 f"metrics.jsonl: dropped {dropped} record(s) after step {start} (this run logs those steps again)"
             )
 
-    _, peak = chip_spec(cfg.chip.name)
     logger = (MetricsLogger if main else SilentLogger)(
         out,
         cfg.train.steps,
         start,
         cfg.data.batch_size * cfg.data.seq_len,
         flops_per_token(cfg),
-        peak * cfg.chip.chips,
+        peak_flops(cfg, device),
         progress=cfg.train.progress and start < cfg.train.steps,
     )
     for note in notes:
