@@ -63,6 +63,10 @@ def test_memory_bad_input_is_one_line_with_exit_2(capsys, argv, message):
 def test_plan_bad_budget_is_one_line(capsys):
     code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "lots")
     assert code == 2 and err.startswith("revlib-xla plan: error: --budget='lots': expected a number of bytes")
+    code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1GiB", "--chip", "v9")  # the flag typed
+    assert (
+        code == 2 and err == "revlib-xla plan: error: --chip: unknown TPU chip 'v9'; choose one of v4, v5e, v5p, v6e\n"
+    )
 
 
 @compiles

@@ -37,7 +37,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     extra = ["strategy.activations=plan", f"strategy.budget={int(budget)}"]
     if args.chip:
-        extra.append(f"chip.name={args.chip}")
+        try:
+            chips.chip(args.chip, "tpu")
+        except ValueError as exc:
+            raise UsageError(f"--chip: {exc}") from None
+        extra.append(f"chip.name={args.chip.strip().lower()}")
     cfg = load_config(args.config, [*args.overrides, *extra])
     try:
         target = chips.chip(cfg.chip.name, "tpu")
