@@ -141,3 +141,56 @@ def test_memory_help_lists_the_strategies_the_table_prints(capsys):
     also = found.group(2).split(", ")
     assert default == ["config", *DEFAULT_COMPARISON]
     assert sorted(default + also) == sorted(STRATEGIES)
+
+
+def test_a_stopped_sizing_deletes_its_temporary_folder_and_stops_its_compiler(tmp_path):
+    """SIGTERM while the deviceless compiler runs (``revlib-xla memory`` killed, as ``timeout`` does): the command
+    says so in one line and exits 143, its ``revlib_xla_tpu_*`` folder is gone and its compiler process stopped (both
+    were left behind). A stand-in compiler that waits keeps it fast."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "waiting_compiler.py").write_text(
+        "import os, sys, time\n"
+        "def tpu_environment(topology, hbm_only=False):\n"
+        "    return dict(os.environ)\n"
+        "if __name__ == '__main__':\n"
+        "    open(os.environ['COMPILER_PID'], 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+    )
+    script = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import waiting_compiler\n"
+        "from revlib_xla import memory\n"
+        "from revlib_xla.cli import long_running\n"
+        "with long_running('memory'):\n"
+        "    memory._run_tpu_worker(['module'], 'v5e:2x2', 0, 120.0, waiting_compiler)\n"
+    )
+    temp, pid_file = tmp_path / "tmp", tmp_path / "compiler.pid"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "COMPILER_PID": str(pid_file)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        assert [p.name.startswith("revlib_xla_tpu_") for p in temp.iterdir()] == [True]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        compiler = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "revlib-xla memory: stopped by SIGTERM", err
+    assert list(temp.iterdir()) == []
+    try:
+        os.kill(compiler, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.kill(compiler, signal.SIGKILL)
+        pytest.fail("the compiler process was left running")
