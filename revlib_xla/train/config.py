@@ -166,7 +166,8 @@ class OptimConfig(_Section):
 
 
 class ChipConfig(_Section):
-    """The accelerator the run targets: ``plan`` auto's budget, the MFU estimate, ``revlib-xla memory``."""
+    """The accelerator the run targets: ``plan`` auto's budget, ``revlib-xla memory``, and a GPU run's MFU peak
+    (a TPU's comes from its runtime)."""
 
     name: str = "v5e"
     chips: int = Field(default=1, ge=1)
