@@ -33,9 +33,10 @@ HuggingFace transformers models (the ``[hf]`` extra):
     the ``hf`` module (``hf.memory_efficient(model, strategy="plan" | "reversible" | "momentum")``,
     ``hf.model_from_config``).
 
-Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they are imported
-on first use. Modules and names with a leading underscore, and modules not named here (``backend``,
-``recompute``, ``compile_cache``, ``hlo_liveness``, ``tpu_compile``, ``demo``), are internal.
+Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they, and the
+names above, are imported on first use: ``import revlib_xla`` alone imports neither torch nor torch_xla. Modules and
+names with a leading underscore, and modules not named here (``backend``, ``recompute``, ``compile_cache``,
+``hlo_liveness``, ``tpu_compile``, ``demo``), are internal.
 
 Compatibility (thin facades over the API above; the names are the same objects):
     RevLib 1.7: ``import revlib_xla as revlib`` runs RevLib code, with RevLib's defects fixed (see README). Its
@@ -49,45 +50,88 @@ Compatibility (thin facades over the API above; the names are the same objects):
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
-from typing import TYPE_CHECKING
-
-from . import fsdp, planner
-from .checkpointable import Checkpointable, atomic, flatten_sequential
-from .core import TensorOffload, replace_grad, reverse_and_swap
-from .coupling import (
-    COUPLING,
-    TENSOR_OR_LIST,
-    CouplingPair,
-    additive_coupling_forward,
-    additive_coupling_inverse,
-    affine_coupling,
-    momentum_coupling,
-)
-from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
-from .intermediates import memory_efficient_intermediates
-from .offload import ParameterStreamer
-from .offload_model import OffloadModel, OffloadModelError
-from .reversible import (
-    DUAL_OR_QUAD_TENSOR,
-    FUSED_OPTIMIZER,
-    InvertibilityReport,
-    MemoryModes,
-    ReversibleError,
-    ReversibleModule,
-    ReversibleModuleCache,
-    ReversibleSequential,
-    check_invertible,
-    offload_tensor,
-)
+import importlib.util
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from . import compat, core, fewbit, fit, hf, memory, models, sharding, train, utils
+    from . import compat, core, fewbit, fit, fsdp, hf, memory, models, planner, sharding, train, utils
+    from .checkpointable import Checkpointable, atomic, flatten_sequential
+    from .core import TensorOffload, replace_grad, reverse_and_swap
+    from .coupling import (
+        COUPLING,
+        TENSOR_OR_LIST,
+        CouplingPair,
+        additive_coupling_forward,
+        additive_coupling_inverse,
+        affine_coupling,
+        momentum_coupling,
+    )
+    from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
+    from .intermediates import memory_efficient_intermediates
+    from .offload import ParameterStreamer
+    from .offload_model import OffloadModel, OffloadModelError
+    from .reversible import (
+        DUAL_OR_QUAD_TENSOR,
+        FUSED_OPTIMIZER,
+        InvertibilityReport,
+        MemoryModes,
+        ReversibleError,
+        ReversibleModule,
+        ReversibleModuleCache,
+        ReversibleSequential,
+        check_invertible,
+        offload_tensor,
+    )
 
 __version__ = "0.1.0"
 
-# Public modules imported on first access, so that ``import revlib_xla`` loads only what it needs.
-_LAZY_MODULES = ("memory", "fewbit", "models", "train", "hf", "utils", "core", "compat", "fit", "sharding")
+# Nothing is imported with the package itself (``import revlib_xla`` does not even import torch, so that
+# ``revlib-xla --help`` answers at once): a public module is imported on first access, and a public name on first
+# access from the module that defines it.
+_LAZY_MODULES = (
+    "memory",
+    "fewbit",
+    "models",
+    "train",
+    "hf",
+    "utils",
+    "core",
+    "compat",
+    "fit",
+    "sharding",
+    "fsdp",
+    "planner",
+)
+_HOMES = {
+    "checkpointable": ("Checkpointable", "atomic", "flatten_sequential"),
+    "core": ("TensorOffload", "replace_grad", "reverse_and_swap"),
+    "coupling": (
+        "COUPLING",
+        "TENSOR_OR_LIST",
+        "CouplingPair",
+        "additive_coupling_forward",
+        "additive_coupling_inverse",
+        "affine_coupling",
+        "momentum_coupling",
+    ),
+    "fused_optimizer": ("FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"),
+    "intermediates": ("memory_efficient_intermediates",),
+    "offload": ("ParameterStreamer",),
+    "offload_model": ("OffloadModel", "OffloadModelError"),
+    "reversible": (
+        "DUAL_OR_QUAD_TENSOR",
+        "FUSED_OPTIMIZER",
+        "InvertibilityReport",
+        "MemoryModes",
+        "ReversibleError",
+        "ReversibleModule",
+        "ReversibleModuleCache",
+        "ReversibleSequential",
+        "check_invertible",
+        "offload_tensor",
+    ),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     # reversible networks
@@ -145,12 +189,19 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> ModuleType:
-    """Import a public module (``_LAZY_MODULES``) on first access."""
+def __getattr__(name: str) -> Any:
+    """Import a public module (``_LAZY_MODULES``), or the module defining a public name, on first access."""
     if name in _LAZY_MODULES:
         return importlib.import_module(f".{name}", __name__)
+    home = _HOME_OF.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(f".{home}", __name__), name)
+        globals()[name] = value  # later accesses do not come here
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f".{name}", __name__)  # an internal module (``revlib_xla.backend``)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_MODULES))
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_HOME_OF))

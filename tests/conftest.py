@@ -1,8 +1,17 @@
 """Shared fixtures: every numerical test runs on each device kind present (cpu, xla, cuda)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# libtpu, wherever it loads (jax or torch_xla in a test's process, a deviceless compiler worker), writes two log
+# files per process to $TPU_LOG_DIR, by default /tmp/tpu_logs, and never removes them: the suite's go to a directory
+# of this process's, deleted when it exits (subprocesses inherit it).
+if "TPU_LOG_DIR" not in os.environ:
+    os.environ["TPU_LOG_DIR"] = tempfile.mkdtemp(prefix="revlib_xla_tests_tpu_logs_")
+    atexit.register(shutil.rmtree, os.environ["TPU_LOG_DIR"], ignore_errors=True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A CUDA jax (the JAX reference tests on a GPU machine) takes 75 % of the GPU at its first array by default, in each
 # pytest-xdist worker that imports it; the torch cases of that worker and the other workers then run out of memory.

@@ -63,3 +63,33 @@ def test_other_errors_are_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None
     _fake_command(monkeypatch, "memory", run)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["memory"])
+
+
+def test_import_and_help_import_neither_torch_nor_torch_xla() -> None:
+    """``import revlib_xla`` and ``revlib-xla [COMMAND] --help`` import neither torch nor torch_xla (so help answers
+    at once, and nothing prints torch_xla's PJRT warning), in a fresh interpreter without ``PJRT_DEVICE``."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import revlib_xla\n"
+        "heavy = lambda: sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'torch_xla', 'jax'})\n"
+        "print('@@ import', heavy())\n"
+        "from revlib_xla.cli import COMMANDS, main\n"
+        "for argv in (['--help'], *([name, '--help'] for name in COMMANDS)):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as stop:\n"
+        "        assert stop.code == 0, (argv, stop.code)\n"
+        "    print('@@', argv[0], heavy())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("@@ ")]
+    assert lines == [f"@@ {what} []" for what in ("import", "--help", *cli.COMMANDS)], done.stdout[-3000:]
+    assert "PJRT" not in done.stderr, done.stderr

@@ -63,6 +63,10 @@ def test_memory_bad_input_is_one_line_with_exit_2(capsys, argv, message):
 def test_plan_bad_budget_is_one_line(capsys):
     code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "lots")
     assert code == 2 and err.startswith("revlib-xla plan: error: --budget='lots': expected a number of bytes")
+    code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1GiB", "--chip", "v9")  # the flag typed
+    assert (
+        code == 2 and err == "revlib-xla plan: error: --chip: unknown TPU chip 'v9'; choose one of v4, v5e, v5p, v6e\n"
+    )
 
 
 @compiles
@@ -92,6 +96,7 @@ def test_plan_prints_the_schedule_with_its_predictions(capsys):
     assert "stages:" in out and "operations (" in out
     code, _, err = run(capsys, "plan", "--config", SMOKE, "--budget", "1KiB", *TINY)
     assert code == 2 and "the smallest budget for this model and input is" in err
+    assert "pass a larger --budget" in err and "mem_limit" not in err and "Checkpointable" not in err, err
 
 
 def test_memory_without_torch_xla_says_what_to_install(capsys, monkeypatch):
@@ -105,3 +110,87 @@ def test_memory_without_torch_xla_says_what_to_install(capsys, monkeypatch):
     assert re.search(
         r"which needs (\S+, )*libtpu \(not installed here\): pip install 'revlib_xla\[xla,tpu-compile\]'", err
     )
+
+
+def test_plan_without_torch_xla_says_what_to_install_and_what_works(capsys, monkeypatch):
+    """``revlib-xla plan`` in a core install (no torch_xla, jax or libtpu; ``make test-newer`` runs it there as it
+    is): one line, exit 2, naming what to install and the GPU estimate that needs none of them."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
+    code, out, err = run(capsys, "plan", "--config", SMOKE, "--budget", "8GiB", *TINY)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err and out == "", (out, err)
+    assert re.search(
+        r"which need (\S+, )*libtpu \(not installed here\): pip install 'revlib_xla\[xla,tpu-compile\]'", err
+    )
+    assert "revlib-xla memory --gpu NAME --strategies plan" in err
+
+
+def test_memory_help_lists_the_strategies_the_table_prints(capsys):
+    """``memory --help`` named 7 strategies where the table printed 10: its default list is the table's rows, and
+    with the rest it names every strategy ``--strategies`` accepts."""
+    from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES
+
+    with pytest.raises(SystemExit):
+        main(["memory", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    found = re.search(r"to compare; default: (.*?); also: (.*?)(?: \(|$| --| -h| key=value)", text)
+    assert found, text
+    default = [name.split(" (")[0] for name in found.group(1).split(", ")]
+    also = found.group(2).split(", ")
+    assert default == ["config", *DEFAULT_COMPARISON]
+    assert sorted(default + also) == sorted(STRATEGIES)
+
+
+def test_a_stopped_sizing_deletes_its_temporary_folder_and_stops_its_compiler(tmp_path):
+    """SIGTERM while the deviceless compiler runs (``revlib-xla memory`` killed, as ``timeout`` does): the command
+    says so in one line and exits 143, its ``revlib_xla_tpu_*`` folder is gone and its compiler process stopped (both
+    were left behind). A stand-in compiler that waits keeps it fast."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "waiting_compiler.py").write_text(
+        "import os, sys, time\n"
+        "def tpu_environment(topology, hbm_only=False):\n"
+        "    return dict(os.environ)\n"
+        "if __name__ == '__main__':\n"
+        "    open(os.environ['COMPILER_PID'], 'w').write(str(os.getpid()))\n"
+        "    time.sleep(120)\n"
+    )
+    script = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+        "import waiting_compiler\n"
+        "from revlib_xla import memory\n"
+        "from revlib_xla.cli import long_running\n"
+        "with long_running('memory'):\n"
+        "    memory._run_tpu_worker(['module'], 'v5e:2x2', 0, 120.0, waiting_compiler)\n"
+    )
+    temp, pid_file = tmp_path / "tmp", tmp_path / "compiler.pid"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp), "COMPILER_PID": str(pid_file)}
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.05)
+        assert [p.name.startswith("revlib_xla_tpu_") for p in temp.iterdir()] == [True]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        compiler = int(pid_file.read_text()) if pid_file.exists() and pid_file.read_text() else None
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "revlib-xla memory: stopped by SIGTERM", err
+    assert list(temp.iterdir()) == []
+    try:
+        os.kill(compiler, 0)
+    except ProcessLookupError:
+        pass
+    else:
+        os.kill(compiler, signal.SIGKILL)
+        pytest.fail("the compiler process was left running")

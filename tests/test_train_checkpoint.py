@@ -42,6 +42,8 @@ def test_round_trip_restores_weights_optimizer_and_state(tmp_path):
         assert sorted(f.keys()) == ["count", "embed.weight", "proj.bias", "proj.weight"]  # the tied head once
         assert json.loads(f.metadata()["tied"]) == {"head.weight": "embed.weight"}
     assert (path / "config.yaml").read_text() == "train:\n  steps: 9\n"
+    modes = {file.name: oct(file.stat().st_mode & 0o777) for file in path.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # model.safetensors was 0600, the others 0644
 
     other, other_opt = _trained(1)
     restored = ck.load_checkpoint(path, other, other_opt)

@@ -124,7 +124,8 @@ def test_metrics_are_logged_as_json_lines_with_evaluation(tmp_path):
     expected = [("train", 1), ("train", 2), ("eval", 2), ("train", 4), ("eval", 4)]  # the first step, every 2nd
     assert [(r["kind"], r["step"]) for r in records] == expected
     first = records[1]
-    assert first["loss"] == result.losses[2] and first["tokens_per_s"] > 0 and 0 < first["mfu"] < 1
+    assert first["loss"] == result.losses[2] and first["tokens_per_s"] > 0
+    assert first["mfu"] is None  # on the CPU: no peak to measure against (not chip.name's v5e)
     assert first["lr"] == pytest.approx(2e-3)  # step 2 of a 2-step warmup: 2/3 of the rate
     assert records[2]["val_loss"] == result.val_losses[2]
     assert (tmp_path / "checkpoints" / "step_00000004" / "model.safetensors").is_file()

@@ -153,6 +153,27 @@ def test_with_no_whole_checkpoint_the_run_refuses_instead_of_starting_over(four_
     assert [name.split(".replaced-")[0] for name in aside] == ["checkpoints", "metrics"]
 
 
+def test_another_strategys_folder_and_a_finished_run_are_said_in_one_line(four_steps, tmp_path, capsys):
+    """Resuming a folder another strategy wrote: one line naming the settings that differ and both ways out. A
+    finished run started again with train.steps at or below its step: says so, exits 0, trains and writes nothing."""
+    out = _copy(four_steps.parent / "whole", tmp_path)  # 6 steps, checkpoints at 4 and 6
+    args = ["train", "--config", "tpu_configs/cpu-smoke.yaml", *TINY, f"train.out_dir={out}"]
+    assert main([*args, "train.steps=8", "strategy=reversible"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "strategy.activations: 'none' -> 'reversible'" in err, err
+    assert f"train.out_dir={out}-reversible" in err and "train.resume=false" in err, err
+    before = _weights(out / "checkpoints" / "step_00000006")
+    assert main([*args, "train.steps=4", "train.progress=true"]) == 0
+    printed = capsys.readouterr()
+    assert "nothing left to do: the run already reached train.steps=4 (its checkpoint is at step 6)" in printed.out
+    assert "no step trained: step 6 of train.steps=4 was reached (loss " in printed.out, printed.out
+    assert "step/s" not in printed.err, printed.err  # no progress bar for no step
+    assert _steps_logged(out) == [1, 2, 3, 4, 5, 6]
+    assert ck.latest_checkpoint(out / "checkpoints").name == "step_00000006"
+    after = _weights(out / "checkpoints" / "step_00000006")
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_a_killed_save_leaves_nothing_behind_and_a_failed_run_no_empty_metrics(four_steps, tmp_path, monkeypatch):
     """Case 10: the temporary directory of a save killed midway (another process's) is removed at the next start;
     a run that fails before its first step leaves no empty metrics.jsonl."""
@@ -354,3 +375,17 @@ def test_bad_input_is_one_line_through_the_cli(tmp_path, capsys, make, overrides
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("revlib-xla train: error: ") and err.count("\n") == 1, err
     assert expected.replace("FILE", str(file)) in err, err
+
+
+def test_an_unknown_chip_is_said_before_anything_is_built_or_announced(tmp_path, capsys, monkeypatch):
+    """A wrong chip.name was reported only after the model was built and "writing to ..." was printed."""
+    monkeypatch.setattr(strategy, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    code = main(
+        ["train", "--config", "tpu_configs/cpu-smoke.yaml", *TINY, f"train.out_dir={tmp_path}", "chip.name=V5E"]
+    )
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and not any(tmp_path.iterdir()), (out, err)
+    assert err == (
+        "revlib-xla train: error: chip.name='V5E' is not a known chip (did you mean 'v5e'?); choose one of v4, v5e, "
+        "v5p, v6e, h100, h200, a100-40gb, a100-80gb, l4, t4\n"
+    )

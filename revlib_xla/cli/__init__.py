@@ -13,11 +13,14 @@ be resumed from or written) the same way with exit status 1.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
-__all__ = ["COMMANDS", "UsageError", "main"]
+__all__ = ["COMMANDS", "TPU_SIZING", "UsageError", "long_running", "main", "missing_modules"]
 
 COMMANDS: dict[str, str] = {
     "train": "train a model from a config (tpu_configs/*.yaml) with a memory strategy",
@@ -25,6 +28,10 @@ COMMANDS: dict[str, str] = {
     "plan": "the planner's checkpointing schedule for a memory budget, with its predicted time and memory",
 }
 """The subcommands, each with its one-line description."""
+
+
+LONG_RUNNING = ("memory", "plan")
+"""The commands that show progress and clean up when stopped (:func:`long_running`)."""
 
 
 class UsageError(ValueError):
@@ -40,6 +47,18 @@ _USER_ERRORS = (
 _RUN_FAILURES = (("revlib_xla.train.loop", "DivergedError"), ("revlib_xla.train.checkpoint", "CheckpointError"))
 
 
+TPU_SIZING = ("torch_xla", "jax", "jaxlib", "libtpu")
+"""What sizing a step for a TPU without one needs: torch_xla traces it, the TPU compiler (libtpu, through jax)
+compiles it deviceless."""
+
+
+def missing_modules(names: Sequence[str] = TPU_SIZING) -> list[str]:
+    """Those of ``names`` not installed here (looked up, not imported)."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
+
+
 def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
     """The exception classes ``names`` lists among the modules imported so far."""
     errors: list[type[BaseException]] = []
@@ -48,6 +67,35 @@ def _loaded(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ..
         if loaded is not None and hasattr(loaded, name):
             errors.append(getattr(loaded, name))
     return tuple(errors)
+
+
+class _Stopped(SystemExit):
+    """SIGTERM or SIGHUP, raised where the command stands so that it unwinds."""
+
+
+@contextlib.contextmanager
+def long_running(command: str) -> Iterator[None]:
+    """For a command that sizes steps for minutes (``memory``, ``plan``): progress lines on stderr
+    (:mod:`revlib_xla.fit.progress`), and SIGTERM or SIGHUP end it as Ctrl-C does, by unwinding, so that its
+    temporary directories (the compiler's ``revlib_xla_tpu_*``) are deleted and its compiler process stopped,
+    instead of being killed where it stands. Stopped, it says so in one line and exits 128 + the signal's number."""
+    from ..fit import progress
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stopped(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    try:
+        with progress.shown():
+            yield
+    except (KeyboardInterrupt, _Stopped) as exc:
+        number = int(exc.code) if isinstance(exc, _Stopped) else int(signal.SIGINT)  # type: ignore[arg-type]
+        print(f"revlib-xla {command}: stopped by {signal.Signals(number).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + number) from None
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -78,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     module.add_arguments(sub)
     parsed = sub.parse_args(args[1:])
     try:
-        return int(module.run(parsed))
+        with long_running(command) if command in LONG_RUNNING else contextlib.nullcontext():
+            return int(module.run(parsed))
     except _user_errors() as exc:
         print(f"revlib-xla {command}: error: {exc}", file=sys.stderr)
         return 2

@@ -14,10 +14,9 @@ the TPU chip and then the GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from typing import Any
 
-from . import UsageError
+from . import UsageError, missing_modules
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategies",
-        help="comma-separated strategies to compare (config, none, checkpoint, reversible, plan, plan+fewbit, "
-        "plan+fewbit+offload); default: the config as written and all the others",
+        help="comma-separated strategies to compare; default: config (the config as written), none, checkpoint, "
+        "reversible, plan, plan+fewbit, plan+fewbit+offload, reversible+offload, reversible+offload+bf16, "
+        "reversible+fused; also: reversible+offload+bf16+scan",
     )
     parser.add_argument(
         "--gpu",
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             slice_topology(target.name, count)
     except (ShardingError, ValueError) as exc:
         raise UsageError(f"--chips {count}: {exc}") from None
-    missing = [name for name in ("torch_xla", "jax", "jaxlib", "libtpu") if importlib.util.find_spec(name) is None]
+    missing = missing_modules()
     if missing:
         raise UsageError(
             f"sizing for a TPU traces the step with torch_xla and compiles it with the TPU compiler, which needs "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import UsageError
+from . import UsageError, missing_modules
 
 __all__ = ["add_arguments", "run"]
 
@@ -37,12 +37,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     extra = ["strategy.activations=plan", f"strategy.budget={int(budget)}"]
     if args.chip:
-        extra.append(f"chip.name={args.chip}")
+        try:
+            chips.chip(args.chip, "tpu")
+        except ValueError as exc:
+            raise UsageError(f"--chip: {exc}") from None
+        extra.append(f"chip.name={args.chip.strip().lower()}")
     cfg = load_config(args.config, [*args.overrides, *extra])
     try:
         target = chips.chip(cfg.chip.name, "tpu")
     except ValueError as exc:
         raise UsageError(f"--chip: {exc}") from None
+    missing = missing_modules()
+    if missing:
+        raise UsageError(
+            f"the planner sizes each stage with torch_xla and the TPU compiler, which need {', '.join(missing)} (not "
+            f"installed here): pip install 'revlib_xla[xla,tpu-compile]' (torch 2.9); or size the planned step for a "
+            f"GPU without them: revlib-xla memory --gpu NAME --strategies plan"
+        )
     print(
         f"{cfg.model.name}, batch {cfg.data.batch_size} x seq_len {cfg.data.seq_len}, budget "
         f"{format_bytes(int(budget))}; stages sized by the TPU compiler for {target.name} (deviceless libtpu), "
@@ -51,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         planned = plan_config(cfg, budget)
     except InfeasibleBudget as exc:
-        raise UsageError(f"--budget {args.budget}: {exc}") from None
+        raise UsageError(f"--budget {args.budget}: {exc.naming('--budget')}") from None
     print(format_schedule(planned, target))
     return 0

@@ -9,6 +9,7 @@ Ctrl-C) save a checkpoint and exit 0; the same command resumes them.
 from __future__ import annotations
 
 import argparse
+import math
 
 __all__ = ["add_arguments", "run"]
 
@@ -53,7 +54,14 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     result = train(cfg)
-    if announce and result.losses:
+    if announce and result.nothing_left:
+        loss = result.resumed_metrics.get("loss")
+        print(
+            f"no step trained: step {result.start_step} of train.steps={cfg.train.steps} was reached"
+            + (f" (loss {loss:.4f})" if loss is not None and math.isfinite(loss) else "")
+            + f"; checkpoint {result.checkpoint}"
+        )
+    elif announce and result.losses:
         print(
             f"loss {result.first_loss:.4f} (step {min(result.losses)}) -> {result.last_loss:.4f} (step "
             f"{max(result.losses)})"

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..memory import StorageTracker, tensor_bytes
+from . import progress
 from .chips import Chip
 from .report import FitReport, StepDoesNotFit
 from .search import BatchSearch, max_batch
@@ -198,6 +199,7 @@ def gpu_reports(
     labels = list(labels) or [""] * len(configs)
     reports = []
     for cfg, label, batch in zip(configs, labels, list(batches) or [c.data.batch_size for c in configs]):
+        progress.say(f"{label}, batch {batch}: running the step on fake tensors for {gpu.name}")
         try:
             reports.append(estimate_step(for_gpu(cfg, gpu)).report(gpu, label, batch))
         except StepDoesNotFit as refused:

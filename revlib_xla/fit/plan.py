@@ -17,6 +17,7 @@ import torch
 from .. import backend
 from ..memory import format_bytes
 from ..planner import Schedule
+from . import progress
 from .chips import Chip
 from .trace import device_data, materialize
 
@@ -53,8 +54,14 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     materialize(model, dev)
     micro = cfg.data.batch_size // getattr(cfg.optim, "grad_accum_steps", 1)
     tokens = device_data(torch.empty(micro, cfg.data.seq_len, dtype=torch.int64, device="meta"), dev)
-    with without_execution(), backend.execution_forbidden(dev), torch.autograd.set_multithreading_enabled(False):
+    with (
+        progress.waiting(f"measuring the {cfg.model.name} stages (traced, compiled deviceless; nothing run)"),
+        without_execution(),
+        backend.execution_forbidden(dev),
+        torch.autograd.set_multithreading_enabled(False),
+    ):
         planner.measure(tokens)
+    progress.say("solving for the schedule")
     schedule = planner.compute_sequence(budget)
     return PlannedSchedule(
         schedule,

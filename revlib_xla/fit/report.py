@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
 from ..tpu_compile import slice_topology
+from . import progress
 from .chips import Chip
 from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 
@@ -161,13 +162,17 @@ def compile_or_refuse(
     reports: dict[int, FitReport] = {}
     traced, kept = [], []
     for k, trace in enumerate(tracers):
+        progress.say(f"{labels[k]}, batch {batches[k]}: tracing the step")
         try:
             traced.append(trace())
             kept.append(k)
         except StepDoesNotFit as refused:
             reports[k] = refused.report(chip, labels[k], batches[k])
     if kept:
-        made = compile_fn(traced, chip, [labels[k] for k in kept], [batches[k] for k in kept])
+        names = ", ".join(f"{labels[k]} (batch {batches[k]})" for k in kept)
+        how = "compiling deviceless (TPU compiler)" if chip.is_tpu else "running on fake tensors"
+        with progress.waiting(f"{how} for {chip.name}: {names}"):
+            made = compile_fn(traced, chip, [labels[k] for k in kept], [batches[k] for k in kept])
         reports.update(zip(kept, made))
     return [reports[k] for k in range(len(tracers))]
 

@@ -51,6 +51,11 @@ class InfeasibleBudget(ValueError):
         self.minimum = minimum
         self.unit = unit
 
+    def naming(self, budget: str) -> str:
+        """The message with the budget called what the user typed (``--budget``, ``strategy.budget``) instead of
+        ``Checkpointable``'s ``mem_limit``."""
+        return str(self).removeprefix("Checkpointable: ").replace("mem_limit", budget)
+
 
 class _Arrays:
     """The chain as padded tensors: stage i in 0..L (the loss is stage L), x_i for i in 0..L+1."""
@@ -631,7 +636,7 @@ def plan(chain: Chain, mem_limit: float, mem_slots: int = 500, held: float = 0.0
     if mem_limit <= held:
         raise InfeasibleBudget(
             f"Checkpointable: mem_limit {mem_limit:.6g} does not even hold the model's output and "
-            f"its gradient ({held:.6g} bytes)",
+            f"its gradient ({held:.6g} bytes); pass a larger mem_limit",
             held + min_memory(chain),
         )
     try:

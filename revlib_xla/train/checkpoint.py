@@ -78,9 +78,12 @@ class CheckpointMismatch(ValueError):
     """A whole checkpoint that does not fit the model or optimizer it is loaded into (another model, or another
     strategy's optimizer state); the message names the checkpoint and what differs, ``path`` is its directory."""
 
-    def __init__(self, message: str, path: Path | None = None) -> None:
+    def __init__(self, message: str, path: Path | None = None, what: str = "") -> None:
         super().__init__(message)
         self.path = path
+        self.what = what or message
+        """What differs, in a few words (``its weights do not match the model's``), for a message that names the
+        run's settings instead."""
 
 
 class NonFiniteWeights(ValueError):
@@ -315,6 +318,7 @@ def save_checkpoint(
         _write(tmp / "optimizer.pt", lambda p: torch.save(host_optimizer, p))
         _write(tmp / "state.pt", lambda p: torch.save(dataclasses.asdict(state), p))
         _write(tmp / "config.yaml", lambda p: Path(p).write_text(config_yaml))
+        shutil.copymode(tmp / "config.yaml", tmp / "model.safetensors")  # safetensors writes 0600, not the umask's
         sizes = {file: (tmp / file).stat().st_size for file in _FILES}
         _write(tmp / MANIFEST, lambda p: Path(p).write_text(json.dumps({"bytes": sizes}, indent=1) + "\n"))
         _fsync(tmp)
@@ -491,6 +495,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"checkpoint {ckpt}: the weights do not match the model (missing {missing[:5]}, unexpected "
             f"{unexpected[:5]}); was it written by a run with another model or strategy?",
             ckpt,
+            f"its weights do not match this model's ({len(missing)} missing, {len(unexpected)} unexpected)",
         )
     here = optimizer.state_dict()  # (empty for a sharded model's stand-in while loading: nothing to compare)
     if here and _optimizer_form(saved) != _optimizer_form(here):
@@ -499,6 +504,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"({type(optimizer).__name__}) keeps that of {_optimizer_form(here)}; was it written with another "
             f"strategy (strategy.fused_optimizer, strategy.offload.optimizer)?",
             ckpt,
+            f"its optimizer state is that of {_optimizer_form(saved)}, this run's that of {_optimizer_form(here)}",
         )
     tensors = {name: (tensor, index) for name, tensor, index in weight_slices(model)}
     tensors.update((name, (b, None)) for name, b in model.named_buffers())
@@ -511,6 +517,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
                 raise CheckpointMismatch(
                     f"checkpoint {ckpt}: {name} has shape {tuple(value.shape)}, the model's is {tuple(target.shape)}",
                     ckpt,
+                    f"its {name} has shape {tuple(value.shape)}, this model's {tuple(target.shape)}",
                 )
             if value.dtype != tensor.dtype:
                 exact.setdefault(id(tensor), {})[index] = value
@@ -522,6 +529,7 @@ def load_checkpoint(path: str | os.PathLike[str], model: nn.Module, optimizer: t
             f"checkpoint {ckpt}: its optimizer state does not fit this run's optimizer ({type(exc).__name__}: "
             f"{exc}); was it written with another strategy or model?",
             ckpt,
+            "its optimizer state does not fit this run's optimizer",
         ) from None
     load_masters = getattr(optimizer, "load_master_weights", None)
     if load_masters is not None and exact:  # saved masters more precise than the device weights: restored exactly

@@ -166,7 +166,8 @@ class OptimConfig(_Section):
 
 
 class ChipConfig(_Section):
-    """The accelerator the run targets: ``plan`` auto's budget, the MFU estimate, ``revlib-xla memory``."""
+    """The accelerator the run targets: ``plan`` auto's budget, ``revlib-xla memory``, and a GPU run's MFU peak
+    (a TPU's comes from its runtime)."""
 
     name: str = "v5e"
     chips: int = Field(default=1, ge=1)
@@ -333,6 +334,16 @@ def llama_sizes() -> list[str]:
     return list(LLAMA_SIZES)
 
 
+def _check_chip(cfg: RunConfig) -> None:
+    """``chip.name`` is a chip the library knows (a TPU or a GPU), said before anything is built."""
+    from ..fit.chips import CHIPS
+
+    if cfg.chip.name not in CHIPS:
+        close = difflib.get_close_matches(str(cfg.chip.name).lower(), list(CHIPS), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"chip.name={cfg.chip.name!r} is not a known chip{hint}; choose one of {', '.join(CHIPS)}")
+
+
 def _check_model(cfg: RunConfig) -> None:
     """``model.name`` is a known size and ``model.overrides`` are fields of its config."""
     if cfg.model.hf_config is not None:
@@ -492,6 +503,7 @@ def load_config(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
     except ValidationError as exc:
         raise _config_error(exc) from None
     _check_model(cfg)
+    _check_chip(cfg)
     return cfg
 
 

@@ -67,13 +67,13 @@ from .strategy import (
     StepReport,
     build_model,
     build_optimizer,
-    chip_spec,
     compute_device,
     flops_per_token,
     lm_loss,
     lr_at,
     make_step,
     model_config,
+    peak_flops,
     resolve_device,
     set_lr,
 )
@@ -119,6 +119,13 @@ class TrainResult:
     model: torch.nn.Module
     skipped_steps: list[int] = dataclasses.field(default_factory=list)
     """``train.nonfinite=skip``: the steps whose update was dropped (a NaN or inf loss or gradient norm)."""
+    resumed_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The metrics the checkpoint resumed from recorded (its ``loss``); empty when the run did not resume."""
+
+    @property
+    def nothing_left(self) -> bool:
+        """Whether the run resumed at or after ``train.steps`` and so trained no step."""
+        return self.checkpoint is not None and self.final_step == self.start_step and not self.losses
 
     @property
     def first_loss(self) -> float:
@@ -205,6 +212,29 @@ def _config_changes(ckpt: Path, cfg: RunConfig) -> str:
     return ", ".join(changed)
 
 
+def _mismatch(exc: CheckpointMismatch, cfg: RunConfig) -> CheckpointMismatch:
+    """``exc`` (checkpoints in ``train.out_dir`` that this run cannot resume from) as one message: the settings that
+    differ from the run that wrote them, and the two ways out (another ``train.out_dir``, or ``train.resume=false``)."""
+    changes = _config_changes(exc.path, cfg) if exc.path is not None else ""
+    out = str(cfg.train.out_dir).rstrip("/")
+    if not changes:
+        return CheckpointMismatch(
+            f"{exc}. Give this run its own train.out_dir=..., or start over in {out} with train.resume=false (the "
+            f"earlier run's files are moved aside)",
+            exc.path,
+            exc.what,
+        )
+    suffix = cfg.strategy.activations if "strategy.activations: " in changes else "new"
+    return CheckpointMismatch(
+        f"train.out_dir={out} holds the checkpoints of a run with other settings ({changes}): "
+        f"{exc.path.name if exc.path is not None else 'its checkpoint'}: {exc.what}. Give this run its own "
+        f"train.out_dir={out}-{suffix}, or start over in {out} with train.resume=false (the earlier run's files are "
+        f"moved aside)",
+        exc.path,
+        exc.what,
+    )
+
+
 def train(cfg: RunConfig, *, crash_after: int | None = None) -> TrainResult:
     """Run the training ``cfg`` describes (resuming from ``<train.out_dir>/checkpoints`` when ``train.resume`` and
     a checkpoint exists: see the module docstring) and return what it did. ``crash_after``: stop right after that
@@ -250,19 +280,13 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
 
     start = 0
     found: Path | None = None
+    resumed_metrics: dict[str, float] = {}
     if cfg.train.resume and (checkpoint_steps(ckpt_dir) or (ckpt_dir / "latest").exists()):
         with whole_state(model, optimizer, loading=True) as (whole_lm, whole_optimizer):
             try:
                 found, restored, skipped = find_resumable(ckpt_dir, whole_lm, whole_optimizer)
             except CheckpointMismatch as exc:
-                changes = _config_changes(exc.path, cfg) if exc.path is not None else ""
-                raise CheckpointMismatch(
-                    f"{exc}"
-                    + (f" Its run had other settings ({changes})." if changes else "")
-                    + " Resume with the settings it was written with, or start over with train.resume=false (the "
-                    "earlier run's files are moved aside) or another train.out_dir",
-                    exc.path,
-                ) from None
+                raise _mismatch(exc, cfg) from None
             if found is None or restored is None:  # raised inside: the sharded model keeps its initial weights
                 raise CheckpointError(
                     f"train.resume=true: {ckpt_dir} holds checkpoints, but none can be resumed from ("
@@ -273,6 +297,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
         for line in skipped:
             warnings.warn(f"resume: passed over checkpoint {line}", stacklevel=2)
         start = restored.step
+        resumed_metrics = dict(restored.metrics)
         sampler.state = SamplerState.from_dict(restored.sampler)
         set_rng_state(restored.rng, device)
     else:
@@ -284,20 +309,24 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                 f"metrics.jsonl: dropped {dropped} record(s) after step {start} (this run logs those steps again)"
             )
 
-    _, peak = chip_spec(cfg.chip.name)
     logger = (MetricsLogger if main else SilentLogger)(
         out,
         cfg.train.steps,
         start,
         cfg.data.batch_size * cfg.data.seq_len,
         flops_per_token(cfg),
-        peak * cfg.chip.chips,
-        progress=cfg.train.progress,
+        peak_flops(cfg, device),
+        progress=cfg.train.progress and start < cfg.train.steps,
     )
     for note in notes:
         logger.message(note)
     if found is not None:
         logger.message(f"resumed from {found} (step {start})")
+        if start >= cfg.train.steps:
+            logger.message(
+                f"nothing left to do: the run already reached train.steps={cfg.train.steps} (its checkpoint is at "
+                f"step {start}); give a larger train.steps to train on, or train.resume=false to start over"
+            )
     losses: dict[int, float] = {}
     val_losses: dict[int, float] = {}
     compiled_after_warmup: int | None = None
@@ -419,4 +448,5 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
         seconds=time.perf_counter() - start_time,
         model=model,
         skipped_steps=skipped_steps,
+        resumed_metrics=resumed_metrics,
     )

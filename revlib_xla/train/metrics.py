@@ -8,8 +8,8 @@ peak), ``reserved_bytes``, the most the allocator held from the device meanwhile
 device must have), and ``memory_bytes``, what stays allocated between steps (weights, gradients kept, optimizer
 state). The progress bar shows the peak.
 MFU = (training FLOPs per token, :func:`revlib_xla.models.llama.train_flops_per_token`) x tokens per second /
-(the chip's peak dense bf16 FLOP/s x chips): an estimate against ``chip.name``, meaningful when the run is on that
-chip.
+(the peak dense bf16 FLOP/s of the chips the run is on: :func:`revlib_xla.train.strategy.peak_flops`); ``null`` and
+not shown where no peak is known (the CPU).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class MetricsLogger:
         start_step: int,
         tokens_per_step: int,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         progress: bool = True,
     ) -> None:
         self.path = Path(out_dir) / "metrics.jsonl"
@@ -123,7 +123,7 @@ class MetricsLogger:
             "lr": lr,
             "tokens_per_s": tokens_per_s,
             "step_time_s": seconds / steps_since,
-            "mfu": self.flops_per_token * tokens_per_s / self.peak_flops,
+            "mfu": None if self.peak_flops is None else self.flops_per_token * tokens_per_s / self.peak_flops,
             "peak_bytes": None if memory is None else memory.peak,
             "reserved_bytes": None if memory is None else memory.reserved,
             "memory_bytes": None if memory is None else memory.between,
@@ -134,8 +134,9 @@ class MetricsLogger:
                 "loss": f"{loss:.3f}",
                 "tok/s": f"{tokens_per_s:,.0f}",
                 "step": f"{1000 * seconds / steps_since:.0f}ms",
-                "mfu": f"{100 * record['mfu']:.1f}%",
             }
+            if record["mfu"] is not None:
+                postfix["mfu"] = f"{100 * record['mfu']:.1f}%"
             if memory is not None:
                 postfix["peak"] = f"{memory.peak / 2**30:.2f}GiB"
             self.bar.set_postfix(postfix, refresh=False)

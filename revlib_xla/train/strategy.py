@@ -123,6 +123,30 @@ def chip_spec(name: str) -> tuple[int, float]:
     return _CHIPS[name]
 
 
+def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
+    """The peak dense bf16 FLOP/s the run's MFU is measured against, of the chips it runs on: a TPU's from its
+    runtime (``chip.name`` is what a run sizes for, not what it runs on), times ``chip.chips``; a GPU's from
+    ``chip.name`` when that names a GPU, else from the device's own name; ``None`` (no MFU) on the CPU, XLA on the
+    CPU or a device whose peak is not known."""
+    try:
+        from ..fit.chips import GPU_CHIPS, TPU_CHIPS  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    generation = backend.tpu_generation(device)
+    if generation is not None:
+        tpu = TPU_CHIPS.get(generation)
+        return None if tpu is None else float(tpu.peak_bf16_flops) * cfg.chip.chips
+    if device.type != "cuda":
+        return None
+    named = GPU_CHIPS.get(cfg.chip.name)
+    if named is None:
+        label = torch.cuda.get_device_name(device).lower()
+        big = torch.cuda.get_device_properties(device).total_memory > 48 * 2**30
+        found = [c for key, c in GPU_CHIPS.items() if key.split("-")[0] in label.replace("-", " ").split()]
+        named = next((c for c in found if len(found) == 1 or ("80gb" in c.name) == big), None)
+    return None if named is None else float(named.peak_bf16_flops)
+
+
 def resolve_device(cfg: RunConfig) -> torch.device:
     """``train.device``: ``auto`` = a TPU through torch_xla if there is one, else a GPU, else the CPU."""
     kind = cfg.train.device
@@ -233,7 +257,7 @@ class PlannedLM(nn.Module):
                 self.planned.measure(sample)
             self.planned.compute_sequence()
         except InfeasibleBudget as exc:
-            raise StrategyError(f"strategy.budget: {exc}; raise strategy.budget or use strategy.budget=auto") from None
+            raise StrategyError(f"{exc.naming('strategy.budget')}, or use strategy.budget=auto") from None
         for p in self.parameters():
             p.grad = None
 
