@@ -36,9 +36,7 @@ def _block(width: int, p: float) -> nn.Module:
     )
 
 
-def _model(
-    p: float, memory_mode=revlib.MemoryModes.autograd_function, preserve_rng_state=True, seed=0, exact=None
-):
+def _model(p: float, memory_mode=revlib.MemoryModes.autograd_function, preserve_rng_state=True, seed=0, exact=None):
     torch.manual_seed(seed)
     # scan=False: these tests compare the unrolled walk's outputs bit for bit with no_savings (tests/test_scan.py
     # compares the scanned walk, which XLA fuses differently, with the unrolled one)
