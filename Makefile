@@ -16,7 +16,7 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 # pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
 PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
-.PHONY: venv venv-newer lint strip-notebooks typecheck test test-fast test-newer demo bench gpu-wheels gpu-check clean
+.PHONY: venv venv-newer lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
 LINT_PATHS := revlib_xla tests bench kernels colab
@@ -55,8 +55,16 @@ strip-notebooks: venv
 typecheck: venv
 	$(VENV)/bin/mypy
 
+# CI's suite: every fast test and the slow tests listed in tests/ci_slow.txt (under 25 minutes with set-up on 2 cores).
 test: lint
+	$(PY) $(PYTEST_N) -m "not slow or ci" tests
+
+# Every test (about an hour on 2 cores), and the slow ones alone.
+test-all: lint
 	$(PY) $(PYTEST_N) tests
+
+test-slow: venv
+	$(PY) $(PYTEST_N) -m slow tests
 
 # Everything but the tests marked slow (setup.cfg registers the marker).
 test-fast: venv

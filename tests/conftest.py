@@ -105,3 +105,23 @@ def require_transformers():
             allow_module_level=True,
         )
     return transformers
+
+
+def _node_ids(name: str) -> list[str]:
+    """The node ids (or their prefixes) listed in ``tests/NAME``, one per line, ``#`` comments skipped."""
+    with open(os.path.join(os.path.dirname(__file__), name)) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+_CI_SLOW = _node_ids("ci_slow.txt")
+_SLOW_MEASURED = set(_node_ids("slow_measured.txt"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark ``slow`` the tests measured slow without a mark of their own (tests/slow_measured.txt), and ``ci`` the
+    slow tests that ``make test`` runs all the same (tests/ci_slow.txt: node ids or their prefixes)."""
+    for item in items:
+        if item.nodeid in _SLOW_MEASURED:
+            item.add_marker(pytest.mark.slow)
+        if any(item.nodeid.startswith(prefix) for prefix in _CI_SLOW):
+            item.add_marker(pytest.mark.ci)
