@@ -775,13 +775,14 @@ def train_one(spec_path: str) -> int:
 
 
 def estimates(path: str, chip: str, dry: bool) -> int:
-    """``--estimates``: ``revlib-xla memory --gpu``'s estimate (:func:`revlib_xla.fit.strategies.gpu_estimate`) of
-    each strategy's config, one JSON line each, in the background of the train part."""
+    """``--estimates``: ``revlib-xla memory --gpu``'s estimate (:func:`revlib_xla.fit.gpu.estimate_step`) of each
+    strategy's config, one JSON line each, in the background of the train part."""
     import warnings
 
     import torch
 
-    from revlib_xla.fit.strategies import gpu_estimate
+    from revlib_xla.fit import chips
+    from revlib_xla.fit.gpu import estimate_step, for_gpu
     from revlib_xla.train.config import load_config
 
     torch.set_num_threads(2)
@@ -794,8 +795,13 @@ def estimates(path: str, chip: str, dry: bool) -> int:
             cfg = load_config(
                 str(ROOT / "tpu_configs" / "cpu-smoke.yaml"), train_overrides(s, strategy, chip, Path("unused"), "cpu")
             )
-            peak = gpu_estimate(cfg)
-            record.update(total=int(peak.total), detail=str(peak).split(";")[0])
+            # the GPU here; the dry run's config names a TPU (cpu-smoke's v5e): sized for an H100 then
+            gpu = chips.chip(cfg.chip.name if cfg.chip.name in chips.GPU_CHIPS else "h100", "gpu")
+            step = estimate_step(for_gpu(cfg, gpu))
+            record.update(
+                total=int(step.peak),
+                detail=f"parameters {step.parameters:,} B, optimizer state {step.optimizer:,} B (on the device)",
+            )
         except Exception as exc:
             record["error"] = one_line(f"{type(exc).__name__}: {exc}", 300)
         record["seconds"] = round(time.perf_counter() - start, 1)

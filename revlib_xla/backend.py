@@ -417,6 +417,13 @@ def sizing_generation(device: DeviceLike, requested: str | None) -> str | None:
     return backend_for(dev).sizing_generation(dev, requested)
 
 
+def device_name(device: DeviceLike) -> tuple[str, int] | None:
+    """``(product name, total memory in bytes)`` of the accelerator ``device`` (a GPU), or ``None`` where its
+    backend does not say."""
+    dev = as_device(device)
+    return backend_for(dev).device_name(dev)
+
+
 def free_memory(device: DeviceLike) -> int | None:
     """Bytes ``device`` has free now (cuda: ``mem_get_info``), or ``None`` where its backend cannot tell."""
     dev = as_device(device)

@@ -284,6 +284,11 @@ class Backend:
         self.synchronize(device)
         torch.accelerator.reset_peak_memory_stats(_index(device))
 
+    def device_name(self, device: torch.device) -> tuple[str, int] | None:
+        """The accelerator's product name and its total memory in bytes (a GPU's, for its peak FLOP/s), or
+        ``None`` where the family does not say (the default)."""
+        return None
+
     def free_memory(self, device: torch.device) -> int | None:
         """Bytes the device has free now, or ``None`` where the family cannot tell."""
         return None

@@ -76,6 +76,9 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
 
+    def device_name(self, device: torch.device) -> tuple[str, int] | None:
+        return torch.cuda.get_device_name(device), int(torch.cuda.get_device_properties(device).total_memory)
+
     def free_memory(self, device: torch.device) -> int | None:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)

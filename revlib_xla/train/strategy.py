@@ -136,12 +136,13 @@ def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
     if generation is not None:
         tpu = TPU_CHIPS.get(generation)
         return None if tpu is None else float(tpu.peak_bf16_flops) * cfg.chip.chips
-    if device.type != "cuda":
+    identity = backend.device_name(device)
+    if identity is None:  # the CPU, or a device that does not say what it is
         return None
     named = GPU_CHIPS.get(cfg.chip.name)
     if named is None:
-        label = torch.cuda.get_device_name(device).lower()
-        big = torch.cuda.get_device_properties(device).total_memory > 48 * 2**30
+        label, memory = identity[0].lower(), identity[1]
+        big = memory > 48 * 2**30
         found = [c for key, c in GPU_CHIPS.items() if key.split("-")[0] in label.replace("-", " ").split()]
         named = next((c for c in found if len(found) == 1 or ("80gb" in c.name) == big), None)
     return None if named is None else float(named.peak_bf16_flops)
