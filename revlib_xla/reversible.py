@@ -1485,7 +1485,7 @@ class ReversibleSequential(nn.Sequential):
                 x0, x1 = scanned if scanned is not None else _run_layers(plan, x0, x1, arg_tensors)
             plan.fixed_streams = None
         if plan.guard is not None:
-            x0, x1 = self._judge(plan.guard, x0, x1)
+            x0, x1 = self._judge(plan, plan.guard, x0, x1)
             plan.guard = None
         x0, x1 = x0.to(out_dtype), x1.to(out_dtype)
         return self._merge(x0, x1, two_stream)
@@ -1502,15 +1502,16 @@ class ReversibleSequential(nn.Sequential):
         with its KV cache, per-layer hooks); see :class:`LayerWalk`."""
         return LayerWalk(self, x0, x1)
 
-    def _judge(self, guard: _fixed.StreamGuard, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
-        """The forward's stream range check: read now and raised (an eager device in one process), or, where a
-        read would cost the step or leave other ranks waiting, the outputs made NaN if it failed (no read; the
-        guard is kept for :func:`stream_range_error`)."""
+    def _judge(self, plan: _Plan, guard: _fixed.StreamGuard, x0: Tensor, x1: Tensor) -> tuple[Tensor, Tensor]:
+        """The forward's stream range check: read now and raised (an eager device outside data parallelism), or,
+        where a read would cost the step (a lazy device) or leave the other processes of the group that decides
+        together waiting (:func:`revlib_xla._rebuild_check.agreeing_group`), the outputs made NaN if it failed (no
+        read; the guard is kept for :func:`stream_range_error`)."""
         guard.close()
         poison = guard.poison()
         if poison is None:
             return x0, x1
-        if not (backend.is_tracing_lazily(x0) or _data_parallel()):
+        if not (backend.is_tracing_lazily(x0) or _rebuild_check.agreeing_group(plan.params) is not None):
             guard.judge()
             return x0, x1
         self.__dict__["_last_guard"] = guard
@@ -1657,13 +1658,6 @@ class LayerWalk:
 
     def streams(self) -> tuple[Tensor, Tensor]:
         return self.x0.to(self.dtype), self.x1.to(self.dtype)
-
-
-def _data_parallel() -> bool:
-    """Whether this process is one of several in a torch.distributed group."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def stream_range_error(module: nn.Module) -> _fixed.FixedStreamError | None:

@@ -148,4 +148,5 @@ def test_exact_reversible_training_equals_no_savings_step_for_step(autocast):
             opt.step()
         losses.append(torch.stack(run))
     assert torch.equal(losses[0], losses[1])
-    assert losses[0][-5:].mean() < 0.8 * losses[0][:5].mean()  # it trains
+    window = 5 if autocast else 10  # (a quarter of the bf16 run's 25 steps)
+    assert losses[0][-window:].mean() < 0.8 * losses[0][:window].mean()  # it trains
