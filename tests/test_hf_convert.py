@@ -522,3 +522,34 @@ def test_hf_trainer_runs_a_short_fine_tune(strategy, tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3])
+
+
+@pytest.mark.slow
+def test_building_a_transformers_model_loads_torch_xla_only_where_xla_is_asked_for():
+    """transformers' model loading imports accelerate, which imports torch_xla wherever it is installed (seconds, and
+    a PJRT warning): a process that never asked for XLA builds a model without torch_xla loaded, and accelerate's own
+    switch is left as it was; with ``PJRT_DEVICE`` set, accelerate keeps its XLA support."""
+    import os
+    import subprocess
+    import sys
+
+    from revlib_xla import backend
+
+    code = (
+        "import os, sys\n"
+        "from revlib_xla.hf import model_from_config\n"
+        "model_from_config('llama-tiny', device='meta')\n"
+        "import accelerate.utils.imports as imports\n"
+        "print('@@', 'torch_xla' in sys.modules, imports.is_torch_xla_available(), 'USE_TORCH_XLA' in os.environ)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "USE_TORCH_XLA")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "@@ False False False" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "PJRT_DEVICE" not in done.stderr
+    if backend.xla_available():
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env={**env, "PJRT_DEVICE": "CPU"}
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "@@ True True False" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -202,13 +202,48 @@ def config_names() -> list[str]:
     return sorted(CONFIGS)
 
 
+def _tpu_attached() -> bool:
+    """Whether this machine looks like a Cloud TPU VM: libtpu installed and a TPU device file present
+    (``/dev/accel*`` on v4 and v5e, ``/dev/vfio/<n>`` on v5p and v6e)."""
+    import glob
+    import importlib.util
+
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def _xla_wanted() -> bool:
+    """Whether this process uses, or asked for, XLA: torch_xla already imported, ``PJRT_DEVICE`` set, accelerate's
+    own ``USE_TORCH_XLA`` set (respected either way), or a TPU attached."""
+    import sys
+
+    return "torch_xla" in sys.modules or "PJRT_DEVICE" in os.environ or "USE_TORCH_XLA" in os.environ or _tpu_attached()
+
+
 def _transformers() -> Any:
+    """transformers, with its model classes' modules imported. transformers' model loading imports accelerate, which
+    imports torch_xla wherever it is installed (8 s or more, and a ``PJRT_DEVICE`` warning) even when nothing uses
+    XLA. Where this process has not asked for XLA (:func:`_xla_wanted`), accelerate is imported with its
+    ``USE_TORCH_XLA=0`` switch, so a CPU or GPU user's process never loads torch_xla; set ``PJRT_DEVICE`` (or import
+    torch_xla) before the first model is built to have accelerate's XLA support."""
+    import sys
+
     try:
         import transformers
     except ImportError as err:
         raise ImportError(
             "revlib_xla.hf needs transformers: pip install 'revlib_xla[hf]' (transformers>=5.15)"
         ) from err
+    if "accelerate" in sys.modules or _xla_wanted():
+        import transformers.modeling_utils
+
+        return transformers
+    os.environ["USE_TORCH_XLA"] = "0"
+    try:
+        import transformers.modeling_utils
+    finally:
+        del os.environ["USE_TORCH_XLA"]
     return transformers
 
 
