@@ -465,3 +465,38 @@ def test_torchtpu_device_dispatch_in_a_child_process(tmp_path):
     assert result["backend"] == "TpuBackend"
     assert result["available"] is True and result["default"] == "tpu:0"
     assert result["peak"] == [4096, "tpu:0", "torch.accelerator.max_memory_allocated"]
+
+
+def test_a_tpu_is_found_without_importing_torch_xla_where_pjrt_would_run_on_the_cpu(monkeypatch, tmp_path):
+    """``train.device=auto`` asks whether XLA has hardware: without ``PJRT_DEVICE``, a machine without libtpu or
+    without a TPU device file answers no without importing torch_xla (seconds, and a PJRT warning); a TPU VM's device
+    files (``/dev/accel0``, ``/dev/vfio/0``) with libtpu installed make PJRT default to the TPU, not the CPU."""
+    import fnmatch
+    import glob as glob_module
+    import importlib.util
+
+    files: list[str] = []
+    monkeypatch.setattr(glob_module, "glob", lambda pattern: fnmatch.filter(files, pattern))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "libtpu" else None)
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    assert not xla_backend.tpu_attached()
+    for device_file in ("/dev/accel0", "/dev/vfio/0"):
+        files[:] = [device_file]
+        assert xla_backend.tpu_attached(), device_file
+    files[:] = ["/dev/vfio/vfio"]  # the vfio control file alone is no TPU
+    assert not xla_backend.tpu_attached()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    files[:] = ["/dev/accel0"]
+    assert not xla_backend.tpu_attached()  # device files without libtpu: nothing for PJRT to run them with
+
+    code = (
+        "import sys\n"
+        "from revlib_xla import backend\n"
+        "print('@@', backend.default_device(), 'torch_xla' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_DEVICE", "TPU_NAME")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if not xla_backend.tpu_attached() and not torch.cuda.is_available():
+        assert "@@ cpu False" in done.stdout, done.stdout
+        assert "PJRT_DEVICE" not in done.stderr, done.stderr[-2000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import importlib.util
 import os
 import sys
@@ -21,12 +22,31 @@ import torch
 from .. import _tree
 from .base import Backend, HostCopy, HostOffload, generation_from_device_kind
 
-__all__ = ["XlaBackend", "host_annotations", "host_placement_executes", "runtime_type", "xla_available", "xla_model"]
+__all__ = [
+    "XlaBackend",
+    "host_annotations",
+    "host_placement_executes",
+    "runtime_type",
+    "tpu_attached",
+    "xla_available",
+    "xla_model",
+]
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has Cloud TPU chips, seen without importing torch_xla: libtpu installed and a TPU device
+    file present (``/dev/accel<N>`` on v4 and v5e, ``/dev/vfio/<N>`` on v5p and v6e), or ``TPU_NAME`` set."""
+    if os.environ.get("TPU_NAME"):
+        return True
+    if importlib.util.find_spec("libtpu") is None:
+        return False
+    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def xla_model() -> Any:
-    """``torch_xla.core.xla_model``, importing torch_xla (on the CPU through PJRT unless a TPU is named)."""
-    os.environ.setdefault("PJRT_DEVICE", "CPU" if not os.environ.get("TPU_NAME") else "TPU")
+    """``torch_xla.core.xla_model``, importing torch_xla: PJRT on the device ``PJRT_DEVICE`` names, by default the
+    TPU where one is attached (:func:`tpu_attached`), else the CPU."""
+    os.environ.setdefault("PJRT_DEVICE", "TPU" if tpu_attached() else "CPU")
     import torch_xla  # noqa: F401
     import torch_xla.core.xla_model as xm
 
@@ -103,6 +123,10 @@ class XlaBackend(Backend):
         return torch_xla.device() if device.index is None else device
 
     def hardware_present(self) -> bool:
+        # Answered without importing torch_xla (seconds) where PJRT would run on the CPU anyway.
+        wanted = os.environ.get("PJRT_DEVICE")
+        if "torch_xla" not in sys.modules and (wanted == "CPU" or (wanted is None and not tpu_attached())):
+            return False
         return runtime_type() not in (None, "CPU")
 
     def hardware_device(self) -> torch.device | None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends.xla import tpu_attached
 from .layers import HFConversionError
 
 __all__ = ["CONFIGS", "config_names", "model_from_config"]
@@ -202,23 +203,12 @@ def config_names() -> list[str]:
     return sorted(CONFIGS)
 
 
-def _tpu_attached() -> bool:
-    """Whether this machine looks like a Cloud TPU VM: libtpu installed and a TPU device file present
-    (``/dev/accel*`` on v4 and v5e, ``/dev/vfio/<n>`` on v5p and v6e)."""
-    import glob
-    import importlib.util
-
-    if importlib.util.find_spec("libtpu") is None:
-        return False
-    return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
-
-
 def _xla_wanted() -> bool:
     """Whether this process uses, or asked for, XLA: torch_xla already imported, ``PJRT_DEVICE`` set, accelerate's
     own ``USE_TORCH_XLA`` set (respected either way), or a TPU attached."""
     import sys
 
-    return "torch_xla" in sys.modules or "PJRT_DEVICE" in os.environ or "USE_TORCH_XLA" in os.environ or _tpu_attached()
+    return "torch_xla" in sys.modules or "PJRT_DEVICE" in os.environ or "USE_TORCH_XLA" in os.environ or tpu_attached()
 
 
 def _transformers() -> Any:
