@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3
-EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test,lint
+EXTRAS := xla,jax,tpu-compile,triton,demo,bench,test,lint,docs
 export PJRT_DEVICE ?= CPU
 
 # The second environment: the newest torch (no torch_xla, no jax), the stack of the CUDA images and Colab's
@@ -16,10 +16,10 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 # pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
 PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
-.PHONY: venv venv-newer lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check clean
+.PHONY: venv venv-newer docs lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check clean
 
 # What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
-LINT_PATHS := revlib_xla tests bench kernels colab
+LINT_PATHS := revlib_xla tests bench kernels colab docs/_hooks
 
 $(VENV)/.installed: setup.cfg constraints.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv
@@ -44,10 +44,15 @@ NBSTRIPOUT := $(VENV)/bin/nbstripout --extra-keys "metadata.papermill cell.metad
 
 # ruff (lint and format) over the code, mypy over the library (configured in setup.cfg's [mypy]), and no notebook
 # with outputs (`make strip-notebooks` removes them).
-lint: typecheck
+lint: typecheck docs
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(NBSTRIPOUT) --verify $(NOTEBOOKS)
+
+# The documentation site (README.md as its home page, docs/*.md) into site/; --strict: a broken link or anchor
+# between pages fails the build.
+docs: venv
+	$(VENV)/bin/mkdocs build --strict
 
 strip-notebooks: venv
 	$(NBSTRIPOUT) $(NOTEBOOKS)

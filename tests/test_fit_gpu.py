@@ -111,3 +111,26 @@ def test_memory_gpu_max_batch_prints_each_strategys_largest_batch(capsys):
     assert code == 0
     assert any(line.split()[:4] == ["reversible", "largest", "batch", "2:"] for line in out.splitlines()), out
     assert "(the search stopped at --limit 2)" in out and "yes (16.00 GiB)" in out
+
+
+def test_a_plan_row_says_what_the_planner_chose():
+    """A ``plan`` row equal to ``none``'s is not left without a reason: its note says the budget holds every
+    activation, so nothing is recomputed; with a budget that forces recomputation, the note counts the forwards run
+    again and gives the planned bytes against keeping everything (at this size the optimizer's step, not the
+    activations, makes the peak: the row is no larger than ``none``'s)."""
+    from revlib_xla.fit.report import format_table
+
+    gpu = chip("h100")
+    roomy = estimate_step(for_gpu(load(SMOKE, TINY, STRATEGIES["plan"]), gpu)).report(gpu, "plan", 2)
+    assert len(roomy.notes) == 1 and "keeps every activation of its" in roomy.notes[0], roomy.notes
+    assert "nothing is recomputed" in roomy.notes[0]
+    plain = estimate_step(for_gpu(load(SMOKE, TINY, STRATEGIES["none"]), gpu)).report(gpu, "none", 2)
+    assert plain.notes == () and plain.total == roomy.total
+
+    tight_cfg = load(SMOKE, [*TINY, "strategy.activations=plan", "strategy.budget=200KiB"], STRATEGIES["config"])
+    tight = estimate_step(for_gpu(tight_cfg, gpu)).report(gpu, "plan", 2)
+    assert len(tight.notes) == 1 and "stage forwards again in the backward" in tight.notes[0], tight.notes
+    assert "within the budget of 200.00 KiB" in tight.notes[0] and "to keep them all" in tight.notes[0]
+    assert tight.total is not None and plain.total is not None and tight.total <= plain.total
+    table = format_table([plain, roomy, tight])
+    assert f"plan: {roomy.notes[0]}" in table and f"plan: {tight.notes[0]}" in table

@@ -33,7 +33,8 @@ COLAB = ROOT / "colab"
 
 REPOSITORY = "https://github.com/revlib-xla/revlib_xla"
 """Where the notebooks are published (a placeholder until the project's home is public): the install cells clone or
-pip-install it, and the README's "Open in Colab" badges point at its ``colab/`` folder through :data:`COLAB_URL`."""
+pip-install it, and the "Open in Colab" badges of docs/notebooks.md point at its ``colab/`` folder through
+:data:`COLAB_URL`."""
 COLAB_URL = "https://colab.research.google.com/github/" + REPOSITORY.removeprefix("https://github.com/")
 COLAB_URL += "/blob/main/colab/{name}"
 
@@ -207,11 +208,11 @@ def test_notebook_conventions(name: str) -> None:
         assert REPOSITORY in cell.source, where
 
 
-def test_readme_links_every_notebook_from_colab() -> None:
-    readme = (ROOT / "README.md").read_text()
+def test_the_notebooks_page_links_every_notebook_from_colab() -> None:
+    page = (ROOT / "docs" / "notebooks.md").read_text()
     for path in sorted(COLAB.glob("*.ipynb")):
         badge = f"[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]({COLAB_URL.format(name=path.name)})"
-        assert badge in readme, f"README.md has no Colab badge for {path.name}: {badge}"
+        assert badge in page, f"docs/notebooks.md has no Colab badge for {path.name}: {badge}"
 
 
 def test_injected_parameters_must_exist(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,5 +1,5 @@
-"""README's "Train on a Cloud TPU VM": its table and commands agree with the configs in tpu_configs/ and with the
-pinned stack (we have no TPU VM to run them on; this is what can be checked without one)."""
+"""The CLI manual's "Train on a Cloud TPU VM" (docs/cli.md): its table and commands agree with the configs in
+tpu_configs/ and with the pinned stack (we have no TPU VM to run them on; this is what can be checked without one)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ CHIP_OF_ACCELERATOR = {"v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e", "v4": "v4
 
 
 def _section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
     start = text.index("## Train on a Cloud TPU VM")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end > 0 else len(text)]
 
 
 def _rows() -> list[tuple[str, str, str, str]]:

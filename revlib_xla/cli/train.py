@@ -1,6 +1,7 @@
 """``revlib-xla train --config FILE [key=value ...]``: train a model from a config with a memory strategy.
 
-The config is a YAML file of six sections (``model``, ``strategy``, ``data``, ``optim``, ``chip``, ``train``; see
+The config is a YAML file of seven sections (``model``, ``strategy``, ``data``, ``optim``, ``chip``, ``mesh``,
+``train``; see
 :mod:`revlib_xla.train.config`); ``key=value`` overrides change any key (``train.steps=10``,
 ``strategy.offload.optimizer=true``), and ``strategy=NAME`` picks the activation strategy. Interrupted runs (SIGTERM,
 Ctrl-C) save a checkpoint and exit 0; the same command resumes them.

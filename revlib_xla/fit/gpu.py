@@ -38,6 +38,7 @@ from . import progress
 from .chips import Chip
 from .report import FitReport, StepDoesNotFit
 from .search import BatchSearch, max_batch
+from .strategies import plan_notes
 
 __all__ = ["GPU_SOURCE", "GPU_FOOTNOTE", "GpuStep", "for_gpu", "estimate_step", "gpu_reports", "gpu_max_batch"]
 
@@ -67,6 +68,7 @@ class GpuStep:
     buffers: int
     host: int
     allocated: int | None = None
+    notes: tuple[str, ...] = ()
 
     def report(self, chip: Chip, label: str = "", batch: int = 0) -> FitReport:
         """As a :class:`~revlib_xla.fit.report.FitReport` row for ``chip`` (``fits``: the peak within its memory)."""
@@ -84,6 +86,7 @@ class GpuStep:
             temporaries=self.peak - held,
             host=self.host,
             source=GPU_SOURCE,
+            notes=self.notes,
         )
 
 
@@ -188,6 +191,7 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
         buffers=tensor_bytes(list(model.buffers())),
         host=host,
         allocated=allocated,
+        notes=plan_notes(model),
     )
 
 

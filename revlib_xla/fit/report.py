@@ -96,6 +96,8 @@ class FitReport:
     host: int
     source: str = COMPILER_SOURCE
     error: str | None = None
+    #: what the row's step decided that its figures alone do not say (the planner's schedule), printed under the table
+    notes: tuple[str, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -206,6 +208,7 @@ def fit_report(
         other=other,
         temporaries=compiled.hbm_peak_bytes - in_hbm,
         host=compiled.host_bytes + traced.host_bytes,
+        notes=traced.notes,
     )
 
 
@@ -257,7 +260,18 @@ def arguments_exceed(traced: TracedStep, chip: Chip, label: str = "", batch: int
     inputs = traced.argument_bytes(INPUTS)
     other = traced.argument_bytes() - parameters - optimizer - inputs
     return FitReport(
-        chip, label, batch, None, traced.argument_bytes(), parameters, optimizer, inputs, other, None, traced.host_bytes
+        chip,
+        label,
+        batch,
+        None,
+        traced.argument_bytes(),
+        parameters,
+        optimizer,
+        inputs,
+        other,
+        None,
+        traced.host_bytes,
+        notes=traced.notes,
     )
 
 
@@ -271,4 +285,5 @@ def format_table(reports: Sequence[FitReport], footnote: str = FOOTNOTE) -> str:
     lines = ["  ".join(c.ljust(widths[c]) for c in columns)]
     lines += ["  ".join(r[c].ljust(widths[c]) for c in columns) for r in rows]
     lines += [f"{r.label}: the TPU compiler rejects the step: {r.error}" for r in reports if r.error]
-    return "\n".join(lines) + "\n\n" + footnote
+    notes = [f"{r.label}: {note}" for r in reports for note in r.notes]
+    return "\n".join(lines) + "\n\n" + "".join(f"{note}\n" for note in notes) + ("\n" if notes else "") + footnote

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -159,7 +159,43 @@ def trace_config(cfg: Any) -> TracedStep:
         )
     except InfeasibleBudget as exc:  # the planner's smallest schedule exceeds what the chip leaves it
         raise _does_not_fit(cfg, exc) from None
-    return shard_step(traced, mesh)
+    return shard_step(dataclasses.replace(traced, notes=plan_notes(model)), mesh)
+
+
+#: the schedule's operations that run a stage forward (plain, checkpointing, saving, attention-cached, reversible)
+_FORWARDS = ("Fn", "CF", "Fe", "CA", "Fr")
+
+
+def plan_notes(model: torch.nn.Module) -> tuple[str, ...]:
+    """What the planner decided for each planned part of ``model`` (a ``Checkpointable`` whose schedule is made),
+    in words: its budget, whether the schedule recomputes, and its activation bytes against storing everything.
+    A plan whose budget holds every activation recomputes nothing: its step is the plain one, and its memory the
+    same; this says so where a table would otherwise show two equal rows without a reason."""
+    from ..memory import format_bytes
+
+    notes = []
+    for part in cast(Any, model).modules():
+        schedule = getattr(part, "sequence", None)
+        if schedule is None or not callable(getattr(part, "no_checkpoint_memory", None)):
+            continue
+        stages = schedule.chain.length
+        reruns = sum(n for kind, n in schedule.counts().items() if kind in _FORWARDS) - stages
+        budget = getattr(part, "mem_limit", None)
+        within = f"the budget of {format_bytes(budget)}" if budget is not None else "its default budget"
+        planned, everything = part.get_expected_memory(), part.no_checkpoint_memory()
+        if reruns <= 0:
+            notes.append(
+                f"the planner keeps every activation of its {stages} stages ({format_bytes(planned)}, within "
+                f"{within}): nothing is recomputed, so the step is the one without checkpointing"
+            )
+        else:
+            notes.append(
+                f"the planner's schedule runs {reruns} stage forward{'s' if reruns != 1 else ''} again in the backward "
+                f"to keep the "
+                f"activations of its {stages} stages within {within}: {format_bytes(planned)} planned, "
+                f"{format_bytes(everything)} to keep them all"
+            )
+    return tuple(notes)
 
 
 def _does_not_fit(cfg: Any, exc: Any) -> StepDoesNotFit:

@@ -136,6 +136,8 @@ class TracedStep:
     outputs: tuple[str, ...]
     host_bytes: int = 0
     partitions: int = 1
+    #: what the traced step decided that its figures do not say (the planner's schedule), for the report's notes
+    notes: tuple[str, ...] = ()
 
     def argument_bytes(self, role: str | None = None) -> int:
         """Bytes one chip holds of the arguments with ``role`` (all of them when ``None``)."""

@@ -474,9 +474,13 @@ def min_memory(chain: Chain) -> float:
     """The smallest budget (in the chain's size unit, the input x_0 included) that any schedule fits in.
 
     Feasibility is monotone in the budget, so the DP over slots becomes a DP over the least budget per segment
-    (max of what the operations need and what the sub-segments need, shifted by what stays held meanwhile).
+    (max of what the operations need and what the sub-segments need, shifted by what stays held meanwhile). Its
+    tables are real tensors also inside ``FakeTensorMode`` (an infeasible budget met while sizing a step).
     """
-    return _least(_Arrays(chain, 1.0, float))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return _least(_Arrays(chain, 1.0, float))
 
 
 def _least(a: _Arrays) -> float:
