@@ -39,6 +39,7 @@ The package, one concept per module, imports going down this list only:
 * :mod:`~revlib_xla.reversible.engine`: the per-layer autograd engine (the reversible backward);
   :mod:`~revlib_xla.reversible.invertibility`: the invertibility check; :mod:`~revlib_xla.reversible.repeat`:
   which layers repeat; :mod:`~revlib_xla.reversible.stacks`: stacked parameter storage;
+  :mod:`~revlib_xla.reversible.layout`: what each iteration of a scan gets;
 * :mod:`~revlib_xla.reversible.planning`: a call's preparation (the base of ``ReversibleSequential``);
   :mod:`~revlib_xla.reversible.scan`: repeating layers compiled as two loops;
 * :mod:`~revlib_xla.reversible.sequential`: :class:`ReversibleSequential`, ``check_invertible``;
