@@ -55,21 +55,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import compat, core, fewbit, fit, fsdp, hf, memory, models, planner, sharding, train, utils
-    from .checkpointable import Checkpointable, atomic, flatten_sequential
     from .core import TensorOffload, replace_grad, reverse_and_swap
-    from .coupling import (
-        COUPLING,
-        TENSOR_OR_LIST,
-        CouplingPair,
-        additive_coupling_forward,
-        additive_coupling_inverse,
-        affine_coupling,
-        momentum_coupling,
-    )
     from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
     from .intermediates import memory_efficient_intermediates
     from .offload import ParameterStreamer
     from .offload_model import OffloadModel, OffloadModelError
+    from .planner.checkpointable import Checkpointable
+    from .planner.stages import atomic, flatten_sequential
     from .reversible import (
         DUAL_OR_QUAD_TENSOR,
         FUSED_OPTIMIZER,
@@ -81,6 +73,15 @@ if TYPE_CHECKING:
         ReversibleSequential,
         check_invertible,
         offload_tensor,
+    )
+    from .reversible.coupling import (
+        COUPLING,
+        TENSOR_OR_LIST,
+        CouplingPair,
+        additive_coupling_forward,
+        additive_coupling_inverse,
+        affine_coupling,
+        momentum_coupling,
     )
 
 __version__ = "0.1.0"
@@ -103,9 +104,10 @@ _LAZY_MODULES = (
     "planner",
 )
 _HOMES = {
-    "checkpointable": ("Checkpointable", "atomic", "flatten_sequential"),
+    "planner.checkpointable": ("Checkpointable",),
+    "planner.stages": ("atomic", "flatten_sequential"),
     "core": ("TensorOffload", "replace_grad", "reverse_and_swap"),
-    "coupling": (
+    "reversible.coupling": (
         "COUPLING",
         "TENSOR_OR_LIST",
         "CouplingPair",

@@ -19,7 +19,6 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from .coupling import COUPLING, TENSOR_OR_LIST, additive_coupling_forward, additive_coupling_inverse
 from .offload import offload_tensor
 from .reversible import (
     DUAL_OR_QUAD_TENSOR,
@@ -31,6 +30,7 @@ from .reversible import (
     ReversibleSequential,
     ReversibleWrapper,
 )
+from .reversible.coupling import COUPLING, TENSOR_OR_LIST, additive_coupling_forward, additive_coupling_inverse
 
 Tensor = torch.Tensor
 

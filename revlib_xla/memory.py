@@ -48,9 +48,10 @@ from typing import Any, TypeGuard
 
 import torch
 
-from . import _rebuild_check, backend, compile_cache
+from . import backend, compile_cache
 from ._tree import map_tensors, tensor_leaves
 from .hlo_liveness import live_peak
+from .reversible import rebuild_check as _rebuild_check
 from .tpu_compile import TPU_GENERATIONS  # stdlib-only at import time: no jax loaded
 
 __all__ = [

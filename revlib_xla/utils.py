@@ -13,9 +13,14 @@ import torch
 from torch import nn
 
 from .core import MergeCalls, SingleBranchReversibleModule, get_key, split_tensor_list
-from .coupling import COUPLING, detached_additive_coupling_forward, detached_additive_coupling_inverse, optional_detach
 from .intermediates import memory_efficient_intermediates
 from .reversible import FUSED_OPTIMIZER, MemoryModes, ReversibleSequential
+from .reversible.coupling import (
+    COUPLING,
+    detached_additive_coupling_forward,
+    detached_additive_coupling_inverse,
+    optional_detach,
+)
 
 Tensor = torch.Tensor
 

@@ -17,7 +17,7 @@ import torch
 
 from revlib_xla import backend, sharding
 from revlib_xla.models.llama import build_llama
-from revlib_xla.scan import stacks_of
+from revlib_xla.reversible.stacks import stacks_of
 from revlib_xla.train.config import load_config
 from revlib_xla.train.loop import train
 from revlib_xla.train.strategy import build_model, build_optimizer, language_model, lr_at, make_step, model_config

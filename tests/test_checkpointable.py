@@ -758,8 +758,8 @@ def test_a_stage_returning_no_tensor_and_an_input_of_no_tensor_are_refused_by_na
 def test_a_schedule_that_cannot_run_is_refused_clearly():
     """A schedule set by hand is checked against the model before it runs; the executor names a missing input
     instead of a KeyError."""
-    from revlib_xla.checkpointable import _Run, _Structure
     from revlib_xla.planner import Op, Schedule
+    from revlib_xla.planner.execute import _Run, _Structure
 
     model, x = _dropout_mlp(), torch.randn(5, 6, dtype=torch.float64)
     checkpointed = revlib.Checkpointable(model, input=x)

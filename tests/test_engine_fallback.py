@@ -10,7 +10,7 @@ from conftest import max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import reversible
+from revlib_xla.reversible import engine
 
 WIDTH = 6
 LAYERS = 3
@@ -29,16 +29,16 @@ def _spy_on_the_engine_entry(monkeypatch, private):
     """Count the calls of the path under test; the private entry point's spy accepts keyword arguments only."""
     calls = []
     if private:
-        real = reversible._ENGINE_BACKWARD
+        real = engine._ENGINE_BACKWARD
         assert real is not None, "this torch has the private entry point: the test forces the fallback below"
 
         def spy(t_outputs, **kwargs):
             calls.append(sorted(kwargs))
             return real(t_outputs, **kwargs)
 
-        monkeypatch.setattr(reversible, "_ENGINE_BACKWARD", spy)
+        monkeypatch.setattr(engine, "_ENGINE_BACKWARD", spy)
     else:
-        monkeypatch.setattr(reversible, "_ENGINE_BACKWARD", None)  # a torch without the private entry point
+        monkeypatch.setattr(engine, "_ENGINE_BACKWARD", None)  # a torch without the private entry point
         real_grad = torch.autograd.grad
 
         def grad_spy(*args, **kwargs):

@@ -14,8 +14,9 @@ from conftest import to_host
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import MemoryModes, ReversibleError, ReversibleSequential, backend, fixed_point
-from revlib_xla.fixed_point import GRID, FixedStreamError
+from revlib_xla import MemoryModes, ReversibleError, ReversibleSequential, backend
+from revlib_xla.reversible import fixed_point
+from revlib_xla.reversible.fixed_point import GRID, FixedStreamError
 
 
 class Attention(nn.Module):
@@ -90,7 +91,7 @@ class RebuildErrors:
     """The rebuild errors the backward's check measures (relative: max abs error / max abs value)."""
 
     def __init__(self, monkeypatch):
-        from revlib_xla import _rebuild_check
+        from revlib_xla.reversible import rebuild_check as _rebuild_check
 
         self.values = []
         original = _rebuild_check.rebuild_error
@@ -216,7 +217,7 @@ def test_parameters_offloaded_and_optimizer_fused_step_like_no_savings():
 def test_stacked_layers_walk_exactly():
     """stack_layers (one parameter per name, stacked): on an eager device the layers run one by one on views of
     the stacks, the streams exact."""
-    from revlib_xla.scan import stack_layers
+    from revlib_xla.reversible import stack_layers
 
     bs = [mlp(16) for _ in range(4)]
     stacked = stack_layers(ReversibleSequential(*copy.deepcopy(bs), split_dim=None))

@@ -227,7 +227,7 @@ def test_fsdp2_refuses_a_model_without_blocks_of_its_own() -> None:
     from torch import nn
 
     from revlib_xla import ReversibleSequential
-    from revlib_xla.scan import stack_layers
+    from revlib_xla.reversible import stack_layers
     from revlib_xla.train.config import load_config
     from revlib_xla.train.distributed import _blocks as blocks
     from revlib_xla.train.distributed import join_processes

@@ -971,7 +971,7 @@ def test_momentum_net_on_exact_streams_is_exact_until_its_range_and_then_refused
     stream fits its grid (float32 streams: refused from 12 layers); deeper, the forward refuses naming the layer
     whose output left the range, before any backward."""
     from revlib_xla import utils
-    from revlib_xla.fixed_point import FixedStreamError
+    from revlib_xla.reversible.fixed_point import FixedStreamError
 
     width, beta = 8, 0.1
     x = torch.randn(4, 2 * width, generator=torch.Generator().manual_seed(0), requires_grad=True)

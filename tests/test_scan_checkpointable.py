@@ -13,7 +13,7 @@ from torch import nn
 import revlib_xla as revlib
 from revlib_xla import backend
 from revlib_xla.planner import Chain, Op, Schedule, simulate
-from revlib_xla.scan import ScannedStages
+from revlib_xla.planner.scanned import ScannedStages
 
 WIDTH = 16
 

@@ -91,7 +91,7 @@ def test_parameters_split_megatron_on_tensor_and_fsdp_on_the_other_dimension():
 
 def test_stacked_layers_keep_the_layer_dimension_whole_and_split_each_layer_as_unstacked():
     from revlib_xla.models.llama import LlamaConfig, build_llama
-    from revlib_xla.scan import stacks_of
+    from revlib_xla.reversible.stacks import stacks_of
 
     config = LlamaConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
     with torch.device("meta"):

@@ -348,8 +348,8 @@ def test_strategy_exact_chooses_the_streams_and_exact_ones_give_the_no_savings_g
     gradients equal plain autograd's through the same function (no_savings) bit for bit in float32; false: on
     floating-point streams. Float64 weights (how the strategies are checked) keep float64 streams either way."""
     from revlib_xla import MemoryModes
-    from revlib_xla.fixed_point import GRID
     from revlib_xla.models.llama import build_llama
+    from revlib_xla.reversible.fixed_point import GRID
     from revlib_xla.train.strategy import model_config
 
     cfg = _cfg(f"strategy={form}", "strategy.beta=0.5")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla.scan import ReplacedParameterError
+from revlib_xla.reversible import ReplacedParameterError
 
 WIDTH = 8
 

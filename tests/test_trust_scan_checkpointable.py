@@ -8,7 +8,7 @@ from conftest import max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla.scan import ScannedStages
+from revlib_xla.planner.scanned import ScannedStages
 
 WIDTH = 8
 

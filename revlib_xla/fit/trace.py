@@ -31,8 +31,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .. import _rebuild_check, backend
+from .. import backend
 from .._tree import tensor_leaves
+from ..reversible import rebuild_check as _rebuild_check
 
 __all__ = [
     "PARAMETERS",

@@ -34,9 +34,9 @@ from torch import nn
 from .. import backend
 from .. import fewbit as _fewbit
 from .._tree import detached, tree_leaves
-from ..checkpointable import Checkpointable, _signature
 from ..memory import parse_bytes
 from ..planner import Chain
+from ..planner.checkpointable import Checkpointable, _signature
 from ..planner.sizing import measure_chain
 from ..reversible import ReversibleSequential
 from ..utils import momentum_net

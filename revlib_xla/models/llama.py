@@ -43,8 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import backend, recompute
-from ..reversible import MemoryModes, ReversibleSequential
-from ..scan import layer_parameters, stack_layers
+from ..reversible import MemoryModes, ReversibleSequential, layer_parameters, stack_layers
 from ..utils import momentum_net
 from . import registry
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import inspect
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -32,6 +31,8 @@ from ..early_stop import DeferredSaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 from .chain import Chain
 from .measure import grad_leaves
+from .roots import EDGE_ROOTS, stops_early
+from .roots import roots as stage_roots
 from .schedule import OPERATIONS, OpKind, Schedule, ScheduleError, Value, ValueKind, early_stops, simulate
 from .stages import check_one_input, flatten_sequential, inverse_of
 
@@ -82,13 +83,6 @@ def _input_grads(x: Any) -> tuple[torch.Tensor | None, ...]:
     return tuple(grads)
 
 
-def _takes_edges() -> bool:
-    """Whether ``torch.autograd.backward`` and ``grad`` start from ``GradientEdge`` roots (torch >= 2.6 or so)."""
-    annotation = str(inspect.signature(torch.autograd.backward).parameters["tensors"].annotation)
-    return "GradEdge" in annotation or "GradientEdge" in annotation
-
-
-_EDGE_ROOTS = _takes_edges()
 _DEFERRED = object()  # x̄_{i+1} of a deferred stage: its graph is in _Run.deferred
 
 
@@ -101,22 +95,6 @@ def _stand_in(grad: torch.Tensor) -> torch.Tensor:
     """A tensor of ``grad``'s shape, dtype and device that holds no memory of its own (a broadcast zero, kept
     across steps: nothing is allocated in a step after the first)."""
     return _stand_in_of(grad.dtype, grad.device, grad.shape)
-
-
-def _roots(out: Any, grads: tuple[torch.Tensor | None, ...]) -> tuple[list[Any], list[torch.Tensor]]:
-    """The roots and seeds of a stage's backward from its output ``out`` and their gradients.
-
-    The roots are aliases of the outputs, not the outputs themselves: autograd never completes a multi-tensor
-    gradient hook (torch.autograd.graph.register_multi_grad_hook, as trackers and sharding wrappers put on module
-    outputs) whose tensor is a root of the backward, and such a hook holds the gradient it was given until Python's
-    cyclic garbage collector runs. Through the alias, the output's hooks see its gradient as in the plain model.
-    Where torch takes gradient edges as roots, the roots are the aliases' edges: the backward then holds the graph
-    but not the output's values, which the caller can free before running it."""
-    pairs = [(o, g) for o, g in zip(tensor_leaves(out), grads) if o.requires_grad and g is not None]
-    with torch.enable_grad():
-        aliases = [o.view_as(o) for o, _ in pairs]
-    roots: list[Any] = [torch.autograd.graph.get_gradient_edge(a) for a in aliases] if _EDGE_ROOTS else aliases
-    return roots, [g for _, g in pairs]
 
 
 class _Structure:
@@ -145,17 +123,6 @@ def deferred_runs(schedule: Schedule) -> dict[int, int]:
 def deferrable_stages(schedule: Schedule) -> set[int]:
     """The stages whose last recomputation stops early (:func:`deferred_runs`)."""
     return set(deferred_runs(schedule).values())
-
-
-def stops_early(stage: nn.Module) -> bool:
-    """Whether the executor stops this stage's last recomputation at the last tensor its backward reads, on an
-    eager device: where torch's backward takes gradient edges as roots, and not where a module's forward hooks
-    would miss their forward's end, or FSDP2 units their reshard."""
-    unit_type = fsdp.fsdp_module_type()
-    return _EDGE_ROOTS and not any(
-        m._forward_hooks or m._forward_pre_hooks or (unit_type is not None and isinstance(m, unit_type))
-        for m in stage.modules()
-    )
 
 
 class _Deferred:
@@ -377,7 +344,7 @@ class _Run:
             self.grad[i] = _input_grads(deferred.inp)
             self.caches.pop(i, None)
             return
-        roots, seeds = _roots(out, self.grad.pop(i + 1))
+        roots, seeds = stage_roots(out, self.grad.pop(i + 1))
         del out  # the backward needs its graph, not the output's values: freed before it runs
         self._backward(roots, seeds, inp)
         self.grad[i] = _input_grads(inp)
@@ -393,7 +360,7 @@ class _Run:
         inp = grad_leaves(rebuilt)
         with torch.enable_grad():
             out = self._call(i, inp, recompute=True, option=option)
-        roots, seeds = _roots(out, self.grad.pop(i + 1))
+        roots, seeds = stage_roots(out, self.grad.pop(i + 1))
         del out
         self._backward(roots, seeds, inp)
         self.grad[i] = _input_grads(inp)
@@ -416,8 +383,9 @@ class _Run:
             OPERATIONS[op.kind].execute(self, op)
 
     def _backward(self, roots: list[Any], seeds: list[torch.Tensor], inp: Any) -> None:
-        """The backward of one stage from :func:`_roots`: the gradients of its input leaves (left on them for
-        _input_grads) and of the parameters, sent where the running backward wants them (see :meth:`route`)."""
+        """The backward of one stage from its roots (:func:`~revlib_xla.planner.roots.roots`): the gradients of its
+        input leaves (left on them for _input_grads) and of the parameters, sent where the running backward wants
+        them (see :meth:`route`)."""
         if not roots:
             return
         leaves = [t for t in tensor_leaves(inp) if t.requires_grad]
@@ -463,7 +431,7 @@ class _Run:
         out = self._input(n)
         self.run(self.loss_at, self.loss_at + 1, backward=False)
         kept = self.xbar.get(n)
-        if _EDGE_ROOTS and kept is not None and kept[1] is not _DEFERRED:
+        if EDGE_ROOTS and kept is not None and kept[1] is not _DEFERRED:
             self.xbar[n] = (kept[0], _OutputEdges(kept[1]))  # the output's values stay the caller's
         return out
 

@@ -17,10 +17,11 @@ TPU with every buffer in HBM (fused programs keep fusion inputs, not every tenso
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from torch.utils import _pytree as pytree
 from .. import backend
 from .._tree import detached, tensor_leaves
 from ..memory import SavedTensorCounter, StorageTracker, stablehlo_of, tensor_bytes
+from .roots import roots as root_of
+from .roots import stops_early
 from .stages import inverse_of
 
 __all__ = [
@@ -44,6 +47,37 @@ __all__ = [
     "detached",
     "value_bytes",
 ]
+
+
+_WITHOUT_EXECUTION: list[bool] = [False]
+
+
+def executing() -> bool:
+    """Whether stages run (outside :func:`without_execution`)."""
+    return not _WITHOUT_EXECUTION[-1]
+
+
+@contextlib.contextmanager
+def without_execution() -> Iterator[None]:
+    """Within the block, :func:`measure_chain` on lazy (XLA) stages runs nothing: each stage's input becomes fresh
+    device data of its shape over untouched host memory (:func:`revlib_xla.backend.zero_copy_device_tensor`)
+    instead of the previous stage's output computed (its values do not matter for sizing). This is how a step is
+    planned at full size without a TPU (:mod:`revlib_xla.fit`)."""
+    _WITHOUT_EXECUTION.append(True)
+    try:
+        yield
+    finally:
+        _WITHOUT_EXECUTION.pop()
+
+
+def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Device data of ``shape`` for a lazy program to take as an argument (not a constant it could fold): within
+    :func:`without_execution`, over untouched host memory (a llama-1b head's logits gradient is 1 GiB a sequence;
+    at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
+    to the device."""
+    if _WITHOUT_EXECUTION[-1]:
+        return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
+    return torch.zeros(shape, dtype=dtype).to(device)
 
 
 class InPlaceInput(ValueError):
@@ -181,7 +215,6 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
         outs = differentiable(stage(inp))
         if not outs:
             return StagePrograms(forward, forward, ())
-        from .sizing import device_argument  # (sizing imports this module)
 
         # Device data: arguments of the program, not constants it could fold.
         dys = [device_argument(o.shape, o.dtype, o.device) for o in outs]
@@ -239,7 +272,6 @@ def measure_stage(
     autograd), the next stage's input. ``early_stop``: time its recomputation stopped at the last saved tensor
     too, where the executor does that (:func:`~revlib_xla.planner.execute.stops_early`). ``attention_cache``:
     measure what keeping its fused attention outputs costs and saves (:class:`StageMeasurement` ``cache``)."""
-    from .execute import _roots, stops_early  # execute imports this module
 
     tensors = list(tensor_leaves(x))
     if not tensors:
@@ -324,9 +356,9 @@ def measure_stage(
             in_grad = tensor_bytes([t for t in tensor_leaves(inp) if t.requires_grad])
             with tracker:
                 start = tracker.current(device)
-                # The backward as the executor runs it (execute._roots): from the outputs' gradient edges where
+                # The backward as the executor runs it (roots.roots): from the outputs' gradient edges where
                 # torch takes them, so the output's values (x_{i+1}, counted in cbw) are freed before it runs.
-                roots, seeds = _roots(y, tuple(grads))
+                roots, seeds = root_of(y, tuple(grads))
                 del y, outs, grads
                 backend.sync(device)
                 began = time.perf_counter()

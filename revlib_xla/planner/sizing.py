@@ -8,11 +8,10 @@ storages; XLA: FLOP counts, and sizes from each stage's programs compiled device
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -22,7 +21,17 @@ from .. import backend
 from .._tree import detached, map_tensors, tensor_leaves
 from ..recompute import probe
 from .chain import Chain, StageCache, StageOption
-from .measure import InPlaceInput, StageMeasurement, StagePrograms, measure_stage, stage_programs, value_bytes
+from .measure import (
+    InPlaceInput,
+    StageMeasurement,
+    StagePrograms,
+    device_argument,
+    executing,
+    measure_stage,
+    stage_programs,
+    value_bytes,
+    without_execution,
+)
 from .schedule import Schedule
 from .solver import InfeasibleBudget
 
@@ -161,25 +170,9 @@ def _with_autograd(m: StageMeasurement) -> float:
     return m.fwd_tmp if m.grad_fwd_tmp is None else m.grad_fwd_tmp
 
 
-_WITHOUT_EXECUTION: list[bool] = [False]
-
-
-@contextlib.contextmanager
-def without_execution() -> Iterator[None]:
-    """Within the block, :func:`measure_chain` on lazy (XLA) stages runs nothing: each stage's input becomes fresh
-    device data of its shape over untouched host memory (:func:`revlib_xla.backend.zero_copy_device_tensor`)
-    instead of the previous stage's output computed (its values do not matter for sizing). This is how a step is
-    planned at full size without a TPU (:mod:`revlib_xla.fit`)."""
-    _WITHOUT_EXECUTION.append(True)
-    try:
-        yield
-    finally:
-        _WITHOUT_EXECUTION.pop()
-
-
 def _as_device_data(x: Any) -> Any:
     """``x`` as device data: computed (a sync), or, within :func:`without_execution`, stood in for."""
-    if not _WITHOUT_EXECUTION[-1]:
+    if executing():
         backend.sync(tensor_leaves(x)[0].device)
         return x
 
@@ -187,16 +180,6 @@ def _as_device_data(x: Any) -> Any:
         return device_argument(t.shape, t.dtype, t.device).requires_grad_(t.requires_grad)
 
     return map_tensors(stand_in, x)
-
-
-def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Device data of ``shape`` for a lazy program to take as an argument (not a constant it could fold): within
-    :func:`without_execution`, over untouched host memory (a llama-1b head's logits gradient is 1 GiB a sequence;
-    at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
-    to the device."""
-    if _WITHOUT_EXECUTION[-1]:
-        return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
-    return torch.zeros(shape, dtype=dtype).to(device)
 
 
 def compiled_sizes(

@@ -52,8 +52,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _tree, backend
-from ..checkpointable import Checkpointable
 from ..fsdp import fsdp_module_type, fully_shard_function
+from ..planner.checkpointable import Checkpointable
 from ..reversible import ReversibleSequential
 from .config import RunConfig
 from .strategy import PlannedLM, StrategyError, language_model, lm_loss

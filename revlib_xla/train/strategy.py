@@ -235,7 +235,7 @@ class PlannedLM(nn.Module):
         autocast: str | None = None,
     ) -> None:
         super().__init__()
-        from ..checkpointable import Checkpointable
+        from ..planner.checkpointable import Checkpointable
 
         self.lm = lm
         self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
@@ -562,7 +562,7 @@ def layer_ndims(model: nn.Module) -> dict[int, int]:
     (:func:`revlib_xla.scan.stack_layers`, ``[layers, ...]``) has one fewer per layer than it has, any other its
     own. What the weight-decay rule looks at, so a stacked norm scale (``[layers, dim]``) is not taken for a
     matrix."""
-    from ..scan import layer_shape
+    from ..reversible import layer_shape
 
     return {id(p): len(layer_shape(p, model)) for p in model.parameters()}
 

@@ -10,7 +10,7 @@ statistics of the backend layer, which is being rebuilt as ``revlib_xla.backends
 ``revlib_xla.memory.cuda_peak`` and ``revlib_xla.memory.allocator_peak`` measure a call's peak on cuda and cpu.
 """
 
-from ...checkpointable import Checkpointable
+from ...planner.checkpointable import Checkpointable
 from . import models
 
 __all__ = ["Checkpointable", "models"]

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import backend
-from .errors import ReversibleError
+from .. import backend
+from ..errors import ReversibleError
 from .fixed_point import FixedPoint
 
 Tensor = torch.Tensor
