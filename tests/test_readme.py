@@ -290,3 +290,26 @@ def test_the_config_sections_named_in_the_cli_manual_and_help_are_the_schemas():
     assert named == sections, named
     doc = " ".join((train_cli.__doc__ or "").split())
     assert f"{words[len(sections)]} sections (" + ", ".join(f"``{s}``" for s in sections) in doc, doc[:300]
+
+
+def test_the_layout_page_names_every_module_and_only_paths_that_exist():
+    """docs/layout.md has a row for each module and package of ``revlib_xla/`` (a row names ``revlib_xla/x/`` or
+    ``revlib_xla/x.py``, or ``x.py`` after a ``revlib_xla/`` path in its first cell), and every path it names is
+    there."""
+    page = (ROOT / "docs" / "layout.md").read_text(encoding="utf-8")
+    first_cells = [line.split("|")[1] for line in page.splitlines() if line.startswith("| `")]
+    named: set[str] = set()
+    for cell in first_cells:
+        paths = re.findall(r"`([^`]+)`", cell)
+        base = "revlib_xla" if paths and paths[0].startswith("revlib_xla/") else ""
+        for path in paths:
+            full = path if "/" in path or not base else f"{base}/{path}"
+            assert (ROOT / full).exists(), f"docs/layout.md names {path!r} ({full}), which does not exist"
+            named.add(full.rstrip("/"))
+    package = ROOT / "revlib_xla"
+    modules = {
+        f"revlib_xla/{entry.name}"
+        for entry in package.iterdir()
+        if (entry.suffix == ".py" or (entry.is_dir() and (entry / "__init__.py").exists()))
+    }
+    assert not modules - named, f"modules without a row in docs/layout.md: {sorted(modules - named)}"
