@@ -22,7 +22,6 @@ import copy
 import datetime
 import importlib.util
 import json
-import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -114,7 +113,7 @@ def main() -> None:
         texts = [memory.step_stablehlo(step, variant(base, name), tokens, labels) for name in VARIANTS]
         for name, mem in zip(VARIANTS, memory.tpu_memory_many(texts, "v5e")):
             rows[name]["tpu_v5e_hbm_peak"] = mem.hbm_peak_bytes
-    device = "cpu-" + "".join(c if c.isalnum() else "-" for c in (platform.processor() or platform.machine())).lower()
+    device = "cpu"  # results are filed as <benchmark>-<device>: cpu, xla-cpu, cuda-<gpu>
     result = {
         "config": cfg,
         "torch": torch.__version__,

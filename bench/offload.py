@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"offload-{device.type}-{slug(name)}" + ("-quick" if args.quick else "")
+    where = {"cpu": "cpu", "xla": "xla-cpu" if "cpu" in name.lower() else f"xla-{slug(name)}"}.get(device.type)
+    stem = f"offload-{where or f'{device.type}-{slug(name)}'}" + ("-quick" if args.quick else "")
     (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [
         f"# Offload and fused optimizer: {name} ({device.type})",

@@ -46,7 +46,6 @@ import argparse
 import contextlib
 import json
 import math
-import platform
 import random
 import statistics
 import sys
@@ -79,10 +78,10 @@ REV_ROTOR = "rotor (reversible-block model)"
 
 
 def device_name(device: torch.device) -> str:
-    """The name results are filed under: the GPU's name on cuda, ``cpu-<processor>`` on cpu."""
+    """The name results are filed under: ``cuda-<the GPU's name>`` on cuda, ``cpu`` on cpu."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device).lower().replace(" ", "-")
-    return "cpu-" + (platform.processor() or platform.machine()).lower().replace(" ", "-")
+        return "cuda-" + torch.cuda.get_device_name(device).lower().replace(" ", "-")
+    return "cpu"
 
 
 def solver_speed(length: int = 100, slots: int = 500) -> dict[str, float]:

@@ -3,9 +3,9 @@
 
 For each depth, builds the transformer-like ReversibleSequential of ``bench/xla_compile_time.py`` (layers alternate a
 pre-norm attention block and a pre-norm MLP block: they repeat with period 2, as Llama's branches do) without
-dropout (a group of several layers that draws random numbers runs unrolled, see ``revlib_xla.reversible.scan``), and traces one
+dropout (a group of several layers that draws random numbers runs unrolled, see ``reversible.scan``), and traces one
 training step: forward, MSE loss, backward. Modes: ``scan`` (``scan=None``: scanned, chosen automatically, over
-per-layer parameters stacked per pass), ``stacked`` (``scan=None`` after ``revlib_xla.reversible.stack_layers``: the loops
+per-layer parameters stacked per pass), ``stacked`` (``scan=None`` after ``reversible.stack_layers``: the loops
 read the stacked parameters and write stacked gradients), ``unrolled`` (``scan=False``). Per depth and mode it records:
 
 * ``compile_s``: torch_xla's ``CompileTime`` metric of the step's graph on XLA:CPU (wall), ``compile_cpu_s``: process
@@ -165,7 +165,7 @@ def write(rows: list[dict], args, load: tuple[float, float]) -> None:
         f"attention, then pre-norm MLP; stream width {args.width}, input {args.batch}x{args.seq}x{args.width}), run "
         "with a fixed schedule (every stage's input checkpointed, every stage recomputed once in the backward); depth "
         "= layers; checkpointed-scan stacks the run's parameters per pass, checkpointed-stacked stores them stacked "
-        "(`revlib_xla.reversible.stack_layers` on the Checkpointable: the loops read the stacks and write their gradients).",
+        "(`reversible.stack_layers` on the Checkpointable: the loops read the stacks and write their gradients).",
         "",
         "| mode | dtype | depth | compile wall (s) | compile CPU (s) | while loops | HLO lines | params (MiB) "
         "| TPU v5e peak (MiB) | TPU live temporaries (MiB) |",
@@ -225,9 +225,9 @@ def main() -> None:
         choices=list(MODES) + list(CHECKPOINTED),
         default=list(MODES),
         help="scan: scan=None over per-layer parameters (stacked per pass); stacked: scan=None after "
-        "revlib_xla.reversible.stack_layers; unrolled: scan=False; checkpointed-scan / checkpointed-unrolled: a residual "
+        "reversible.stack_layers; unrolled: scan=False; checkpointed-scan / checkpointed-unrolled: a residual "
         "stack under Checkpointable(scan=True/False), every layer recomputed once (a fixed schedule); "
-        "checkpointed-stacked: checkpointed-scan after revlib_xla.reversible.stack_layers on the Checkpointable. Rows of "
+        "checkpointed-stacked: checkpointed-scan after reversible.stack_layers on the Checkpointable. Rows of "
         "other modes already in the JSON are kept.",
     )
     args = parser.parse_args()
