@@ -66,10 +66,10 @@ if TYPE_CHECKING:
         affine_coupling,
         momentum_coupling,
     )
-    from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
     from .intermediates import memory_efficient_intermediates
     from .offload import ParameterStreamer
     from .offload_model import OffloadModel, OffloadModelError
+    from .optim.fused import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
     from .reversible import (
         DUAL_OR_QUAD_TENSOR,
         FUSED_OPTIMIZER,
@@ -114,7 +114,7 @@ _HOMES = {
         "affine_coupling",
         "momentum_coupling",
     ),
-    "fused_optimizer": ("FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"),
+    "optim.fused": ("FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"),
     "intermediates": ("memory_efficient_intermediates",),
     "offload": ("ParameterStreamer",),
     "offload_model": ("OffloadModel", "OffloadModelError"),

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from .. import backend
+from ..chips import Chip
 from ..memory import format_bytes
 from ..planner import Schedule
 from . import progress
-from .chips import Chip
 from .trace import device_data, materialize
 
 __all__ = ["PlannedSchedule", "plan_config", "format_schedule", "compress_ops"]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .chips import Chip
+from ..chips import Chip
 from .report import FitReport, StepDoesNotFit, compile_or_refuse, compile_steps
 from .search import BatchSearch, max_batch
 from .trace import TracedStep, trace_step
