@@ -44,7 +44,7 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     """Measure the planned model of ``cfg`` (``strategy.activations=plan``) and solve at ``budget`` bytes;
     :class:`revlib_xla.planner.InfeasibleBudget` when no schedule fits."""
     from ..planner.sizing import without_execution
-    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+    from ..train import strategy as train_strategy
 
     model = train_strategy.build_model(cfg, "meta")
     planner = getattr(model, "planned", None)
