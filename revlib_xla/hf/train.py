@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import backend
+from ..losses import next_token_loss
 from .configs import model_from_config
 from .convert import convert_layer_activations, memory_efficient
 from .layers import HFConversionError, find_layer_stack
@@ -181,7 +182,7 @@ def _checkpoint_on_any_device(model: nn.Module) -> None:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as the loop runs it: ``forward(tokens)`` the logits (no KV cache), ``loss(tokens)``
-    the next-token cross entropy (:func:`revlib_xla.models.llama.next_token_loss`, as for every other model)."""
+    the next-token cross entropy (:func:`revlib_xla.losses.next_token_loss`, as for every other model)."""
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
@@ -193,8 +194,6 @@ class HFCausalLM(nn.Module):
         return logits
 
     def loss(self, tokens: Tensor) -> Tensor:
-        from ..models.llama import next_token_loss
-
         return next_token_loss(self(tokens), tokens)
 
 

@@ -23,7 +23,7 @@ composed from the pieces of :mod:`revlib_xla.train.strategies` (one per setting,
   runs, and the rounded weights go back (mixed precision as in ZeRO-Offload). Checkpoints hold the float32 masters.
 * ``loss_chunk``: the LM head and cross entropy run over chunks of that many positions, each chunk's logits
   recomputed in the backward pass, so no whole ``(batch, seq, vocab)`` logits tensor is ever alive
-  (:func:`revlib_xla.models.llama.chunked_next_token_loss`); ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the
+  (:func:`revlib_xla.losses.chunked_next_token_loss`); ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the
   reversible and momentum forms on one chip, off for the torch_xla baselines (``none``, ``checkpoint``), over a
   mesh of several chips, and where the logits come out of a wrapper (``plan``, ``offload.params``,
   ``model.hf_config``), which refuse an explicit value.

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import backend
+from ...losses import next_token_loss
 from ..config import RunConfig
 from .base import Options, Piece, StrategyError, Target, register
 from .sizing import plan_budget
@@ -78,7 +79,6 @@ class PlannedLM(nn.Module):
         it as 0 peaked above its budget there. Measured on an eager device (:class:`revlib_xla.memory.StorageTracker`);
         0 on XLA, where the compiled stages' sizes stand for it."""
         from ...memory import StorageTracker
-        from ...models.llama import next_token_loss
 
         if backend.is_tracing_lazily(sample):
             return 0
@@ -110,8 +110,6 @@ class PlannedLM(nn.Module):
         return torch.get_autocast_dtype(kind) if kind and torch.is_autocast_enabled(kind) else None
 
     def loss(self, tokens: Tensor) -> Tensor:
-        from ...models.llama import next_token_loss
-
         return next_token_loss(self(tokens), tokens)
 
 

@@ -1,6 +1,6 @@
 """``strategy.loss_chunk`` as a piece: the LM head and cross entropy run over chunks of that many positions, each
 chunk's logits recomputed in the backward pass, so no whole ``(batch, seq, vocab)`` logits tensor is ever alive
-(:func:`revlib_xla.models.llama.chunked_next_token_loss`). ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the reversible
+(:func:`revlib_xla.losses.chunked_next_token_loss`). ``auto``: on (:data:`AUTO_LOSS_CHUNK`) for the reversible
 and momentum forms on one chip, off for the torch_xla baselines (``none``, ``checkpoint``), over a mesh of several
 chips, and where the logits come out of a wrapper (``plan``, ``offload.params``, ``model.hf_config``), which refuse
 an explicit value."""

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ... import backend
+from ...losses import next_token_loss
 from ..config import RunConfig
 from .base import Options, Piece, Refusal, ScopeFactory, Target, register
 from .optimizer import HostOptimizerState, adamw
@@ -40,8 +41,6 @@ class OffloadedLM(nn.Module):
         return self.offloaded(tokens)
 
     def loss(self, tokens: Tensor) -> Tensor:
-        from ...models.llama import next_token_loss
-
         return next_token_loss(self(tokens), tokens)
 
 
