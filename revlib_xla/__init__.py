@@ -56,10 +56,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from . import compat, core, fewbit, fit, fsdp, hf, memory, models, planner, sharding, train, utils
     from .core import TensorOffload, replace_grad, reverse_and_swap
-    from .fused_optimizer import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
     from .intermediates import memory_efficient_intermediates
     from .offload import ParameterStreamer
     from .offload_model import OffloadModel, OffloadModelError
+    from .optim.fused import FusedOptimizer, FusedOptimizerError, fuse_optimizer, fused_optimizer_of
     from .planner.checkpointable import Checkpointable
     from .planner.stages import atomic, flatten_sequential
     from .reversible import (
@@ -116,7 +116,7 @@ _HOMES = {
         "affine_coupling",
         "momentum_coupling",
     ),
-    "fused_optimizer": ("FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"),
+    "optim.fused": ("FusedOptimizer", "FusedOptimizerError", "fuse_optimizer", "fused_optimizer_of"),
     "intermediates": ("memory_efficient_intermediates",),
     "offload": ("ParameterStreamer",),
     "offload_model": ("OffloadModel", "OffloadModelError"),

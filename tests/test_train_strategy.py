@@ -435,3 +435,50 @@ def test_mfu_is_measured_against_the_chip_the_run_is_on(monkeypatch):
     assert peak_flops(cfg, torch.device("cpu")) is None
     monkeypatch.setattr(backend, "tpu_generation", lambda device: "v6e")
     assert peak_flops(cfg, torch.device("cpu")) == 918e12 * 4
+
+
+def test_the_pieces_compose_in_their_order_and_the_first_refusal_is_said():
+    """Every strategy piece is registered, each once, in ORDER; a config that makes two refused combinations gets
+    the message of the piece that comes first (offload.params before loss_chunk before fused_optimizer), as before
+    the pieces; and a piece without a place in the order is refused when registered."""
+    from revlib_xla.train import strategies
+
+    names = [piece.name for piece in strategies.registered()]
+    assert names == list(strategies.ORDER)
+    twice = [
+        "strategy=reversible",
+        "strategy.offload.params=true",
+        "strategy.loss_chunk=4",
+        "strategy.fused_optimizer=true",
+        "optim.grad_clip=0",
+    ]
+    with pytest.raises(StrategyError, match=r"^strategy.offload.params=true streams .*activations=reversible"):
+        build_model(_cfg(*twice), "meta")
+    with pytest.raises(StrategyError, match=r"^strategy.loss_chunk=4: with strategy.offload.params=true"):
+        build_model(_cfg(*twice[1:], "strategy=checkpoint"), "meta")
+    with pytest.raises(ValueError, match="no place in ORDER"):
+        strategies.register(strategies.Piece("compression", lambda cfg: False))
+    active = [p.name for p in strategies.active_pieces(_cfg("strategy=momentum", "strategy.offload.activations=true"))]
+    assert active == ["activations=momentum", "exact", "mesh", "loss_chunk", "offload.activations"]
+
+
+def test_the_host_optimizer_steps_any_optimizer_as_on_the_device():
+    """revlib_xla.optim.HostOptimizer with SGD with momentum (not the CLI's AdamW): bfloat16 device weights, float32
+    masters (filled from the device weights) and state on the host; three steps give the float32 SGD's weights,
+    rounded to bfloat16."""
+    from revlib_xla.optim import HostOptimizer
+
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(8, 4, generator=g)
+    weight = torch.nn.Parameter(master.bfloat16())
+    ref = torch.nn.Parameter(master.bfloat16().float())
+    opt = HostOptimizer([weight], lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        grad = torch.randn(8, 4, generator=g).bfloat16()
+        weight.grad, ref.grad = grad.clone(), grad.float()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+    assert torch.equal(weight, ref.detach().bfloat16()) and weight.dtype == torch.bfloat16
+    assert opt.host[0].dtype == torch.float32 and torch.equal(opt.host[0], ref.detach())

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..chips import Chip
 from ..memory import StorageTracker, tensor_bytes
 from . import progress
-from .chips import Chip
 from .report import FitReport, StepDoesNotFit
 from .search import BatchSearch, max_batch
 from .strategies import plan_notes

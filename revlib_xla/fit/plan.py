@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from .. import backend
+from ..chips import Chip
 from ..memory import format_bytes
 from ..planner import Schedule
 from . import progress
-from .chips import Chip
 from .trace import device_data, materialize
 
 __all__ = ["PlannedSchedule", "plan_config", "format_schedule", "compress_ops"]
@@ -44,7 +44,7 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     """Measure the planned model of ``cfg`` (``strategy.activations=plan``) and solve at ``budget`` bytes;
     :class:`revlib_xla.planner.InfeasibleBudget` when no schedule fits."""
     from ..planner.sizing import without_execution
-    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+    from ..train import strategy as train_strategy
 
     model = train_strategy.build_model(cfg, "meta")
     planner = getattr(model, "planned", None)

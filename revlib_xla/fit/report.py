@@ -29,10 +29,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from ..chips import Chip
 from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
 from ..tpu_compile import slice_topology
 from . import progress
-from .chips import Chip
 from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 
 __all__ = [

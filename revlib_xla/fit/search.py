@@ -17,7 +17,7 @@ import functools
 from collections.abc import Callable
 from typing import TypeVar
 
-from .chips import Chip
+from ..chips import Chip
 from .report import FitReport, compile_or_refuse, compile_steps
 
 __all__ = ["BatchSearch", "max_batch"]

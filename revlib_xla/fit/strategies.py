@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from .chips import Chip
+from ..chips import Chip
 from .report import FitReport, StepDoesNotFit, compile_or_refuse, compile_steps
 from .search import BatchSearch, max_batch
 from .trace import TracedStep, trace_step
@@ -133,7 +133,7 @@ def strategy(name: str) -> Strategy:
 def load(config: str | None, overrides: Sequence[str], chosen: Strategy, batch: int | None = None) -> Any:
     """The run config (:func:`revlib_xla.train.config.load_config`) with the strategy's overrides (and
     ``data.batch_size=batch``) applied after the user's."""
-    from ..train.config import load_config  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+    from ..train.config import load_config
 
     extra = list(chosen.overrides) + ([f"data.batch_size={batch}"] if batch is not None else [])
     return load_config(config, [*overrides, *extra])
@@ -145,7 +145,7 @@ def trace_config(cfg: Any) -> TracedStep:
     (:func:`revlib_xla.sharding.shard_step`): compiled, its figures are per chip."""
     from ..planner import InfeasibleBudget
     from ..sharding import resolve_mesh, shard_step
-    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+    from ..train import strategy as train_strategy
 
     mesh = resolve_mesh(cfg.mesh.axes(), cfg.chip.chips, backend_name=f"{cfg.chip.chips}-chip {cfg.chip.name} slice")
     model = train_strategy.build_model(cfg, "meta")
@@ -201,7 +201,7 @@ def plan_notes(model: torch.nn.Module) -> tuple[str, ...]:
 def _does_not_fit(cfg: Any, exc: Any) -> StepDoesNotFit:
     """The :class:`StepDoesNotFit` of ``cfg``'s planned step whose smallest schedule needs ``exc.minimum`` bytes of
     activations: the parameters, gradients and optimizer state one chip holds come on top."""
-    from ..train import strategy as train_strategy  # type: ignore[import-not-found,unused-ignore]
+    from ..train import strategy as train_strategy
 
     count = train_strategy.params_per_chip(cfg)
     held = count * train_strategy.state_bytes_per_param(cfg)

@@ -42,6 +42,7 @@ from ..reversible import ReversibleSequential
 from ..utils import momentum_net
 from . import head as _head
 from .layers import Branches, HFConversionError, find_layer_stack
+from .masks import causal_mask
 
 __all__ = ["STRATEGIES", "DEFAULT_BETA", "ConvertedLayers", "Conversion", "memory_efficient"]
 
@@ -130,9 +131,7 @@ def _causal_mask_on_lazy_devices(
         return None
     if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "past_key_values", "inputs_embeds")):
         return None
-    from .train import _causal_mask
-
-    mask = _causal_mask(model, tokens)
+    mask = causal_mask(model, tokens)
     return None if mask is None else (args, {**kwargs, "attention_mask": mask})
 
 

@@ -7,9 +7,10 @@ batch of 4096 tokens has 0.5 G logits, some 8 GiB in those tensors, against 1 Gi
 32 layers.
 
 :class:`ChunkedLoss` replaces the model's ``loss_function`` (transformers' ``ForCausalLMLoss``) where the logits come
-straight from a plain ``nn.Linear`` LM head: it runs torch's own cross entropy on a few tokens at a time and turns
-each chunk's gradient at once into the gradients of the head's input, weight and bias. The backward then only scales
-them by the loss's gradient. The logits the model returns are unchanged; nothing of the vocabulary's size outlives a
+straight from a plain ``nn.Linear`` LM head: it runs torch's own cross entropy on a few tokens at a time
+(:func:`revlib_xla.losses.chunked_head_loss`, the library's one chunked cross entropy) and turns each chunk's gradient
+at once into the gradients of the head's input, weight and bias. The backward then only scales them by the loss's
+gradient. The logits the model returns are unchanged; nothing of the vocabulary's size outlives a
 chunk. Each chunk computes what transformers computes for those rows (the same float32 kernels, the same
 ``1 / count`` or ``1 / num_items_in_batch`` scale), so the head's input gradient is the same per row and the weight's
 gradient differs only by the order of the sum over tokens.
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend, fsdp
+from .. import fsdp
+from ..losses import chunked_head_loss
 from .layers import HFConversionError
 
 __all__ = ["ChunkedLoss", "applies", "chunked_loss", "rows_per_chunk", "chunk_bytes"]
@@ -60,81 +62,6 @@ def _causal_lm_loss() -> Callable[..., Any] | None:
     except ImportError:  # pragma: no cover - transformers without the loss module (< 4.46)
         return None
     return ForCausalLMLoss  # type: ignore[no-any-return]
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """loss = sum over tokens of cross_entropy(logits_t, target_t) / denom, with the gradients of the head's input,
-    weight and bias computed chunk by chunk in the forward (``logits`` is only read)."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        denom: Any,
-        ignore_index: int,
-        rows: int,
-    ) -> torch.Tensor:
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        h = hidden.reshape(-1, hidden.shape[-1])
-        z = logits.reshape(-1, logits.shape[-1])
-        accumulate = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_h = torch.empty_like(h) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_w else None
-        grad_b = torch.zeros(z.shape[-1], dtype=accumulate, device=z.device) if need_b else None
-        total = torch.zeros((), dtype=torch.float32, device=z.device)
-        # transformers' loss would run its backward outside any autocast region: the chunks' gradients are too.
-        with backend.autocast_off(backend.backend_for(z.device).autocast_device_type):
-            for start in range(0, z.shape[0], rows):
-                stop = min(start + rows, z.shape[0])
-                # The chunk's own graph lives and dies here: the saved-tensor hooks around the loss (an offload
-                # to the host, a memory counter) see only what the backward keeps (``save_for_backward`` below).
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                    chunk = z[start:stop].detach().float().requires_grad_(True)
-                    summed = nn.functional.cross_entropy(
-                        chunk, target[start:stop], ignore_index=ignore_index, reduction="sum"
-                    )
-                    (g,) = torch.autograd.grad(summed / denom, chunk)
-                total = total + summed.detach()
-                g = g.to(z.dtype)
-                if grad_h is not None:
-                    grad_h[start:stop] = g @ weight.to(g.dtype)
-                if grad_w is not None and g.dtype == accumulate:
-                    grad_w.addmm_(g.t(), h[start:stop])
-                elif grad_w is not None:  # a low-precision product, summed in float32 in place
-                    grad_w.add_(g.t() @ h[start:stop].to(g.dtype))
-                if grad_b is not None:
-                    grad_b += g.sum(0).to(accumulate)
-                del chunk, summed, g
-        ctx.shapes = (hidden.shape, hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(
-            *(t if t is not None else torch.empty(0, device=z.device) for t in (grad_h, grad_w, grad_b))
-        )
-        ctx.present = (grad_h is not None, grad_w is not None, grad_b is not None)
-        return total / denom
-
-    @staticmethod
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        if torch.is_grad_enabled():
-            raise HFConversionError(
-                "revlib_xla.hf: the chunked LM loss has no second derivative (backward with create_graph=True). "
-                "Convert the model with memory_efficient(..., chunked_loss=False) to differentiate its loss twice."
-            )
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        has_h, has_w, has_b = ctx.present
-        shape, h_dtype, w_dtype, b_dtype = ctx.shapes
-        scale = grad_loss.to(torch.float32)
-        out_h = (grad_h * scale.to(grad_h.dtype)).to(h_dtype).reshape(shape) if has_h else None
-        out_w = (grad_w * scale.to(grad_w.dtype)).to(w_dtype) if has_w else None
-        out_b = (grad_b * scale.to(grad_b.dtype)).to(b_dtype) if has_b else None
-        return out_h, out_w, out_b, None, None, None, None, None
 
 
 class ChunkedLoss:
@@ -218,8 +145,12 @@ class ChunkedLoss:
             denom = num_items_in_batch
         chunk = rows_per_chunk(target.numel(), hidden.shape[-1], logits.shape[-1])
         head = self.head
-        return _ChunkedCrossEntropy.apply(
-            hidden, head.weight, head.bias, logits.detach(), target, denom, ignore_index, chunk
+        no_second = HFConversionError(
+            "revlib_xla.hf: the chunked LM loss has no second derivative (backward with create_graph=True). "
+            "Convert the model with memory_efficient(..., chunked_loss=False) to differentiate its loss twice."
+        )
+        return chunked_head_loss(
+            hidden, head.weight, head.bias, logits.detach(), target, denom, ignore_index, chunk, no_second
         )
 
 

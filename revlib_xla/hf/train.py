@@ -18,9 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import backend
+from ..losses import next_token_loss
 from .configs import model_from_config
-from .convert import memory_efficient
+from .convert import convert_layer_activations, memory_efficient
 from .layers import HFConversionError, find_layer_stack
+from .masks import causal_mask
 
 __all__ = ["HFSpec", "HFCausalLM", "LLAMA_NAMES", "hf_spec", "hf_overrides", "build_hf_lm", "check_hf_strategy"]
 
@@ -161,24 +163,6 @@ def _check_positions(cfg: Any) -> None:
         )
 
 
-def _causal_mask(lm: nn.Module, tokens: Tensor) -> Tensor | None:
-    """The causal mask of ``tokens`` in the 4-D form ``lm``'s attention takes as given (``sdpa``: boolean, True
-    where a query attends; ``eager``: additive, 0 or the dtype's lowest), or None for other attention kernels.
-
-    Without it, transformers builds the mask itself and on the way reads a value from the device (it looks for
-    packed sequences in the position ids, or for padding in a 2-D mask): on XLA that executes the graph in the
-    middle of the step (two graphs per step), and it stops ``revlib-xla memory`` from tracing the step at all."""
-    kind = getattr(getattr(lm, "config", None), "_attn_implementation", None)
-    if kind not in ("sdpa", "eager"):
-        return None
-    n = tokens.shape[-1]
-    allowed = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()[None, None]
-    if kind == "sdpa":
-        return allowed
-    dtype = next(lm.parameters()).dtype
-    return torch.zeros((), dtype=dtype, device=tokens.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
 def _checkpoint_on_any_device(model: nn.Module) -> None:
     """transformers' per-layer checkpointing function, with XLA tensors sent to :func:`revlib_xla.backend.checkpoint`
     (``torch.utils.checkpoint``, transformers' own, fails on them in torch 2.9: there is no ``torch.xla``)."""
@@ -198,20 +182,18 @@ def _checkpoint_on_any_device(model: nn.Module) -> None:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as the loop runs it: ``forward(tokens)`` the logits (no KV cache), ``loss(tokens)``
-    the next-token cross entropy (:func:`revlib_xla.models.llama.next_token_loss`, as for every other model)."""
+    the next-token cross entropy (:func:`revlib_xla.losses.next_token_loss`, as for every other model)."""
 
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
 
     def forward(self, tokens: Tensor) -> Tensor:
-        mask = _causal_mask(self.lm, tokens) if backend.is_tracing_lazily(tokens) else None
+        mask = causal_mask(self.lm, tokens) if backend.is_tracing_lazily(tokens) else None
         logits: Tensor = self.lm(input_ids=tokens, attention_mask=mask, use_cache=False).logits
         return logits
 
     def loss(self, tokens: Tensor) -> Tensor:
-        from ..models.llama import next_token_loss
-
         return next_token_loss(self(tokens), tokens)
 
 
@@ -250,7 +232,5 @@ def build_hf_lm(
             exact=None if s.exact else False,  # (plan: no streams; the config refuses exact=false with it)
         )
     elif s.fewbit:
-        from .convert import convert_layer_activations
-
         convert_layer_activations(list(find_layer_stack(model).layers), s.fewbit)
     return HFCausalLM(model)

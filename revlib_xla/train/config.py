@@ -336,7 +336,7 @@ def llama_sizes() -> list[str]:
 
 def _check_chip(cfg: RunConfig) -> None:
     """``chip.name`` is a chip the library knows (a TPU or a GPU), said before anything is built."""
-    from ..fit.chips import CHIPS
+    from ..chips import CHIPS
 
     if cfg.chip.name not in CHIPS:
         close = difflib.get_close_matches(str(cfg.chip.name).lower(), list(CHIPS), n=1)

@@ -56,7 +56,9 @@ from ..fsdp import fsdp_module_type, fully_shard_function
 from ..planner.checkpointable import Checkpointable
 from ..reversible import ReversibleSequential
 from .config import RunConfig
-from .strategy import PlannedLM, StrategyError, language_model, lm_loss
+from .strategies.activations import PlannedLM
+from .strategies.base import StrategyError, language_model, lm_loss
+from .strategies.sizing import world_from_env
 
 __all__ = [
     "Processes",
@@ -112,14 +114,6 @@ class Processes:
     def end(self) -> None:
         if self.initialized_here and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def world_from_env() -> int:
-    """The number of processes torchrun started (``WORLD_SIZE``; 1 outside torchrun)."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        raise StrategyError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number of processes") from None
 
 
 def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | None, torch.device]:
