@@ -542,7 +542,7 @@ def build_model(
     if s.offload.params:
         return OffloadedLM(lm, target, checkpoint=s.activations == "checkpoint")
     if s.activations == "plan":
-        from ..tpu_compile import TPU_GENERATIONS
+        from ..compiled.worker import TPU_GENERATIONS
 
         generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
         micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
