@@ -38,7 +38,7 @@ from revlib_xla.fit.strategies import (
     search_strategies,
     trace_config,
 )
-from revlib_xla.memory import format_bytes
+from revlib_xla.units import format_bytes
 
 OUT = ROOT / "bench" / "results" / "llama_fit-tpu-deviceless"
 
@@ -242,7 +242,7 @@ def record_run(path: Path, key: str, overrides: list[str], report_out: list | No
 
 
 def _versions() -> dict:
-    from revlib_xla import tpu_compile
+    from revlib_xla.compiled import worker as tpu_compile
 
     return tpu_compile.versions()
 

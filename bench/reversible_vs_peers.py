@@ -468,9 +468,9 @@ def compile_main(request_json: str) -> int:
     sys.path.insert(0, str(ROOT))
     out: dict[str, Any] = {"results": {}}
     try:
-        from revlib_xla import tpu_compile
+        from revlib_xla.compiled import worker as tpu_compile
     except Exception as exc:
-        out["error"] = f"revlib_xla.tpu_compile is not importable: {type(exc).__name__}: {exc}"
+        out["error"] = f"revlib_xla.compiled.worker is not importable: {type(exc).__name__}: {exc}"
         print(json.dumps(out))
         return 0
     out["versions"] = tpu_compile.versions()

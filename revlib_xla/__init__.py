@@ -35,8 +35,9 @@ HuggingFace transformers models (the ``[hf]`` extra):
 
 Modules are reached as attributes (``revlib_xla.memory.eager_peak`` after ``import revlib_xla``); they, and the
 names above, are imported on first use: ``import revlib_xla`` alone imports neither torch nor torch_xla. Modules and
-names with a leading underscore, and modules not named here (``backend``, ``recompute``, ``compile_cache``,
-``hlo_liveness``, ``tpu_compile``, ``demo``), are internal.
+names with a leading underscore, and modules not named here (``backend``, ``recompute``, ``compiled``, whose public
+names ``memory`` re-exports, ``units``, the deprecated ``compile_cache``, ``hlo_liveness`` and ``tpu_compile``,
+``demo``), are internal.
 
 Compatibility (thin facades over the API above; the names are the same objects):
     RevLib 1.7: ``import revlib_xla as revlib`` runs RevLib code, with RevLib's defects fixed (see README). Its

@@ -22,6 +22,7 @@ from .backends import registry as _registry
 from .backends.base import DeviceCopier, HostCopy, HostOffload, Transfer, kernels_forced_reference
 from .backends.registry import DeviceLike, as_device, backend_for
 from .backends.state import AutocastState, DeviceSeed, RngState, autocast_cache_off, autocast_off
+from .backends.tracing import execution_forbidden
 from .backends.xla import host_annotations, host_placement_executes, runtime_type, xla_available
 
 __all__ = [
@@ -324,11 +325,6 @@ def data_identity(tensor: torch.Tensor) -> int:
     """For a lazy tensor holding plain device data: the number its data carries as a program argument
     (:func:`program_arguments`)."""
     return backend_for(tensor).data_identity(tensor)
-
-
-def execution_forbidden(device: DeviceLike) -> contextlib.AbstractContextManager[None]:
-    """A block in which running ``device``'s pending program raises instead (nothing to forbid on eager devices)."""
-    return backend_for(as_device(device)).execution_forbidden()
 
 
 def lazy_stablehlo(tensors: Sequence[torch.Tensor]) -> str:

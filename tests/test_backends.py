@@ -22,6 +22,7 @@ import revlib_xla as revlib
 from revlib_xla import backend, backends
 from revlib_xla.backends import tpu as tpu_backend
 from revlib_xla.backends import xla as xla_backend
+from revlib_xla.compiled import memory as compiled_memory
 
 PACKAGE = pathlib.Path(revlib.__file__).resolve().parent
 
@@ -244,7 +245,7 @@ def test_checkpointable_on_a_torch_xla_gpu_is_not_sized_for_a_tpu(xla_device, mo
     def no_tpu_compile(*args, **kwargs):
         raise AssertionError("a torch_xla GPU run was sized with the TPU compiler")
 
-    monkeypatch.setattr(revlib.memory, "tpu_memory_many", no_tpu_compile)
+    monkeypatch.setattr(compiled_memory, "tpu_memory_many", no_tpu_compile)  # where the planner finds it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)).to(xla_device)
     checkpointed = revlib.Checkpointable(model, tpu_generation="v5e")
@@ -500,3 +501,42 @@ def test_a_tpu_is_found_without_importing_torch_xla_where_pjrt_would_run_on_the_
     if not xla_backend.tpu_attached() and not torch.cuda.is_available():
         assert "@@ cpu False" in done.stdout, done.stdout
         assert "PJRT_DEVICE" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_switches_of_tracing_without_running_live_in_backends_and_keep_their_old_names():
+    """One home (backends.tracing), three switches that differ in span: the rebuild check's suspension is this
+    thread's, the planner's stand-in inputs the process's; both nest; neither implies the other."""
+    import threading
+
+    from revlib_xla.backends import tracing
+    from revlib_xla.planner import measure, sizing
+    from revlib_xla.reversible import rebuild_check
+
+    assert rebuild_check.suspended is tracing.checks_suspended and rebuild_check.armed is tracing.checks_armed
+    assert sizing.without_execution is measure.without_execution is tracing.stand_in_inputs
+    assert backend.execution_forbidden is tracing.execution_forbidden
+
+    def elsewhere() -> tuple[bool, bool]:
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append((tracing.checks_armed(), tracing.standing_in())))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    assert tracing.checks_armed() and not tracing.standing_in() and measure.executing()
+    with tracing.checks_suspended():
+        with tracing.checks_suspended():
+            assert not rebuild_check.armed() and not tracing.standing_in()
+        assert not tracing.checks_armed()
+        assert elsewhere() == (True, False)  # another thread's forwards still arm the check
+    assert tracing.checks_armed()
+    with tracing.stand_in_inputs():
+        with sizing.without_execution():
+            assert tracing.standing_in() and not measure.executing() and tracing.checks_armed()
+        assert tracing.standing_in()
+        assert elsewhere() == (True, True)  # the whole process stands in
+    assert not tracing.standing_in() and measure.executing()
+    with tracing.execution_forbidden("cpu"):  # nothing to forbid on an eager device; the others stay off
+        assert tracing.checks_armed() and not tracing.standing_in()
+    x = measure.device_argument(torch.Size([2, 3]), torch.float32, torch.device("cpu"))
+    assert x.shape == (2, 3) and not x.any()

@@ -164,7 +164,7 @@ def test_a_stopped_sizing_deletes_its_temporary_folder_and_stops_its_compiler(tm
     script = (
         f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
         "import waiting_compiler\n"
-        "from revlib_xla import memory\n"
+        "from revlib_xla.compiled import memory\n"
         "from revlib_xla.cli import long_running\n"
         "with long_running('memory'):\n"
         "    memory._run_tpu_worker(['module'], 'v5e:2x2', 0, 120.0, waiting_compiler)\n"

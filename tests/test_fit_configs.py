@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from revlib_xla import backend, tpu_compile
+from revlib_xla import backend
+from revlib_xla.compiled import worker as tpu_compile
 from revlib_xla.fit import chips
 
 pytest.importorskip("revlib_xla.train.config", reason="revlib_xla.train (the run configs) is not in this tree")

@@ -15,7 +15,7 @@ import pytest
 from revlib_xla.fit.chips import Chip, chip
 from revlib_xla.fit.gpu import estimate_step, for_gpu, gpu_max_batch
 from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES, load
-from revlib_xla.memory import parse_bytes
+from revlib_xla.units import parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "tpu_configs/cpu-smoke.yaml"

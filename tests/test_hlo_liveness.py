@@ -1,8 +1,8 @@
-"""hlo_liveness: the peak of a compiled program's live values, read from a buffer-assignment dump."""
+"""compiled.liveness: the peak of a compiled program's live values, read from a buffer-assignment dump."""
 
 import pytest
 
-from revlib_xla.hlo_liveness import (
+from revlib_xla.compiled.liveness import (
     LivenessParseError,
     all_optimization_barrier_arguments,
     forward_backward_split,

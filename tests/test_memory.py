@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 
 from revlib_xla import backend, memory
+from revlib_xla.compiled import cache as compile_cache
+from revlib_xla.compiled import memory as compiled_memory
 from revlib_xla.memory import (
     CompiledMemory,
     EagerPeak,
@@ -362,7 +364,7 @@ needs_jax = pytest.mark.skipif(importlib.util.find_spec("jaxlib") is None, reaso
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (pip install 'revlib_xla[tpu-compile]')"
 )
-PINNED = memory._compile_helpers().versions() == {"jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.20"}
+PINNED = compiled_memory._compile_helpers().versions() == {"jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.20"}
 
 DEPTH, WIDTH, BATCH = 4, 128, 256
 
@@ -555,7 +557,7 @@ def test_tpu_results_are_cached_in_memory_and_on_disk(texts, tmp_path, monkeypat
     def no_compiles(*args, **kwargs):
         raise AssertionError("should have been served from the disk cache")
 
-    monkeypatch.setattr(memory, "_run_tpu_worker", no_compiles)
+    monkeypatch.setattr(compiled_memory, "_run_tpu_worker", no_compiles)
     from_disk = tpu_memory(text, disk_cache=tmp_path)
     assert from_disk == first and from_disk.optimized_hlo == first.optimized_hlo
     monkeypatch.setenv("REVLIB_XLA_CACHE", str(tmp_path))
@@ -589,7 +591,7 @@ def test_tpu_worker_crash_reports_stderr_tail(tmp_path):
             return dict(os.environ)
 
     with pytest.raises(TpuCompileError, match=r"(?s)exit code 3.*something went badly wrong"):
-        memory._run_tpu_worker(["module {}"], "v5e:2x2", 0, 60.0, FakeHelpers)
+        compiled_memory._run_tpu_worker(["module {}"], "v5e:2x2", 0, 60.0, FakeHelpers)
 
 
 def test_missing_tpu_compiler_names_the_extra(monkeypatch):
@@ -676,8 +678,10 @@ IDENTITY_HLO = "module { func.func @main(%arg0: tensor<64xf32>) -> tensor<64xf32
 @pytest.mark.parametrize("damage", ["truncated", "not json", "a list", "other key", "field missing", "wrong type"])
 def test_disk_cache_recompiles_a_damaged_entry(tmp_path, monkeypatch, damage):
     compiles = []
-    real = memory._compile_helpers().compile_for_cpu
-    monkeypatch.setattr(memory._compile_helpers(), "compile_for_cpu", lambda text: compiles.append(1) or real(text))
+    real = compiled_memory._compile_helpers().compile_for_cpu
+    monkeypatch.setattr(
+        compiled_memory._compile_helpers(), "compile_for_cpu", lambda text: compiles.append(1) or real(text)
+    )
     memory.clear_compile_cache()
     first = xla_cpu_memory(IDENTITY_HLO, disk_cache=tmp_path)
     (path,) = tmp_path.glob("*.json")
@@ -703,8 +707,6 @@ def test_disk_cache_recompiles_a_damaged_entry(tmp_path, monkeypatch, damage):
 
 
 def test_disk_cache_is_bounded_least_recently_used_first(tmp_path, monkeypatch):
-    from revlib_xla import compile_cache
-
     monkeypatch.setenv("REVLIB_XLA_CACHE_MAX_BYTES", "3KiB")
     valid = lambda entry: "payload" in entry
     for i, key in enumerate("abcd"):
@@ -746,7 +748,7 @@ def test_tpu_compile_leaves_no_log_files_behind(monkeypatch):
         seen["files"] = list(seen["dir"].iterdir())
         return done
 
-    monkeypatch.setattr(memory.subprocess, "run", run)
+    monkeypatch.setattr(compiled_memory.subprocess, "run", run)
     tpu_memory(IDENTITY_HLO, cache=False)
     assert seen["files"], "libtpu wrote no log where TPU_LOG_DIR pointed"
     assert seen["dir"].name == "tpu_logs" and seen["dir"].parent.name.startswith("revlib_xla_tpu_")
@@ -764,3 +766,32 @@ def test_compile_timeout_reads_the_environment_and_refuses_a_bad_value(monkeypat
         monkeypatch.setenv("REVLIB_XLA_COMPILE_TIMEOUT", bad)
         with pytest.raises(ValueError, match="REVLIB_XLA_COMPILE_TIMEOUT.*positive number of seconds"):
             compile_timeout()
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("revlib_xla.tpu_compile", "revlib_xla.compiled.worker"),
+        ("revlib_xla.hlo_liveness", "revlib_xla.compiled.liveness"),
+        ("revlib_xla.compile_cache", "revlib_xla.compiled.cache"),
+    ],
+)
+def test_old_compiled_module_paths_warn_and_give_the_same_objects(old, new, monkeypatch):
+    monkeypatch.delitem(sys.modules, old, raising=False)
+    with pytest.warns(DeprecationWarning, match=f"{old} is deprecated: import from {new}"):
+        shim = importlib.import_module(old)
+    home = importlib.import_module(new)
+    assert shim.__all__ and all(getattr(shim, name) is getattr(home, name) for name in shim.__all__)
+    assert set(home.__all__) <= set(shim.__all__)  # every public name of the new home is still reachable here
+
+
+def test_memory_reexports_the_compiled_names_and_the_units():
+    from revlib_xla import compiled, units
+    from revlib_xla.compiled import stablehlo
+
+    homes = [compiled_memory, stablehlo, units]
+    for name in memory.__all__:
+        home = next((m for m in homes if name in m.__all__), memory)
+        assert getattr(memory, name) is getattr(home, name), name
+    assert memory.compile_timeout is compiled_memory.compile_timeout and memory.BYTE_UNITS is units.BYTE_UNITS
+    assert compiled.__doc__ and memory.parse_bytes("1.5 KiB") == 1536.0 and memory.format_bytes(1536) == "1.50 KiB"

@@ -327,9 +327,9 @@ def test_stage_programs_finds_its_barrier_beside_fewbits_own():
     program's gradient argument is taken from the barrier over the stage's output, not from the first barrier
     (regression: plan + fewbit on XLA failed with 'barrier operands [None, None, None]')."""
     from revlib_xla import backend
+    from revlib_xla.compiled.liveness import all_optimization_barrier_arguments
     from revlib_xla.fewbit.modules import SiLU as FewBitSiLU
     from revlib_xla.fit import stablehlo_arguments
-    from revlib_xla.hlo_liveness import all_optimization_barrier_arguments
     from revlib_xla.planner.measure import stage_programs
 
     if not backend.xla_available():

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import MemoryModes, backend, hlo_liveness, memory
+from revlib_xla import MemoryModes, backend, memory
+from revlib_xla.compiled import liveness as hlo_liveness
 
 WIDTH = 128  # features per stream
 

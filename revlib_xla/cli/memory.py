@@ -61,7 +61,7 @@ def _chosen(args: argparse.Namespace) -> list:
 def _print_searches(searches: list, limit: int, footnote: str) -> None:
     """Each strategy's largest fitting batch, then the table of those batches' reports."""
     from ..fit.report import format_table
-    from ..memory import format_bytes
+    from ..units import format_bytes
 
     print()
     width = max(len(s.label) for s in searches)
@@ -86,7 +86,7 @@ def _run_gpu(args: argparse.Namespace, gpu: Any, chosen: list) -> None:
     from ..fit.gpu import GPU_FOOTNOTE, GPU_SOURCE, gpu_max_batch, gpu_reports
     from ..fit.report import format_table
     from ..fit.strategies import load
-    from ..memory import format_bytes
+    from ..units import format_bytes
 
     base = load(args.config, args.overrides, chosen[0])
     print(
@@ -109,12 +109,12 @@ def _run_gpu(args: argparse.Namespace, gpu: Any, chosen: list) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the per-chip memory of each strategy (or its largest batch), with fits / does not fit."""
+    from ..compiled.worker import slice_topology
     from ..fit import chips
     from ..fit.report import COMPILER_SOURCE, FOOTNOTE, format_table
     from ..fit.strategies import load, search_strategies, size_strategies, smallest_change, strategy
-    from ..memory import format_bytes
     from ..sharding import ShardingError, resolve_mesh
-    from ..tpu_compile import slice_topology
+    from ..units import format_bytes
 
     if args.chips is not None:
         if args.chips < 1:

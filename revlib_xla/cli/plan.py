@@ -27,9 +27,9 @@ def run(args: argparse.Namespace) -> int:
     """Print the schedule."""
     from ..fit import chips
     from ..fit.plan import format_schedule, plan_config
-    from ..memory import format_bytes, parse_bytes
     from ..planner import InfeasibleBudget
     from ..train.config import load_config  # type: ignore[import-not-found,unused-ignore]  # revlib_xla.train lands separately
+    from ..units import format_bytes, parse_bytes
 
     try:
         budget = parse_bytes(args.budget, "--budget")

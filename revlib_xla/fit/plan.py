@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from .. import backend
+from ..backends import tracing
 from ..chips import Chip
-from ..memory import format_bytes
 from ..planner import Schedule
+from ..units import format_bytes
 from . import progress
 from .trace import device_data, materialize
 
@@ -43,7 +44,6 @@ class PlannedSchedule:
 def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     """Measure the planned model of ``cfg`` (``strategy.activations=plan``) and solve at ``budget`` bytes;
     :class:`revlib_xla.planner.InfeasibleBudget` when no schedule fits."""
-    from ..planner.sizing import without_execution
     from ..train import strategy as train_strategy
 
     model = train_strategy.build_model(cfg, "meta")
@@ -56,8 +56,8 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     tokens = device_data(torch.empty(micro, cfg.data.seq_len, dtype=torch.int64, device="meta"), dev)
     with (
         progress.waiting(f"measuring the {cfg.model.name} stages (traced, compiled deviceless; nothing run)"),
-        without_execution(),
-        backend.execution_forbidden(dev),
+        tracing.stand_in_inputs(),
+        tracing.execution_forbidden(dev),
         torch.autograd.set_multithreading_enabled(False),
     ):
         planner.measure(tokens)

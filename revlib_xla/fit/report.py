@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..chips import Chip
-from ..memory import CompiledMemory, TpuCompileError, format_bytes, tpu_memory_results
-from ..tpu_compile import slice_topology
+from ..compiled.memory import CompiledMemory, TpuCompileError, tpu_memory_results
+from ..compiled.worker import slice_topology
+from ..units import format_bytes
 from . import progress
 from .trace import INPUTS, OPTIMIZER, PARAMETERS, TracedStep
 

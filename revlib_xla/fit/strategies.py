@@ -171,7 +171,7 @@ def plan_notes(model: torch.nn.Module) -> tuple[str, ...]:
     in words: its budget, whether the schedule recomputes, and its activation bytes against storing everything.
     A plan whose budget holds every activation recomputes nothing: its step is the plain one, and its memory the
     same; this says so where a table would otherwise show two equal rows without a reason."""
-    from ..memory import format_bytes
+    from ..units import format_bytes
 
     notes = []
     for part in cast(Any, model).modules():

@@ -6,11 +6,11 @@ buffer and input a device tensor over untouched host memory (``torch.empty``: th
 It then runs the user's own step function lazily, twice: the first call creates the optimizer's state, which is
 then given fresh zero-copy storage like the parameters, so that the second call is the steady-state step whose
 program a TPU runs on every step after the first. The traced step never executes
-(:func:`revlib_xla.backend.execution_forbidden`): a step that reads a value raises instead of running. (The first
-call may read small values, e.g. the recompute engine compares buffers with copies once; a step that reads the
+(:func:`revlib_xla.backends.tracing.execution_forbidden`): a step that reads a value raises instead of running. (The
+first call may read small values, e.g. the recompute engine compares buffers with copies once; a step that reads the
 loss runs it once at full size there, so keep value reads out of the step function.) A planner that measures its
 stages in the first step (``Checkpointable``) sizes them from their compiled programs on stand-in inputs
-(:func:`revlib_xla.planner.sizing.without_execution`).
+(:func:`revlib_xla.backends.tracing.stand_in_inputs`).
 
 The program is the StableHLO of what the step changes: its result (the loss), every parameter, buffer and
 optimizer-state tensor. torch_xla donates the buffers of tensors updated in place (a parameter's new value
@@ -33,7 +33,7 @@ import torch
 
 from .. import backend
 from .._tree import tensor_leaves
-from ..reversible import rebuild_check as _rebuild_check
+from ..backends import tracing
 
 __all__ = [
     "PARAMETERS",
@@ -370,13 +370,11 @@ def trace_step(
         batch.append(storage(spec))
     optimizer = make_optimizer(model) if make_optimizer is not None else None
     step = make_step(model, optimizer)
-    from ..planner.sizing import without_execution
-
     try:
         with contextlib.ExitStack() as stack:
             if zero_copy:  # traced for a TPU: host placements annotated as there, stages measured without running
                 stack.enter_context(backend.host_annotations(True))
-                stack.enter_context(without_execution())
+                stack.enter_context(tracing.stand_in_inputs())
             return _trace(model, optimizer, step, batch, inputs, storage, dev)
     except RuntimeError as exc:
         if "Unexpected execution" not in str(exc):
@@ -403,7 +401,7 @@ def _trace(
     # The autograd engine's worker threads are not needed to trace; see memory.step_stablehlo.
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.autograd.set_multithreading_enabled(False))
-        stack.enter_context(_rebuild_check.suspended())  # the program is the step's own (no rebuild check)
+        stack.enter_context(tracing.checks_suspended())  # the program is the step's own (no rebuild check)
         # A host-stepping optimizer's step is traced as its device part: its gradients, sent to the host.
         sent = stack.enter_context(optimizer.device_part_only()) if host_stepping else []  # type: ignore[union-attr]
         # The first step may read small values (the recompute engine compares a unit's buffers with copies once,
@@ -424,7 +422,7 @@ def _trace(
             if backend.is_tracing_lazily(tensor):
                 before[id(tensor)] = backend.data_identity(tensor)
                 roles.setdefault(before[id(tensor)], (role, name))
-        with backend.execution_forbidden(dev):
+        with tracing.execution_forbidden(dev):
             result = step(*batch)
             traced = _program(result, _named_state(model, optimizer), roles, before, sent)
     host = optimizer.host_state_bytes() if host_stepping else 0  # type: ignore[union-attr]

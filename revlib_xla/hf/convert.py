@@ -34,11 +34,11 @@ from torch import nn
 from .. import backend
 from .. import fewbit as _fewbit
 from .._tree import detached, tree_leaves
-from ..memory import parse_bytes
 from ..planner import Chain
 from ..planner.checkpointable import Checkpointable, _signature
 from ..planner.sizing import measure_chain
 from ..reversible import ReversibleSequential
+from ..units import parse_bytes
 from ..utils import momentum_net
 from . import head as _head
 from .layers import Branches, HFConversionError, find_layer_stack

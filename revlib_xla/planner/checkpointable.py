@@ -14,7 +14,7 @@ counts them only while the program needs them. ``mem_limit=None`` means the
 fastest plan (no recomputation) on cpu and xla, and 90 % of the free memory on cuda, as rotor does.
 
 ``mem_limit`` is a number of bytes or text with a unit (``"1GB"`` = 10**9 bytes, ``"512MiB"`` = 512 * 2**20:
-:func:`revlib_xla.memory.parse_bytes`).
+:func:`revlib_xla.units.parse_bytes`).
 
 In training mode (and with autograd on) the forward runs the schedule inside one ``autograd.Function``: the
 forward phase stores the planned checkpoints and the backward phase recomputes the rest. Stage inputs and outputs
@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..memory import parse_bytes
 from ..recompute import RecomputeState
 from ..reversible.repeat import ScanUnsupported
+from ..units import parse_bytes
 from .chain import Chain
 from .execute import check_schedule, run_schedule
 from .measure import StageMeasurement, detached, tensor_leaves, value_bytes
@@ -89,7 +89,7 @@ class Checkpointable(nn.Module):
         input: a sample input; if given, the model is measured now, else at the first training forward.
         mem_limit: the budget (rotor's meaning; see the module docstring): a number of bytes, or a string with a
             unit, ``"1GB"`` (10**9 bytes) or ``"512MiB"`` (512 * 2**20 bytes); see
-            :func:`revlib_xla.memory.parse_bytes`.
+            :func:`revlib_xla.units.parse_bytes`.
         mem_slots: resolution of the budget in the dynamic program (sizes are rounded up to mem_limit/mem_slots).
         verbosity: 1 logs the plan, 2 also the measurements.
         preserve_rng_state: each stage draws its random numbers (dropout) from generators of its own, seeded from
@@ -261,7 +261,7 @@ class Checkpointable(nn.Module):
         measured on an XLA input. Sets and returns :attr:`sequence`; :attr:`tpu_hbm_bytes` is the compiled peak of
         that schedule.
         """
-        from ..memory import tpu_memory
+        from ..compiled.memory import tpu_memory
 
         self._require_xla_sample("fit_to_tpu")
         limit = parse_bytes(hbm_bytes, "Checkpointable.fit_to_tpu: hbm_bytes")
@@ -289,7 +289,7 @@ class Checkpointable(nn.Module):
         on the output as a real loss's does; ``sum()`` would let the compiler fold the seed gradient into a
         constant). The model must have been measured on an XLA input.
         """
-        from ..memory import tpu_memory
+        from ..compiled.memory import tpu_memory
 
         self._require_xla_sample("tpu_activation_memory")
         self._need_sequence()
@@ -313,7 +313,7 @@ class Checkpointable(nn.Module):
 
     def _step_stablehlo(self, loss: Any) -> str:
         """The StableHLO of one training step of the current schedule on the measured XLA sample."""
-        from ..memory import step_stablehlo
+        from ..compiled.stablehlo import step_stablehlo
 
         return step_stablehlo(lambda m, x: loss(self(x)).backward(), self.model, self._sample)
 

@@ -17,11 +17,10 @@ TPU with every buffer in HBM (fused programs keep fusion inputs, not every tenso
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +29,9 @@ from torch.utils import _pytree as pytree
 
 from .. import backend
 from .._tree import detached, tensor_leaves
-from ..memory import SavedTensorCounter, StorageTracker, stablehlo_of, tensor_bytes
+from ..backends import tracing
+from ..compiled.stablehlo import stablehlo_of
+from ..memory import SavedTensorCounter, StorageTracker, tensor_bytes
 from .roots import roots as root_of
 from .roots import stops_early
 from .stages import inverse_of
@@ -49,25 +50,14 @@ __all__ = [
 ]
 
 
-_WITHOUT_EXECUTION: list[bool] = [False]
-
-
 def executing() -> bool:
     """Whether stages run (outside :func:`without_execution`)."""
-    return not _WITHOUT_EXECUTION[-1]
+    return not tracing.standing_in()
 
 
-@contextlib.contextmanager
-def without_execution() -> Iterator[None]:
-    """Within the block, :func:`measure_chain` on lazy (XLA) stages runs nothing: each stage's input becomes fresh
-    device data of its shape over untouched host memory (:func:`revlib_xla.backend.zero_copy_device_tensor`)
-    instead of the previous stage's output computed (its values do not matter for sizing). This is how a step is
-    planned at full size without a TPU (:mod:`revlib_xla.fit`)."""
-    _WITHOUT_EXECUTION.append(True)
-    try:
-        yield
-    finally:
-        _WITHOUT_EXECUTION.pop()
+#: Within the block, :func:`measure_chain` on lazy (XLA) stages runs nothing: each stage's input is stood in for
+#: (:func:`revlib_xla.backends.tracing.stand_in_inputs`, which this name is).
+without_execution = tracing.stand_in_inputs
 
 
 def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -75,7 +65,7 @@ def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device)
     :func:`without_execution`, over untouched host memory (a llama-1b head's logits gradient is 1 GiB a sequence;
     at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
     to the device."""
-    if _WITHOUT_EXECUTION[-1]:
+    if tracing.standing_in():
         return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
     return torch.zeros(shape, dtype=dtype).to(device)
 
@@ -201,7 +191,7 @@ class StagePrograms:
 
 def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
     """The programs of a stage (see :class:`StagePrograms`) for an XLA input ``x`` that is device data."""
-    from ..hlo_liveness import all_optimization_barrier_arguments
+    from ..compiled.liveness import all_optimization_barrier_arguments
 
     with torch.no_grad():
         out = stage(x)

@@ -204,8 +204,8 @@ def compiled_sizes(
 
     Without the TPU compiler (a missing dependency), warns and returns the sizes unchanged.
     """
-    from ..hlo_liveness import forward_backward_split
-    from ..memory import MissingDependencyError, tpu_memory_many
+    from ..compiled.liveness import forward_backward_split
+    from ..compiled.memory import MissingDependencyError, tpu_memory_many
 
     flat = [p for stage in programs for p in stage]
     try:

@@ -30,16 +30,15 @@ would need the all-reduce in the step's graph (torch_xla's process group); not d
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import backend
+from ..backends import tracing
 from ..errors import ReversibleError
 from .fixed_point import FixedPoint
 
@@ -139,25 +138,11 @@ def agreeing_group(params: Sequence[Tensor]) -> Any:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Within the block (this thread), no forward keeps its input for the check: for code that traces a step
-    without running it (:func:`revlib_xla.memory.step_stablehlo`, :mod:`revlib_xla.fit`), whose program must be the
-    step's own, and whose lazy values must never be computed."""
-    depth = getattr(_LOCAL, "depth", 0)
-    _LOCAL.depth = depth + 1
-    try:
-        yield
-    finally:
-        _LOCAL.depth = depth
-
-
-def armed() -> bool:
-    """Whether a forward in this thread may keep its input for the check (not within :func:`suspended`)."""
-    return not getattr(_LOCAL, "depth", 0)
+#: Within the block (this thread), no forward keeps its input for the check: for code that traces a step without
+#: running it, whose program must be the step's own (:func:`revlib_xla.backends.tracing.checks_suspended`, which this
+#: name is; :func:`armed` is :func:`~revlib_xla.backends.tracing.checks_armed`).
+suspended = tracing.checks_suspended
+armed = tracing.checks_armed
 
 
 @dataclasses.dataclass

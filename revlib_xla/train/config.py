@@ -24,7 +24,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..memory import parse_bytes
+from ..units import parse_bytes
 
 __all__ = [
     "ConfigError",

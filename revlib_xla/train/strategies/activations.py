@@ -146,8 +146,8 @@ def _fewbit(cfg: RunConfig, lm: nn.Module, target: Target) -> nn.Module:
 
 
 def _plan(cfg: RunConfig, lm: nn.Module, target: Target) -> nn.Module:
+    from ...compiled.worker import TPU_GENERATIONS
     from ...sharding import planning_budget
-    from ...tpu_compile import TPU_GENERATIONS
 
     generation = cfg.chip.name if cfg.chip.name in TPU_GENERATIONS else None
     micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
