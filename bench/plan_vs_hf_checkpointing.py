@@ -3,15 +3,16 @@
 activation bytes of a training step and the FLOPs it runs (the recomputation's cost), counted, not timed.
 
 transformers Llama with Llama-3.2-1B's config (hidden 2048, 32 heads, 8 kv heads, MLP 8192, vocabulary 128256),
-bfloat16 weights, ``--layers`` decoder layers, a batch of 1 x ``--seq`` tokens, one step (forward with labels,
-backward). The step runs on fake tensors (``FakeTensorMode``: nothing is allocated or computed, so the real shape
-fits this machine): bytes are every tensor storage live at once (``revlib_xla.memory.StorageTracker``, the rise over
-the weights and their gradients), FLOPs are ``torch.utils.flop_counter.FlopCounterMode``'s count of the step's
-matrix products and attention. Variants: ``plain``; ``transformers checkpointing`` (``gradient_checkpointing_enable``,
-non-reentrant, with the chunked loss as the plan has it); ``plan`` at transformers' activation bytes and at the
-planner's smallest budget. A CPU or GPU run's time is not measured here.
+``--layers`` decoder layers, a batch of 1 x ``--seq`` tokens, one step (forward with labels, backward). The step
+runs on bf16 fake tensors (``FakeTensorMode``: nothing is allocated or computed, so any size fits this machine), or
+with ``--real`` on float32 CPU tensors: the planner's executor stops a recomputation early only on tensors that hold
+data, so the plan's fake-tensor FLOPs are an upper bound. Bytes are every tensor storage live at once
+(``revlib_xla.memory.StorageTracker``, the rise over the weights and their gradients); FLOPs are
+``torch.utils.flop_counter.FlopCounterMode``'s count of the step's matrix products and attention. Variants:
+``plain``; ``transformers checkpointing`` (``gradient_checkpointing_enable``, non-reentrant, with the chunked loss
+as the plan has it); ``plan`` at transformers' activation bytes and at the planner's smallest budget.
 
-Usage: ``python bench/plan_vs_hf_checkpointing.py [--layers 4,16] [--seq 2048] [--out bench/results/...md]``.
+Usage: ``python bench/plan_vs_hf_checkpointing.py [--layers 4,16] [--seq 2048] [--real] [--append]``.
 """
 
 from __future__ import annotations
@@ -22,13 +23,18 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def measure(layers: int, seq: int) -> list[dict]:
+def measure(layers: int, seq: int, real: bool = False) -> list[dict]:
+    """Rows for one depth; ``real``: float32 tensors that hold data on the CPU instead of bf16 fake tensors (the
+    planner's executor stops a recomputation early only on tensors that hold data: on fake ones it runs it whole)."""
+    import contextlib
+
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -36,14 +42,19 @@ def measure(layers: int, seq: int) -> list[dict]:
     from revlib_xla.hf import chunked_loss, memory_efficient, model_from_config
     from revlib_xla.memory import StorageTracker
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode: Any = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        tokens = torch.zeros(1, seq, dtype=torch.int64)
+        tokens = torch.randint(0, 128256, (1, seq), generator=torch.Generator().manual_seed(0)) if real else None
+        tokens = tokens if real else torch.zeros(1, seq, dtype=torch.int64)
 
     def make():
-        model = model_from_config("llama-3.2-1b", num_hidden_layers=layers, device="meta", dtype=torch.bfloat16)
+        torch.manual_seed(0)
+        if real:
+            model = model_from_config("llama-3.2-1b", num_hidden_layers=layers, dtype=torch.float32)
+        else:
+            model = model_from_config("llama-3.2-1b", num_hidden_layers=layers, device="meta", dtype=torch.bfloat16)
+            _on_fake_host(model, mode)
         model.config.use_cache = False
-        _on_fake_host(model, mode)
         return model.train()
 
     def step(model):
@@ -93,7 +104,7 @@ def measure(layers: int, seq: int) -> list[dict]:
             }
         )
     for row in rows:
-        row.update({"layers": layers, "seq": seq})
+        row.update({"layers": layers, "seq": seq, "tensors": "float32, real (CPU)" if real else "bf16, fake"})
         row["flops_vs_plain"] = row["flops"] / plain_flops
         row["flops_vs_transformers"] = row["flops"] / theirs_flops
     return rows
@@ -104,18 +115,22 @@ def report(rows: list[dict]) -> str:
     lines = [
         "# `plan` against transformers' checkpointing at Llama-3.2-1B's shape: bytes and FLOPs",
         "",
-        "Written by `python bench/plan_vs_hf_checkpointing.py`. transformers Llama with Llama-3.2-1B's config, bf16",
-        "weights, 1 x seq tokens, one training step run on fake tensors (nothing computed: bytes are every tensor",
-        "storage live at once above the weights and their gradients, FLOPs are FlopCounterMode's count). Counted, not",
-        f"timed; no GPU. torch {torch.__version__}, {datetime.date.today().isoformat()}.",
+        "Written by `python bench/plan_vs_hf_checkpointing.py [--real]`. transformers Llama with Llama-3.2-1B's",
+        "config, 1 x seq tokens, one training step: on bf16 fake tensors (nothing computed, any size) or, `--real`, on",
+        "float32 tensors on the CPU. Bytes are every tensor storage live at once above the weights and their",
+        "gradients, FLOPs FlopCounterMode's count. Counted, not timed; no GPU. The planner's executor stops a",
+        "recomputation at the last tensor its backward reads only on tensors that hold data: on fake tensors the",
+        "plan's recomputations run whole, so its fake-tensor FLOPs are an upper bound; the real rows are what it runs.",
+        f"torch {torch.__version__}, {datetime.date.today().isoformat()}.",
         "",
-        "| layers | seq | variant | activation bytes | FLOPs | FLOPs / plain | FLOPs / transformers' | schedule |",
-        "|---|---|---|---|---|---|---|---|",
+        "| tensors | layers | seq | variant | activation bytes | FLOPs | FLOPs / plain | FLOPs / transformers' "
+        "| schedule |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ops = ", ".join(f"{k} {v}" for k, v in sorted(r.get("operations", {}).items()))
         lines.append(
-            f"| {r['layers']} | {r['seq']} | {r['variant']} | {r['activation_bytes'] / gib:.3f} GiB | "
+            f"| {r['tensors']} | {r['layers']} | {r['seq']} | {r['variant']} | {r['activation_bytes'] / gib:.3f} GiB | "
             f"{r['flops'] / 1e12:.3f} T | {r['flops_vs_plain']:.3f} | {r['flops_vs_transformers']:.3f} | {ops} |"
         )
     return "\n".join(lines) + "\n"
@@ -125,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="4,16", help="comma-separated decoder depths")
     parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_vs_hf_checkpointing-fake-tensors.md"))
+    parser.add_argument("--real", action="store_true", help="float32 tensors that hold data, on the CPU (slow)")
+    parser.add_argument("--append", action="store_true", help="add the rows to those already in the .json")
+    parser.add_argument("--out", default=None, help="default: bench/results/plan_vs_hf_checkpointing-<kind>.md")
     args = parser.parse_args(argv)
-    rows = [row for layers in args.layers.split(",") for row in measure(int(layers), args.seq)]
-    out = Path(args.out)
+    kind = "cpu" if args.real else "fake-tensors"
+    out = Path(args.out or ROOT / "bench" / "results" / f"plan_vs_hf_checkpointing-{kind}.md")
+    rows = json.loads(out.with_suffix(".json").read_text()) if args.append else []
+    rows += [row for layers in args.layers.split(",") for row in measure(int(layers), args.seq, args.real)]
     out.write_text(report(rows))
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
     print(report(rows))
