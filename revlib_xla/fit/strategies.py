@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -162,27 +162,25 @@ def trace_config(cfg: Any) -> TracedStep:
     return shard_step(dataclasses.replace(traced, notes=plan_notes(model)), mesh)
 
 
-#: the schedule's operations that run a stage forward (plain, checkpointing, saving, attention-cached, reversible)
-_FORWARDS = ("Fn", "CF", "Fe", "CA", "Fr")
-
-
 def plan_notes(model: torch.nn.Module) -> tuple[str, ...]:
     """What the planner decided for each planned part of ``model`` (a ``Checkpointable`` whose schedule is made),
     in words: its budget, whether the schedule recomputes, and its activation bytes against storing everything.
     A plan whose budget holds every activation recomputes nothing: its step is the plain one, and its memory the
     same; this says so where a table would otherwise show two equal rows without a reason."""
+    from ..planner import OPERATIONS, OpKind
+    from ..planner.checkpointable import Checkpointable
     from ..units import format_bytes
 
     notes = []
-    for part in cast(Any, model).modules():
-        schedule = getattr(part, "sequence", None)
-        if schedule is None or not callable(getattr(part, "no_checkpoint_memory", None)):
+    for part in model.modules():
+        if not isinstance(part, Checkpointable) or part.sequence is None:
             continue
-        stages = schedule.chain.length
-        reruns = sum(n for kind, n in schedule.counts().items() if kind in _FORWARDS) - stages
-        budget = getattr(part, "mem_limit", None)
-        within = f"the budget of {format_bytes(budget)}" if budget is not None else "its default budget"
-        planned, everything = part.get_expected_memory(), part.no_checkpoint_memory()
+        schedule, stages = part.sequence, part.sequence.chain.length
+        forwards = sum(n for kind, n in schedule.counts().items() if OPERATIONS[OpKind(kind)].first_forward)
+        reruns = forwards - stages
+        budget = part.mem_limit
+        within = "its default budget" if budget is None else f"the budget of {format_bytes(round(budget))}"
+        planned, everything = round(part.get_expected_memory()), round(part.no_checkpoint_memory())
         if reruns <= 0:
             notes.append(
                 f"the planner keeps every activation of its {stages} stages ({format_bytes(planned)}, within "
@@ -191,8 +189,7 @@ def plan_notes(model: torch.nn.Module) -> tuple[str, ...]:
         else:
             notes.append(
                 f"the planner's schedule runs {reruns} stage forward{'s' if reruns != 1 else ''} again in the backward "
-                f"to keep the "
-                f"activations of its {stages} stages within {within}: {format_bytes(planned)} planned, "
+                f"to keep the activations of its {stages} stages within {within}: {format_bytes(planned)} planned, "
                 f"{format_bytes(everything)} to keep them all"
             )
     return tuple(notes)
