@@ -29,6 +29,7 @@ __all__ = [
     "runtime_type",
     "tpu_attached",
     "xla_available",
+    "xla_requested",
     "xla_model",
 ]
 
@@ -41,6 +42,12 @@ def tpu_attached() -> bool:
     if importlib.util.find_spec("libtpu") is None:
         return False
     return bool(glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def xla_requested() -> bool:
+    """Whether this process uses or asked for XLA, answered without importing torch_xla: torch_xla already
+    imported, ``PJRT_DEVICE`` set (to any device), or a TPU attached (:func:`tpu_attached`)."""
+    return "torch_xla" in sys.modules or "PJRT_DEVICE" in os.environ or tpu_attached()
 
 
 def xla_model() -> Any:
@@ -124,8 +131,7 @@ class XlaBackend(Backend):
 
     def hardware_present(self) -> bool:
         # Answered without importing torch_xla (seconds) where PJRT would run on the CPU anyway.
-        wanted = os.environ.get("PJRT_DEVICE")
-        if "torch_xla" not in sys.modules and (wanted == "CPU" or (wanted is None and not tpu_attached())):
+        if "torch_xla" not in sys.modules and (os.environ.get("PJRT_DEVICE") == "CPU" or not xla_requested()):
             return False
         return runtime_type() not in (None, "CPU")
 

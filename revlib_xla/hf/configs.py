@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backends.xla import tpu_attached
+from ..backends.xla import xla_requested
 from .layers import HFConversionError
 
 __all__ = ["CONFIGS", "config_names", "model_from_config"]
@@ -203,20 +203,13 @@ def config_names() -> list[str]:
     return sorted(CONFIGS)
 
 
-def _xla_wanted() -> bool:
-    """Whether this process uses, or asked for, XLA: torch_xla already imported, ``PJRT_DEVICE`` set, accelerate's
-    own ``USE_TORCH_XLA`` set (respected either way), or a TPU attached."""
-    import sys
-
-    return "torch_xla" in sys.modules or "PJRT_DEVICE" in os.environ or "USE_TORCH_XLA" in os.environ or tpu_attached()
-
-
 def _transformers() -> Any:
     """transformers, with its model classes' modules imported. transformers' model loading imports accelerate, which
     imports torch_xla wherever it is installed (8 s or more, and a ``PJRT_DEVICE`` warning) even when nothing uses
-    XLA. Where this process has not asked for XLA (:func:`_xla_wanted`), accelerate is imported with its
-    ``USE_TORCH_XLA=0`` switch, so a CPU or GPU user's process never loads torch_xla; set ``PJRT_DEVICE`` (or import
-    torch_xla) before the first model is built to have accelerate's XLA support."""
+    XLA. Where this process has not asked for XLA (:func:`~revlib_xla.backends.xla.xla_requested`; accelerate's own
+    ``USE_TORCH_XLA``, when set, is respected either way), accelerate is imported with its ``USE_TORCH_XLA=0``
+    switch, so a CPU or GPU user's process never loads torch_xla; set ``PJRT_DEVICE`` (or import torch_xla) before
+    the first model is built to have accelerate's XLA support."""
     import sys
 
     try:
@@ -225,7 +218,7 @@ def _transformers() -> Any:
         raise ImportError(
             "revlib_xla.hf needs transformers: pip install 'revlib_xla[hf]' (transformers>=5.15)"
         ) from err
-    if "accelerate" in sys.modules or _xla_wanted():
+    if "accelerate" in sys.modules or "USE_TORCH_XLA" in os.environ or xla_requested():
         import transformers.modeling_utils
 
         return transformers
