@@ -32,7 +32,7 @@ def tiny(name, dtype=torch.float64, **overrides):
 
 def converted(ref, chunked=True):
     """ref's copy with the chunked loss (or transformers'), the layers run as they are (the fastest plan)."""
-    model = memory_efficient(copy.deepcopy(ref), "plan", chunked_loss=chunked)
+    model = memory_efficient(copy.deepcopy(ref), "plan", chunked_loss="always" if chunked else False)
     assert (model.revlib_xla_conversion.loss is not None) == chunked
     return model
 
@@ -237,6 +237,47 @@ def test_at_a_real_vocabulary_the_head_no_longer_dominates_the_peak():
 
     peaks = {c: memory.eager_peak(train_step, build(c), ids, fake=True).total for c in (False, True)}
     assert peaks[False] - peaks[True] >= 2 * tokens * vocab * 4 - vocab * hidden * 6, peaks
+
+
+def test_at_a_real_vocabulary_the_loss_that_holds_less_runs():
+    """Llama-3.2-1B's shapes (one layer, the real vocabulary), bfloat16, on fake tensors. The chunked loss holds the
+    float32 sum of the head weight's gradient (1 GiB), transformers' loss float32 tensors of the logits' size: at
+    512 tokens transformers' holds less, and runs (the step's peak is transformers'); at 2048 the chunked one does.
+    Before, the chunked loss ran at every length and a 1 x 512 step peaked 14 % above transformers' loss."""
+    vocab = 128256
+
+    def build(chunked):
+        def make():
+            model = model_from_config("llama-3.2-1b", num_hidden_layers=1, dtype=torch.bfloat16).train()
+            if chunked:
+                assert hf_head.chunked_loss(model, always=chunked == "always") is not None
+            return model
+
+        return make
+
+    def train_step(m, ids):
+        m(ids, labels=ids, use_cache=False).loss.backward()
+
+    for tokens, chosen in ((512, False), (2048, "always")):
+
+        def ids(tokens=tokens):
+            return torch.randint(0, vocab, (1, tokens))
+
+        peaks = {c: memory.eager_peak(train_step, build(c), ids, fake=True).total for c in (False, True, "always")}
+        assert peaks[True] == peaks[chosen], (tokens, peaks)
+        assert peaks[True] < max(peaks[False], peaks["always"]), (tokens, peaks)
+    assert not hf_head.chunking_pays(512, 2048, vocab, 2) and hf_head.chunking_pays(2048, 2048, vocab, 2)
+
+
+def test_the_weight_gradient_is_scaled_and_rounded_once_in_blocks():
+    """The loss's backward scales the float32 sum of the head's gradient a block of rows at a time (no second
+    float32 tensor of the head's size): the same bits as scaling the whole sum and casting it."""
+    from revlib_xla.losses import _scaled_into
+
+    summed = torch.randn(37, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 3
+    scale = torch.tensor(0.37)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(_scaled_into(summed, scale, dtype), (summed * scale).to(dtype))
 
 
 @pytest.mark.parametrize("strategy", ["plan", "reversible", "momentum"])

@@ -29,6 +29,7 @@ from revlib_xla.planner import (
     min_memory,
     no_checkpoint_memory,
     plan,
+    run_schedule,
     simulate,
     solve,
 )
@@ -119,7 +120,8 @@ def _run_recorded(checkpointed, chain, schedule, x, monkeypatch):
 
         monkeypatch.setitem(OPERATIONS, kind, dataclasses.replace(row, execute=execute))
     checkpointed.chain, checkpointed.sequence = chain, schedule
-    checkpointed(x).backward(torch.randn(x.shape, dtype=x.dtype))
+    # The executor itself: Checkpointable runs a schedule that recomputes nothing as autograd's plain run.
+    run_schedule(checkpointed, schedule, x).backward(torch.randn(x.shape, dtype=x.dtype))
     monkeypatch.undo()
     return records
 

@@ -222,11 +222,12 @@ class HeadBytes:
     hidden: int = 0
     element_size: int = 4  # the head's dtype; the loss works in float32 (transformers upcasts)
     chunked: bool = False
+    always: bool = False  # chunked for every batch, not only where it holds less (chunking_pays)
     tied: bool = False  # the head's weight is the input embedding's
     embedding: int = 0  # bytes of the input embedding's weight, where it gets a gradient
 
     @classmethod
-    def of(cls, model: nn.Module, chunked: bool) -> HeadBytes:
+    def of(cls, model: nn.Module, chunked: bool, always: bool = False) -> HeadBytes:
         """The model's output embedding's sizes; nothing for a model without one (a bare encoder)."""
         weight = getattr(_head.output_head(model), "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -239,7 +240,7 @@ class HeadBytes:
             if isinstance(embedding, torch.Tensor) and embedding.requires_grad
             else 0
         )
-        return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked, tied, size)
+        return cls(weight.shape[0], weight.shape[1], weight.element_size(), chunked, always, tied, size)
 
     def embedding_backward(self, hidden_bytes: int) -> int:
         """Bytes the input embedding's backward holds, after the layers', given the bytes of its output (the
@@ -259,8 +260,11 @@ class HeadBytes:
         return self.vocab * self.hidden * self.element_size if self.tied else 0
 
     def __call__(self, tokens: int) -> int:
-        if self.chunked:
-            weight_grad = self.vocab * self.hidden * (4 + (self.element_size if self.element_size < 4 else 0))
+        pays = self.always or _head.chunking_pays(tokens, self.hidden, self.vocab, self.element_size)
+        if self.chunked and pays:
+            # The loss's backward holds the float32 sum of the weight's gradient and its scaled copy in the weight's
+            # dtype: for a tied head, the gradient counted by held_gradient (see losses._scaled_into).
+            weight_grad = self.vocab * self.hidden * (4 + (0 if self.tied else self.element_size))
             chunk = _head.chunk_bytes(tokens, self.hidden, self.vocab) + weight_grad
             return tokens * (self.vocab + self.hidden) * self.element_size + chunk
         return tokens * self.vocab * (2 * self.element_size + 2 * 4)
@@ -286,7 +290,8 @@ class _LayerCheckpointable(Checkpointable):
     def after_layers(self) -> float:
         """The least budget the step needs whatever the schedule: the input embedding's backward after the
         layers' (:meth:`HeadBytes.embedding_backward`)."""
-        return float(self.head.embedding_backward(int(self._need_chain("after_layers").cw[0])))
+        # and the loss and its gradient, alive through the whole backward (scalars: one allocator block each)
+        return float(self.head.embedding_backward(int(self._need_chain("after_layers").cw[0])) + 2 * 512)
 
     def min_memory(self) -> float:
         return max(super().min_memory(), self.after_layers())
@@ -567,7 +572,7 @@ def memory_efficient(
     budget: float | str = "auto",
     beta: float = DEFAULT_BETA,
     fewbit: int = 0,
-    chunked_loss: bool = True,
+    chunked_loss: bool | str = True,
     exact: bool | None = None,
 ) -> nn.Module:
     """Run a transformers model's layer stack with less activation memory; returns ``model``, changed in place.
@@ -587,8 +592,9 @@ def memory_efficient(
             function, and a fifth of what autograd saves for it).
         chunked_loss: compute a causal LM's loss (transformers' ``ForCausalLMLoss`` after a plain linear head) in
             chunks of tokens, with no tensor of the vocabulary's size kept for the backward
-            (:mod:`revlib_xla.hf.head`: the same gradients; the loss has no second derivative). False keeps
-            transformers' loss.
+            (:mod:`revlib_xla.hf.head`: the same gradients; the loss has no second derivative), for the batches
+            where that holds less than transformers' loss (:func:`~revlib_xla.hf.head.chunking_pays`: from about
+            0.6 x hidden-size tokens); ``"always"``: for every batch; False keeps transformers' loss.
         exact: ``reversible`` and ``momentum``: the streams' arithmetic, as :class:`revlib_xla.ReversibleSequential`'s
             ``exact`` (default ``None``: fixed-point streams that rebuild every layer's input bit for bit, for
             float32 and narrower weights; ``False``: floating-point streams, checked by the backward).
@@ -605,6 +611,8 @@ def memory_efficient(
         )
     if strategy != "plan" and budget != "auto":
         raise HFConversionError(f"memory_efficient: budget= applies to strategy='plan', not {strategy!r}")
+    if chunked_loss not in (True, False, "always"):
+        raise HFConversionError(f"memory_efficient: chunked_loss={chunked_loss!r}; pass True, False or 'always'")
     if strategy == "plan" and exact is not None:
         raise HFConversionError("memory_efficient: exact= applies to strategy='reversible' and 'momentum', not 'plan'")
     stack = find_layer_stack(model)
@@ -618,7 +626,9 @@ def memory_efficient(
     fuse_layer_activations(layers)  # after fewbit, which replaces the activations it knows
     if strategy == "plan":
         limit = None if budget == "auto" else parse_bytes(budget, "memory_efficient: budget")
-        runner = _Planned(layers, limit, HeadBytes.of(model, chunked_loss and _head.applies(model)))
+        runner = _Planned(
+            layers, limit, HeadBytes.of(model, bool(chunked_loss) and _head.applies(model), chunked_loss == "always")
+        )
     elif strategy == "reversible":
         blocks = [block for b in branches for block in (b.f, b.g)]
         runner = _TwoStream(strategy, layers, ReversibleSequential(*blocks, split_dim=None, exact=exact), 1.0)
@@ -634,6 +644,6 @@ def memory_efficient(
     stack.owner.register_forward_hook(converted.leave, always_call=True)
     if _takes_causal_mask(model):
         model.register_forward_pre_hook(_causal_mask_on_lazy_devices, with_kwargs=True)
-    loss = _head.chunked_loss(model) if chunked_loss else None
+    loss = _head.chunked_loss(model, always=chunked_loss == "always") if chunked_loss else None
     model.__dict__["revlib_xla_conversion"] = Conversion(strategy, stack.path, type(layers[0]).__name__, runner, loss)
     return model

@@ -44,14 +44,14 @@ import torch
 from torch import nn
 
 from .. import backend
-from ..recompute import RecomputeState
+from ..recompute import CallReplay, RecomputeState
 from ..reversible.repeat import ScanUnsupported
 from ..units import parse_bytes
 from .chain import Chain
 from .execute import check_schedule, run_schedule
 from .measure import StageMeasurement, detached, tensor_leaves, value_bytes
 from .scanned import scan_runs, stack_stages
-from .schedule import Schedule
+from .schedule import OpKind, Schedule
 from .sizing import Sizing, fit_budget, measure_chain
 from .solver import min_memory, no_checkpoint_memory, plan
 from .stages import atomic, check_one_input, flatten_sequential
@@ -365,7 +365,18 @@ class Checkpointable(nn.Module):
             self.measure(x)
         if self.sequence is None:
             self.compute_sequence()
-        return run_schedule(self, self._checked_sequence(), x)
+        sequence = self._checked_sequence()
+        if _recomputes_nothing(sequence):
+            # Every stage kept whole, nothing recomputed, offloaded or compressed: autograd's own run, which holds
+            # only what the stages save (the executor would also keep each stage's input as its own leaf). Each
+            # stage draws the random numbers it draws under the executor (its own seed, derived as there).
+            replay = CallReplay(next(iter(tensor_leaves(x))).device, self.preserve_rng_state)
+            with self.recompute_state().python_random_check(type(self).__name__):
+                for i, stage in enumerate(self.stages):
+                    with replay.first_run(i):
+                        x = stage(x)
+            return x
+        return run_schedule(self, sequence, x)
 
     def _stack_layers(self) -> Checkpointable:
         """What :func:`revlib_xla.reversible.stacking.stack_layers` does for a Checkpointable: its scanned runs'
@@ -394,3 +405,10 @@ def _scanned(stages: list[nn.Module], options: Any, saved_dtypes: Sequence[torch
         return scan_runs(stages)
     except ScanUnsupported as why:
         raise ValueError(f"Checkpointable(scan=True): {why}. Pass scan=False to run the stages one by one") from None
+
+
+def _recomputes_nothing(schedule: Schedule) -> bool:
+    """Whether ``schedule`` runs each stage once, plainly with autograd (``Fe`` with its first option), and
+    nothing else but the loss and the backwards."""
+    plain = (OpKind.FE, OpKind.L, OpKind.B)
+    return all(op.kind in plain and op.option == 0 for op in schedule.ops)

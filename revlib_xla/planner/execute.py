@@ -422,9 +422,11 @@ class _Run:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
         self.input_needs_grad = [t.requires_grad for t in inputs]
-        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop).
+        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop). Fake tensors
+        # of an eager device stop as that device's tensors would (sizing a GPU step on fake tensors counts what it
+        # runs); meta tensors are no device's.
         self.stop_early = bool(self.deferrable) and all(
-            backend.holds_data(t) and not backend.is_tracing_lazily(t) for t in inputs
+            backend.backend_for(t).holds_data and not backend.is_tracing_lazily(t) for t in inputs
         )
         self.run(0, self.loss_at, backward=False)
         n = len(self.stages)

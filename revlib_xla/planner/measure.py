@@ -18,6 +18,7 @@ TPU with every buffer in HBM (fused programs keep fusion inputs, not every tenso
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -110,16 +111,22 @@ def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
     return statistics.median(_seconds(fn, device) for _ in range(repeats))
 
 
-def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int) -> float:
+def _cost(fn: Callable[[], Any], device: torch.device, counted: bool) -> float:
+    """What ``fn`` costs: its time on ``device``, or, ``counted`` (tensors that hold no data: fake tensors, whose
+    operations take the time of their dispatch alone), the FLOPs it runs, as on a lazy device."""
+    return _flops(fn) if counted else _seconds(fn, device)
+
+
+def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int, counted: bool = False) -> float:
     """The share of a stage's forward that a recomputation stopping at its last saved tensor runs
     (:class:`~revlib_xla.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
     the run that recorded the slots, both with autograd and saved-tensor hooks, so that the share applies to the
     plain forward's time (at most 1). The least of a few runs: the noise of a shared machine (and a first run's
-    allocations) only lengthens either time of the ratio."""
+    allocations) only lengthens either time of the ratio. ``counted``: the FLOPs of either, counted once."""
     from ..early_stop import DeferredSaves, RecomputationMismatch
 
     full, stopped = [], []
-    for _ in range(max(2, repeats)):
+    for _ in range(1 if counted else max(2, repeats)):
         saves = DeferredSaves(f"measuring {type(stage).__name__}")
 
         def record(saves: DeferredSaves = saves) -> None:
@@ -128,15 +135,20 @@ def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int)
             with torch.enable_grad(), saves.recording():
                 stage(grad_leaves(x))
 
-        full.append(_seconds(record, device))
+        full.append(_cost(record, device, counted))
         if not saves.count:
             return 0.0  # the backward reads nothing: the recomputation never runs
         saves.recompute = lambda: stage(grad_leaves(x))
         try:
-            stopped.append(_seconds(saves.fill, device))
+            stopped.append(_cost(saves.fill, device, counted))
         except RecomputationMismatch:
             return 1.0  # priced in full; the executor refuses such a stage where it runs (naming it)
     return min(1.0, min(stopped) / max(min(full), 1e-12))
+
+
+def _backward(roots: Sequence[Any], seeds: Sequence[Any]) -> None:
+    if roots:
+        torch.autograd.backward(roots, seeds)
 
 
 def _flops(fn: Callable[[], Any]) -> float:
@@ -294,8 +306,10 @@ def measure_stage(
                 inverse_time = _flops(lambda: inverse_of(stage)(out))
         return StageMeasurement(fw, bw, cw, max(cbw, value_bytes(out)), 0, 0, inverse_time), out
 
+    # Fake tensors: their operations cost the time of their dispatch alone, so their costs are counted in FLOPs.
+    counted = not backend.holds_data(tensors[0])
     with torch.no_grad():
-        fw = _median_time(lambda: stage(x), device, repeats)
+        fw = _flops(lambda: stage(x)) if counted else _median_time(lambda: stage(x), device, repeats)
         # The transient memory of a forward without autograd (Fn, CF) differs from that of one with it (Fe):
         # intermediates are freed as they are consumed instead of being kept. fwd_tmp covers both; grad_fwd_tmp,
         # what the plan charges a forward with autograd, only the latter (a layer's attention scores and MLP
@@ -310,8 +324,12 @@ def measure_stage(
     inverse_time = None
     if reversible:
         with torch.no_grad():
-            inverse_time = _median_time(lambda: inverse_of(stage)(out), device, repeats)
-    stopped_fw = fw * _stopped_share(stage, x, device, repeats) if early_stop and stops_early(stage) else None
+            inverse = inverse_of(stage)
+            if counted:
+                inverse_time = _flops(lambda: inverse(out))
+            else:
+                inverse_time = _median_time(lambda: inverse(out), device, repeats)
+    stopped_fw = fw * _stopped_share(stage, x, device, repeats, counted) if early_stop and stops_early(stage) else None
     # Parameter gradients exist before measuring (as in a training step after the first), so accumulating into
     # them is not counted; the caller's gradients are put back afterwards.
     kept_grads = [p.grad for p in params]
@@ -320,7 +338,7 @@ def measure_stage(
     try:
         bw_times = []
         fwd_tmp = grad_fwd_tmp = bwd_tmp = cbw = 0
-        for _ in range(max(1, repeats)):
+        for _ in range(1 if counted else max(1, repeats)):
             inp = grad_leaves(x)
             saved: list[torch.Tensor] = []
             tracker = StorageTracker()
@@ -350,12 +368,7 @@ def measure_stage(
                 # torch takes them, so the output's values (x_{i+1}, counted in cbw) are freed before it runs.
                 roots, seeds = root_of(y, tuple(grads))
                 del y, outs, grads
-                backend.sync(device)
-                began = time.perf_counter()
-                if roots:
-                    torch.autograd.backward(roots, seeds)
-                backend.sync(device)
-                bw_times.append(time.perf_counter() - began)
+                bw_times.append(_cost(functools.partial(_backward, roots, seeds), device, counted))
                 peak = tracker.peak(device)
             bwd_tmp = max(0, peak - start - in_grad)
             del roots, seeds, inp
@@ -363,12 +376,19 @@ def measure_stage(
         for p, g in zip(params, kept_grads):
             p.grad = g
     bw = statistics.median(bw_times)
-    cache = _cache_costs(stage, x, device, repeats, fw, cbw, value_bytes(out)) if attention_cache else None
+    cache = _cache_costs(stage, x, device, repeats, fw, cbw, value_bytes(out), counted) if attention_cache else None
     return StageMeasurement(fw, bw, cw, cbw, fwd_tmp, bwd_tmp, inverse_time, grad_fwd_tmp, stopped_fw, cache), out
 
 
 def _cache_costs(
-    stage: nn.Module, x: Any, device: torch.device, repeats: int, fw: float, cbw: int, out_bytes: int
+    stage: nn.Module,
+    x: Any,
+    device: torch.device,
+    repeats: int,
+    fw: float,
+    cbw: int,
+    out_bytes: int,
+    counted: bool = False,
 ) -> tuple[int, float, int, int] | None:
     """What keeping the stage's fused attention outputs costs and saves: their bytes, the forward's time reading
     them (at most ``fw``), what the forward with autograd keeps then (the cached tensors are the cache's), and the
@@ -396,9 +416,9 @@ def _cache_costs(
     # load, and with it the schedule (a depth-32 Llama plan at one budget recomputed 26 or 31 layers).
     replayed()  # the replaying path's first run (its dispatch mode's set-up) is not the forward's time
     plain, cached = [], []
-    for _ in range(max(2, repeats)):
-        plain.append(_seconds(computed, device))
-        cached.append(_seconds(replayed, device))
+    for _ in range(1 if counted else max(2, repeats)):
+        plain.append(_cost(computed, device, counted))
+        cached.append(_cost(replayed, device, counted))
     cached_fw = fw * min(1.0, min(cached) / max(min(plain), 1e-12))
     # the cache's tensors exist before: what the forward returns from them (views) is not an allocation
     tracker = StorageTracker()
