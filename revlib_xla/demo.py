@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from . import backend
+from . import backends
 from .models import FLAVOUR_LABELS, FLAVOURS, ByteTransformerLM, TransformerConfig, build_lm, lm_loss
 
 __all__ = [
@@ -171,7 +171,7 @@ def train(
 
     Shapes are static (fixed batch and sequence length, constant learning rate), so on XLA the step compiles once
     (twice: the optimizer state appears in step 1) and every later step reuses it; each step ends with
-    ``backend.sync``.
+    ``backends.sync``.
     """
     torch.manual_seed(config.seed)
     model = build_lm(config.model_config(), flavour).to(device)
@@ -187,7 +187,7 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        backend.sync(device)
+        backends.sync(device)
         loss_tensors.append(loss.detach())
         if bar is not None:
             bar.update(1)
@@ -322,9 +322,9 @@ class TpuColumn:
     def _trace(self, config: DemoConfig) -> list[str]:
         from . import memory
 
-        if not backend.xla_available():
+        if not backends.xla_available():
             raise memory.MissingDependencyError("the TPU column needs torch_xla: pip install 'revlib_xla[xla]'")
-        backend.device_for("xla")  # initialise the XLA runtime (see the note in main)
+        backends.device_for("xla")  # initialise the XLA runtime (see the note in main)
         tokens = _table_tokens(config)
         texts = []
         for depth, flavour in self.keys:
@@ -335,7 +335,7 @@ class TpuColumn:
                     raise RuntimeError(
                         "an XLA backward pass failed because a backward pass ran in this process before the XLA "
                         "device was initialised (PyTorch's autograd engine then has no queue for it); call "
-                        "revlib_xla.backend.device_for('xla') before the first backward pass"
+                        "revlib_xla.backends.device_for('xla') before the first backward pass"
                     ) from None
                 raise
         return texts
@@ -515,8 +515,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _resolve_device(name: str | None) -> torch.device:
     if name is None:
-        return backend.default_device()
-    return backend.device_for(name)
+        return backends.default_device()
+    return backends.device_for(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table_depths=tuple(int(d) for d in args.table_depths.split(",") if d.strip()),
     )
     device = _resolve_device(args.device)
-    if backend.is_host_memory(device) or args.threads is not None:
+    if backends.is_host_memory(device) or args.threads is not None:
         torch.set_num_threads(args.threads or max(1, min(4, (os.cpu_count() or 2) // 2)))
 
     # The TPU column is traced first and compiled in a child process while the model trains. Tracing first also

@@ -41,7 +41,7 @@ from typing import Any, TypeGuard
 
 import torch
 
-from . import backend
+from . import backends
 from ._tree import map_tensors, tensor_leaves
 from .compiled.memory import (
     MATMUL_PATTERN,
@@ -98,7 +98,7 @@ logger = logging.getLogger(__name__)
 def storage_of(tensor: torch.Tensor) -> tuple[Any, int]:
     """What holds ``tensor``'s memory and its size in bytes: its storage (a view shares its base's); on XLA, which
     has no addressable storage, the base tensor at its logical size."""
-    if backend.is_tracing_lazily(tensor):
+    if backends.is_tracing_lazily(tensor):
         base = tensor._base if tensor._base is not None else tensor  # a view holds its base alive
         return base, base.numel() * base.element_size()
     try:
@@ -332,12 +332,12 @@ def _breakdown(
 ) -> MemoryBreakdown:
     per_device = snapshot.get(device)
     if per_device is None:  # torch.device("cuda") asked for, torch.device("cuda", 0) tracked
-        family = backend.backend_for(device)
+        family = backends.backend_for(device)
         per_device = next(
             (
                 v
                 for k, v in snapshot.items()
-                if backend.backend_for(k) is family and (device.index is None or k.index == device.index)
+                if backends.backend_for(k) is family and (device.index is None or k.index == device.index)
             ),
             {},
         )
@@ -376,7 +376,7 @@ class StorageTracker:
 
     @staticmethod
     def _size(storage: Any, device: torch.device) -> int:
-        unit = backend.backend_for(device).allocation_granularity
+        unit = backends.backend_for(device).allocation_granularity
         return -(-int(storage.nbytes()) // unit) * unit
 
     def _freed(self, key: int, ref: weakref.ReferenceType) -> None:
@@ -386,7 +386,7 @@ class StorageTracker:
             self._current[entry[2]] -= entry[1]
 
     def _note(self, tensor: torch.Tensor) -> None:
-        if backend.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
+        if backends.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
             return
         try:
             storage = tensor.untyped_storage()
@@ -422,13 +422,13 @@ class StorageTracker:
                     self._note(tensor.grad)
         self._update_peak()
 
-    def current(self, device: backend.DeviceLike = "cpu") -> int:
+    def current(self, device: backends.DeviceLike = "cpu") -> int:
         """Bytes live now on devices of ``device``'s kind."""
-        return self._current.get(backend.as_device(device).type, 0)
+        return self._current.get(backends.as_device(device).type, 0)
 
-    def peak(self, device: backend.DeviceLike = "cpu") -> int:
+    def peak(self, device: backends.DeviceLike = "cpu") -> int:
         """The most bytes live at once on devices of ``device``'s kind since the tracker was entered."""
-        kind = backend.as_device(device).type
+        kind = backends.as_device(device).type
         return max(self._peak.get(kind, 0), self._current.get(kind, 0))
 
     def reset_peak(self) -> None:
@@ -486,7 +486,7 @@ def eager_peak(
     *inputs: Any,
     optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     fake: bool = False,
-    device: backend.DeviceLike = None,
+    device: backends.DeviceLike = None,
     zero_grad: bool = True,
 ) -> EagerPeak:
     """Peak memory of one eager training step, split by category, measured by tracking tensor storages.
@@ -549,9 +549,9 @@ def eager_peak(
         lazy = [
             t
             for t in list(module.parameters()) + [t for a in args for t in tensor_leaves(a)]
-            if backend.is_tracing_lazily(t)
+            if backends.is_tracing_lazily(t)
         ]
-        if lazy or backend.backend_for(where).lazy:
+        if lazy or backends.backend_for(where).lazy:
             raise ValueError(
                 "eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
                 "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
@@ -592,9 +592,9 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _report_device(device: backend.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
+def _report_device(device: backends.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
     if device is not None:
-        return backend.as_device(device)
+        return backends.as_device(device)
     for param in module.parameters():
         return param.device
     for arg in args:
@@ -625,22 +625,22 @@ class CudaPeak:
         )
 
 
-def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = None, **kwargs: Any) -> CudaPeak:
+def cuda_peak(fn: Callable[..., Any], *args: Any, device: backends.DeviceLike = None, **kwargs: Any) -> CudaPeak:
     """Run ``fn(*args, **kwargs)`` and report the CUDA allocator's peak (``max_memory_allocated``) during it.
 
     This is what the GPU really had to hold, allocator block rounding included; unlike :func:`eager_peak` it also
     sees memory allocated outside PyTorch tensors' storages (cuBLAS workspaces are excluded by the allocator
     statistics, as always). The function's result is dropped before ``after`` is read.
     """
-    if not backend.cuda_available():
+    if not backends.cuda_available():
         raise RuntimeError("cuda_peak needs a CUDA GPU; use eager_peak for a device-independent count")
-    dev = backend.as_device(device) if device is not None else backend.device_for("cuda")
+    dev = backends.as_device(device) if device is not None else backends.device_for("cuda")
     return _statistics_peak(fn, dev, *args, **kwargs)
 
 
 def _statistics_peak(fn: Callable[..., Any], dev: torch.device, *args: Any, **kwargs: Any) -> CudaPeak:
     """The peak of a call from the allocator statistics of ``dev``'s backend (queued work waited for)."""
-    family = backend.backend_for(dev)
+    family = backends.backend_for(dev)
     family.reset_peak_memory_stats(dev)
     before = family.memory_allocated(dev)
     result = fn(*args, **kwargs)
@@ -671,7 +671,7 @@ class AllocatorPeak:
 
 
 def allocator_peak(
-    fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = "cpu", **kwargs: Any
+    fn: Callable[..., Any], *args: Any, device: backends.DeviceLike = "cpu", **kwargs: Any
 ) -> AllocatorPeak:
     """Run ``fn(*args, **kwargs)`` and report how far the bytes allocated on ``device`` rose above their level
     before the call.
@@ -696,8 +696,8 @@ def allocator_peak(
 
     The function's result is dropped inside the measurement.
     """
-    dev = backend.as_device(device)
-    family = backend.backend_for(dev)
+    dev = backends.as_device(device)
+    family = backends.backend_for(dev)
     if family.allocator_statistics(dev):
         peak = _statistics_peak(fn, dev, *args, **kwargs)
         return AllocatorPeak(

@@ -4,7 +4,7 @@ backward pass (the reversible core, ``Checkpointable``'s executor, ``OffloadMode
 A unit (a reversible layer, a planned stage, an offloaded slice) that is recomputed must compute what its first run
 computed. Three things can differ between the two runs, and each is handled here:
 
-* **Random numbers.** A call draws one seed from torch's global generator (:func:`backend.draw_seed`, one atomic
+* **Random numbers.** A call draws one seed from torch's global generator (:func:`backends.draw_seed`, one atomic
   draw), and unit ``i`` runs under ``derive_seed(seed, i)``, in its first run and in every recomputation. Within
   :func:`rng_scope` the random operators of the running thread are handed generators that the scope owns (a
   dispatch rule that only that thread sees, below autograd), so nothing seeds, saves or restores the process-global
@@ -14,7 +14,7 @@ computed. Three things can differ between the two runs, and each is handled here
   block's own ``torch.Generator`` is started again where the forward found it and left where the
   forward left it. Python's ``random`` cannot be replayed: an engine reports a block that draws from it at its
   first training call (:meth:`RecomputeState.python_random_check`).
-* **Autocast** (:class:`backend.AutocastState`): captured with the seed and replayed (:class:`CallReplay`).
+* **Autocast** (:class:`backends.AutocastState`): captured with the seed and replayed (:class:`CallReplay`).
 * **Buffers the forward changes** (running statistics, ``spectral_norm``'s power iteration, counters).
   :class:`RecomputeState` learns which buffers a unit changes, keeps their values from before each forward
   (:class:`SavedBuffers`), gives them back to the recomputation, and puts the forward's results back once the
@@ -24,7 +24,7 @@ computed. Three things can differ between the two runs, and each is handled here
   changed in place are not tracked.
 * **Merging with the forward** (lazily traced devices, XLA): a recomputation computes what the forward computed, and
   a compiler that sees both in one graph merges them and keeps the forward's activations. The reversible core and
-  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier`) over what a recomputation
+  ``Checkpointable`` put an optimization barrier (:func:`backends.optimization_barrier`) over what a recomputation
   reads before running it; ``OffloadModel`` cuts the graph after each slice's forward and recomputation, so the two
   never share a graph.
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from . import backend
+from . import backends
 
 __all__ = [
     "rng_scope",
@@ -90,7 +90,7 @@ class _Frame:
     def __init__(self, device: torch.device, record: GeneratorRecord | None, replay: bool) -> None:
         self.gens: dict[torch.device, torch.Generator | None] = {}
         self.owned: set = set()
-        self.device_seed = backend.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
+        self.device_seed = backends.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
         self.seed: int | None = None
         self.record, self.replay = record, replay
         self.moved: list[tuple[torch.Generator, Tensor]] = []
@@ -114,7 +114,7 @@ class _Frame:
             return None
         if device in self.gens:
             return self.gens[device]
-        g = self.gens[device] = backend.owned_generator(device)
+        g = self.gens[device] = backends.owned_generator(device)
         if g is not None:
             self.owned.add(id(g))
             g.manual_seed(self.seed)
@@ -221,12 +221,12 @@ def _forking(op: Any, position: int, key: Any) -> Callable:
         p = kwargs.get("dropout_p", args[position] if len(args) > position else 0.0)
         device = _device_of(args, kwargs)
         frame = frames[-1] if frames else None
-        glob = backend.default_generator(device) if frame is not None and p and frame.generator(device) else None
+        glob = backends.default_generator(device) if frame is not None and p and frame.generator(device) else None
         if frame is None or frame.seed is None or glob is None:
             return redispatch_below(op, keyset, key, args, kwargs)
         frame.forks += 1
         state = glob.get_state()
-        glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
+        glob.manual_seed(backends.derive_seed(frame.seed, 1 << 20 | frame.forks))
         try:
             return redispatch_below(op, keyset, key, args, kwargs)
         finally:
@@ -300,7 +300,7 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def rng_scope(
-    device: backend.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
+    device: backends.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
 ) -> Iterator[Reseed]:
     """Yield ``reseed(seed)``: from then on, random operators of this thread draw from generators owned by the
     scope and seeded with ``seed``. One ``reseed`` per unit; given ``None``, or with ``active=False``, it does
@@ -319,9 +319,9 @@ def rng_scope(
     dev = device.device if isinstance(device, Tensor) else torch.device("cpu" if device is None else device)
     key = _install()
     if key is None:
-        saved = backend.RngState.capture(dev)
+        saved = backends.RngState.capture(dev)
         try:
-            yield lambda seed: None if seed is None else backend.manual_seed(dev, seed)
+            yield lambda seed: None if seed is None else backends.manual_seed(dev, seed)
         finally:
             saved.restore()
         return
@@ -354,20 +354,20 @@ def rewind(record: GeneratorRecord) -> None:
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
-    """:func:`revlib_xla.backend.checkpoint` that also recomputes the random numbers of an engine's scope.
+    """:func:`revlib_xla.backends.checkpoint` that also recomputes the random numbers of an engine's scope.
 
     Inside a unit of an engine (a reversible layer, a planned stage), random operators draw from the scope's own
     generators, which ``torch.utils.checkpoint`` does not know: its recomputation, in the backward pass after the
     scope has moved on, would draw other dropout masks than the forward (wrong gradients). Here the first run draws
     from the scope's generator as any block does, and the recomputation draws from a generator started where that
-    one stood. Outside a scope this is ``backend.checkpoint``.
+    one stood. Outside a scope this is ``backends.checkpoint``.
     """
     frames = _frames()
     frame = frames[-1] if frames else None
     device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
     generator = frame.generator(device) if frame is not None else None
     if generator is None or not preserve_rng_state:
-        return backend.checkpoint(function, *args, preserve_rng_state=preserve_rng_state)
+        return backends.checkpoint(function, *args, preserve_rng_state=preserve_rng_state)
     start = generator.get_state()
     runs = 0
 
@@ -383,7 +383,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: boo
                 own.set_state(start)
             return function(*inputs)
 
-    return backend.checkpoint(run, *args, preserve_rng_state=preserve_rng_state)
+    return backends.checkpoint(run, *args, preserve_rng_state=preserve_rng_state)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,15 +399,15 @@ class CallReplay:
     (:meth:`first_run`, :meth:`rerun`); the reversible core enters one :meth:`scope` for its whole forward, and one
     per layer in the backward, and reseeds it per layer with :meth:`unit_seed`."""
 
-    def __init__(self, device: backend.DeviceLike, preserve_rng: bool = True) -> None:
+    def __init__(self, device: backends.DeviceLike, preserve_rng: bool = True) -> None:
         self.device = device
-        self.seed = backend.draw_seed() if preserve_rng else None
-        self.autocast = backend.AutocastState.capture(device)
+        self.seed = backends.draw_seed() if preserve_rng else None
+        self.autocast = backends.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
 
     def unit_seed(self, unit: int) -> int | None:
         """The seed unit ``unit`` runs under, in its first run and in every recomputation."""
-        return None if self.seed is None else backend.derive_seed(self.seed, unit)
+        return None if self.seed is None else backends.derive_seed(self.seed, unit)
 
     def scope(self, replay: bool = False) -> contextlib.AbstractContextManager[Reseed]:
         """An :func:`rng_scope` for several units of this call (``reseed(self.unit_seed(i))`` before unit ``i``):
@@ -417,9 +417,9 @@ class CallReplay:
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:
-        """The unit's random numbers, recorded; no autocast weight-cast cache (:func:`backend.autocast_cache_off`:
+        """The unit's random numbers, recorded; no autocast weight-cast cache (:func:`backends.autocast_cache_off`:
         a first run without autograd would leave casts without history for a later run with it)."""
-        with self.scope() as reseed, backend.autocast_cache_off():
+        with self.scope() as reseed, backends.autocast_cache_off():
             reseed(self.unit_seed(unit))
             yield
 
@@ -593,11 +593,11 @@ class RecomputeState:
         still holds device data was not written (a write makes it a pending value); one that is pending is taken
         as changing, and compared once the step has run (:meth:`_settle`, at a later call). A fake tensor (a step
         sized under ``FakeTensorMode``) has no value: its unmoved version counter is all there is to go by."""
-        if not (backend.holds_data(tensor) and backend.holds_data(before)):
+        if not (backends.holds_data(tensor) and backends.holds_data(before)):
             return True
-        if backend.value_ready(tensor) and backend.value_ready(before):
+        if backends.value_ready(tensor) and backends.value_ready(before):
             return torch.equal(tensor, before)
-        if backend.value_ready(tensor):
+        if backends.value_ready(tensor):
             return True
         if tensor.shape == before.shape:
             with torch.no_grad():
@@ -607,8 +607,8 @@ class RecomputeState:
     def _settle(self) -> None:
         """Read the lazy comparisons of :meth:`_kept` that are computed: a buffer that kept its value is no longer
         copied."""
-        ready = [(key, same) for key, same in self._unsure if backend.value_ready(same)]
-        self._unsure = [(key, same) for key, same in self._unsure if not backend.value_ready(same)]
+        ready = [(key, same) for key, same in self._unsure if backends.value_ready(same)]
+        self._unsure = [(key, same) for key, same in self._unsure if not backends.value_ready(same)]
         for key, same in ready:
             if bool(same):
                 self._changing.discard(key)
@@ -652,7 +652,7 @@ def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def probe(device: backend.DeviceLike, buffers: Sequence[Tensor], seed: int) -> Iterator[None]:
+def probe(device: backends.DeviceLike, buffers: Sequence[Tensor], seed: int) -> Iterator[None]:
     """Run blocks without leaving a trace (measuring them, checking an inverse): random numbers from generators
     seeded with ``seed``, and the buffers and the blocks' own generators put back at exit."""
     record: GeneratorRecord = {}

@@ -26,7 +26,6 @@ LAYERS: list[tuple[str, ...]] = [
         "_replaced_params",
         "units",
         "backends",
-        "backend",
         "kernels",
         "compiled",
     ),
@@ -59,6 +58,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "cli",
         "compat",
+        "backend",
         "scan",
         "checkpointable",
         "coupling",

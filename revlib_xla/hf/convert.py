@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from .. import fewbit as _fewbit
 from .._tree import detached, tree_leaves
 from ..planner import Chain
@@ -127,7 +127,7 @@ def _causal_mask_on_lazy_devices(
     as a 4-D tensor (what transformers would build): without one, transformers reads the position ids from the
     device to look for packed sequences, which runs the graph in the middle of every step."""
     tokens = kwargs.get("input_ids", args[0] if args else None)
-    if not isinstance(tokens, torch.Tensor) or not backend.is_tracing_lazily(tokens) or args[1:]:
+    if not isinstance(tokens, torch.Tensor) or not backends.is_tracing_lazily(tokens) or args[1:]:
         return None
     if any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "past_key_values", "inputs_embeds")):
         return None

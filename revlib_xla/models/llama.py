@@ -12,7 +12,7 @@ Each block is two branches, each an ordinary module ``(B, T, dim) -> (B, T, dim)
 chained, i.e. in the function and in what autograd keeps:
 
 * ``"plain"``: the residual network of Llama, ``x += attn(x); x += ffn(x)``. Activation memory grows with depth;
-  ``checkpoint=True`` runs each block under activation checkpointing (:func:`revlib_xla.backend.checkpoint`).
+  ``checkpoint=True`` runs each block under activation checkpointing (:func:`revlib_xla.backends.checkpoint`).
 * ``"reversible"``: a two-stream RevNet (as in Reversible ViT and Reformer) on
   :class:`revlib_xla.ReversibleSequential`: both streams start as the embedding, ``(x0, x1) -> (x1, x0 + attn(x1))
   -> (.., x1 + ffn(..))`` per block, and the two final streams are averaged before the final norm. Activation
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backend, recompute
+from .. import backends, recompute
 from ..losses import chunked_next_token_loss, next_token_loss
 from ..reversible import MemoryModes, ReversibleSequential, layer_parameters, stack_layers
 from ..utils import momentum_net
@@ -257,7 +257,7 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def reset(self) -> None:
         """Recompute the tables into the buffers (on the host, so every device gets the same values)."""
-        if backend.holds_data(self.cos):
+        if backends.holds_data(self.cos):
             cos, sin = rotary_tables(self.head_dim, self.length, self.theta, device="cpu")
             self.cos.copy_(cos)
             self.sin.copy_(sin)
@@ -382,7 +382,7 @@ def _check_tokens(tokens: Tensor, config: LlamaConfig) -> None:
             f"LlamaLM: a sequence of {tokens.shape[1]} tokens is longer than max_seq_len={config.max_seq_len}; "
             f"shorten the sequences or build the model with a larger max_seq_len"
         )
-    if tokens.numel() and backend.holds_data(tokens) and not backend.is_tracing_lazily(tokens):
+    if tokens.numel() and backends.holds_data(tokens) and not backends.is_tracing_lazily(tokens):
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= config.vocab_size:
             raise ValueError(
@@ -624,7 +624,7 @@ def _normal_(
 ) -> None:
     if generator is None:
         nn.init.normal_(weight, 0.0, std)
-    elif backend.holds_data(weight):
+    elif backends.holds_data(weight):
         value = torch.empty(weight.shape, dtype=weight.dtype).normal_(0.0, std, generator=generator)
         if write is None:
             weight.copy_(value)

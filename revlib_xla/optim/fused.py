@@ -66,7 +66,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .. import backend, fsdp
+from .. import backends, fsdp
 
 __all__ = [
     "OptimizerFactory",
@@ -221,7 +221,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Called by the forward of the model this optimizer is fused into: remember whether it ran under float16
         autocast while autograd records, so that its backward is refused before any weight moves."""
         if torch.is_grad_enabled():
-            state = backend.AutocastState.capture(device)
+            state = backends.AutocastState.capture(device)
             self._float16_forward = device if state.enabled and state.dtype == torch.float16 else None
 
     def step_params(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
@@ -444,7 +444,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._follow_model()
-        first = next(iter(backend.tensors_in((args, kwargs))), None)
+        first = next(iter(backends.tensors_in((args, kwargs))), None)
         self.record_forward(first.device if first is not None else self.params[0].device)
 
     def _follow_model(self) -> None:

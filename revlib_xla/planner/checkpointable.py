@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from ..recompute import RecomputeState
 from ..reversible.repeat import ScanUnsupported
 from ..units import parse_bytes
@@ -243,7 +243,7 @@ class Checkpointable(nn.Module):
     def _default_limit(self) -> float:
         plain = self.no_checkpoint_memory()
         device = next((t.device for t in self.parameters()), torch.device("cpu"))
-        free = backend.free_memory(device)
+        free = backends.free_memory(device)
         return plain if free is None else min(plain, 0.9 * free)
 
     # -- sizing with the TPU compiler --------------------------------------------------------------------------

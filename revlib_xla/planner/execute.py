@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .. import backend, fsdp
+from .. import backends, fsdp
 from .._grad_destination import GradDestination, grad_destination
 from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
 from ..attention_cache import AttentionCache
@@ -170,7 +170,7 @@ class _Run:
         self.x: dict[int, Any] = {}
         self.xbar: dict[int, tuple[Any, Any]] = {}
         self.grad: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        self.host: dict[int, tuple[_Structure, list[backend.HostCopy]]] = {}
+        self.host: dict[int, tuple[_Structure, list[backends.HostCopy]]] = {}
         self.held: set[int] = set()
         self.replay = CallReplay(device, owner.preserve_rng_state)
         self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
@@ -242,11 +242,11 @@ class _Run:
         forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
         x = self.x[i] if i in self.x else detached(self._input(i))
         tensors = [t for obj in (x, *extra) for t in tensor_leaves(obj)]
-        fenced = iter(backend.optimization_barrier(tensors))
+        fenced = iter(backends.optimization_barrier(tensors))
         x = map_tensors(lambda _: next(fenced), x)
         if i == 0:
-            # x_0 is the model's input, normally an argument of the step: see backend.after.
-            x = backend.after(x, next(iter(tensor_leaves(extra)), None))
+            # x_0 is the model's input, normally an argument of the step: see backends.after.
+            x = backends.after(x, next(iter(tensor_leaves(extra)), None))
         return x
 
     def _input(self, i: int) -> Any:
@@ -369,11 +369,11 @@ class _Run:
 
     def to_host(self, i: int) -> None:
         x = self.x.pop(i)
-        self.host[i] = (_Structure(x), [backend.to_host(t) for t in tensor_leaves(x)])
+        self.host[i] = (_Structure(x), [backends.to_host(t) for t in tensor_leaves(x)])
 
     def from_host(self, i: int) -> None:
         structure, copies = self.host.pop(i)
-        self.x[i] = structure.rebuild([backend.to_device(c) for c in copies])
+        self.x[i] = structure.rebuild([backends.to_device(c) for c in copies])
 
     def run(self, start: int, stop: int, backward: bool) -> None:
         """Run ``schedule.ops[start:stop]``."""
@@ -424,7 +424,7 @@ class _Run:
         self.input_needs_grad = [t.requires_grad for t in inputs]
         # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop).
         self.stop_early = bool(self.deferrable) and all(
-            backend.holds_data(t) and not backend.is_tracing_lazily(t) for t in inputs
+            backends.holds_data(t) and not backends.is_tracing_lazily(t) for t in inputs
         )
         self.run(0, self.loss_at, backward=False)
         n = len(self.stages)

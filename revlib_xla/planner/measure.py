@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .. import backend
+from .. import backends
 from .._tree import detached, tensor_leaves
 from ..backends import tracing
 from ..compiled.stablehlo import stablehlo_of
@@ -66,7 +66,7 @@ def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device)
     at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
     to the device."""
     if tracing.standing_in():
-        return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
+        return backends.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
     return torch.zeros(shape, dtype=dtype).to(device)
 
 
@@ -99,10 +99,10 @@ class StageMeasurement:
 
 def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
     """The time ``fn`` takes on ``device``, synchronised before and after."""
-    backend.sync(device)
+    backends.sync(device)
     start = time.perf_counter()
     fn()
-    backend.sync(device)
+    backends.sync(device)
     return time.perf_counter() - start
 
 
@@ -208,7 +208,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
 
         # Device data: arguments of the program, not constants it could fold.
         dys = [device_argument(o.shape, o.dtype, o.device) for o in outs]
-        fenced = backend.optimization_barrier(outs + dys)
+        fenced = backends.optimization_barrier(outs + dys)
         outs, dys = fenced[: len(outs)], fenced[len(outs) :]
         torch.autograd.backward(outs, dys)
         grads = [t.grad for t in tensor_leaves(inp) if t.requires_grad and t.grad is not None]
@@ -269,7 +269,7 @@ def measure_stage(
             f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a tuple of tensors"
         )
     device = tensors[0].device
-    lazy = backend.is_tracing_lazily(tensors[0])
+    lazy = backends.is_tracing_lazily(tensors[0])
     cw = value_bytes(x)
     versions = [t._version for t in tensors]
     with torch.no_grad():
@@ -350,11 +350,11 @@ def measure_stage(
                 # torch takes them, so the output's values (x_{i+1}, counted in cbw) are freed before it runs.
                 roots, seeds = root_of(y, tuple(grads))
                 del y, outs, grads
-                backend.sync(device)
+                backends.sync(device)
                 began = time.perf_counter()
                 if roots:
                     torch.autograd.backward(roots, seeds)
-                backend.sync(device)
+                backends.sync(device)
                 bw_times.append(time.perf_counter() - began)
                 peak = tracker.peak(device)
             bwd_tmp = max(0, peak - start - in_grad)
