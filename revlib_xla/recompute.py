@@ -338,7 +338,7 @@ def rng_scope(
 
 def dispatch_key() -> Any:
     """The dispatch key (above autograd, included only within this module's scopes) at which the recompute engine's
-    per-operator rules run (also :mod:`revlib_xla.attention_cache`'s), or ``None`` where this torch cannot."""
+    per-operator rules run (also :mod:`revlib_xla.planner.attention_cache`'s), or ``None`` where this torch cannot."""
     return _install()
 
 

@@ -40,14 +40,13 @@ LAYERS: list[tuple[str, ...]] = [
         "losses",
         "fewbit",
         "intermediates",
-        "early_stop",
-        "attention_cache",
     ),
     # reversible sequences (their engine, checks, scan and stacking)
     ("reversible",),
     # measuring memory
     ("memory",),
-    # the planner (cost model, solver, schedules, executor, sizing) and Checkpointable; offloading whole models
+    # the planner (cost model, solver, schedules, executor with its early stops and attention cache, sizing) and
+    # Checkpointable; offloading whole models
     ("planner", "offload_model"),
     # models and RevLib's façade modules over the layers above (core: revlib.core's names; utils: revlib.utils's,
     # which include MomentumNet, a model), sharding for TPU pods
@@ -59,6 +58,8 @@ LAYERS: list[tuple[str, ...]] = [
         "cli",
         "compat",
         "backend",
+        "early_stop",
+        "attention_cache",
         "scan",
         "checkpointable",
         "coupling",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from revlib_xla import backend, backends, fewbit, kernels
+from revlib_xla import backends, fewbit, kernels
 from revlib_xla.backends import xla as xla_backend
 from revlib_xla.kernels import fewbit_reference as ref
 

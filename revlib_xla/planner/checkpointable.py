@@ -115,7 +115,7 @@ class Checkpointable(nn.Module):
         attention_cache: stages whose attention runs as one fused kernel (``scaled_dot_product_attention`` on
             eager devices) may keep what it returned from their first run until their backward, and their
             recomputations read it instead of running attention again (selective recomputation, operation ``CA``;
-            :mod:`revlib_xla.attention_cache`). The planner measures each stage's cache and uses it where the
+            :mod:`revlib_xla.planner.attention_cache`). The planner measures each stage's cache and uses it where the
             budget holds it and it saves time. Gradients are the same either way. Not combined with reversible
             stages or offload (the plan then keeps no cache).
     """

@@ -26,10 +26,10 @@ from torch import nn
 from .. import backends, fsdp
 from .._grad_destination import GradDestination, grad_destination
 from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
-from ..attention_cache import AttentionCache
-from ..early_stop import DeferredSaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
+from .attention_cache import AttentionCache
 from .chain import Chain
+from .early_stop import DeferredSaves
 from .measure import grad_leaves
 from .roots import EDGE_ROOTS, stops_early
 from .roots import roots as stage_roots
@@ -126,8 +126,9 @@ def deferrable_stages(schedule: Schedule) -> set[int]:
 
 
 class _Deferred:
-    """Stage i's graph from its first run, without saved activations (:class:`~revlib_xla.early_stop.DeferredSaves`):
-    its input leaves, the gradient edges of its output tensors (None where one needs no gradient), and its slots."""
+    """Stage i's graph from its first run, without saved activations
+    (:class:`~revlib_xla.planner.early_stop.DeferredSaves`): its input leaves, the gradient edges of its output
+    tensors (None where one needs no gradient), and its slots."""
 
     __slots__ = ("edges", "inp", "saves")
 
@@ -422,7 +423,7 @@ class _Run:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
         self.input_needs_grad = [t.requires_grad for t in inputs]
-        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop).
+        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.planner.early_stop).
         self.stop_early = bool(self.deferrable) and all(
             backends.holds_data(t) and not backends.is_tracing_lazily(t) for t in inputs
         )

@@ -89,10 +89,10 @@ class StageMeasurement:
     #: forward without autograd too); None where it is not measured apart (XLA: from the compiled programs)
     grad_fwd_tmp: int | None = None
     #: the time of the stage's last recomputation where the executor stops it at the last saved tensor
-    #: (:mod:`revlib_xla.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
+    #: (:mod:`revlib_xla.planner.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
     stopped_fw: float | None = None
-    #: the stage's attention cache (:mod:`revlib_xla.attention_cache`): its bytes, the forward's time reading it,
-    #: what the forward with autograd keeps then, and the transient memory of a forward without autograd reading it
+    #: the stage's attention cache (:mod:`revlib_xla.planner.attention_cache`): its bytes, the forward's time reading
+    #: it, what the forward with autograd keeps then, and the transient memory of a forward without autograd reading it
     #: (:class:`~revlib_xla.planner.StageCache`); None: no fused attention, or not measured
     cache: tuple[int, float, int, int] | None = None
 
@@ -112,11 +112,11 @@ def _median_time(fn: Callable[[], Any], device: torch.device, repeats: int) -> f
 
 def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int) -> float:
     """The share of a stage's forward that a recomputation stopping at its last saved tensor runs
-    (:class:`~revlib_xla.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
+    (:class:`~revlib_xla.planner.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
     the run that recorded the slots, both with autograd and saved-tensor hooks, so that the share applies to the
     plain forward's time (at most 1). The least of a few runs: the noise of a shared machine (and a first run's
     allocations) only lengthens either time of the ratio."""
-    from ..early_stop import DeferredSaves, RecomputationMismatch
+    from .early_stop import DeferredSaves, RecomputationMismatch
 
     full, stopped = [], []
     for _ in range(max(2, repeats)):
@@ -374,7 +374,7 @@ def _cache_costs(
     them (at most ``fw``), what the forward with autograd keeps then (the cached tensors are the cache's), and the
     transient memory of a forward without autograd reading them (without attention's workspace); None when the
     stage has no fused attention."""
-    from ..attention_cache import AttentionCache
+    from .attention_cache import AttentionCache
 
     cache = AttentionCache()
     with torch.no_grad(), cache.capturing():

@@ -49,7 +49,7 @@ class Sizing:
     ``loss_tmp_memory_usage``: transient memory of the loss (rotor's parameter). ``tpu_generation``: on XLA, size
     stages from their programs compiled deviceless for this TPU (None: from shapes, temporaries 0).
     ``attention_cache``: stages whose attention is a fused kernel may keep its outputs for their later runs
-    (selective recomputation, :mod:`revlib_xla.attention_cache`; eager devices: they are measured).
+    (selective recomputation, :mod:`revlib_xla.planner.attention_cache`; eager devices: they are measured).
     ``verbosity``: 1 shows progress, 2 also logs each stage's measurement."""
 
     reversible: bool = True
