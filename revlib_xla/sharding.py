@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from . import backends
+from .compiled.roles import INPUTS, OPTIMIZER, PARAMETERS
 
 __all__ = [
     "AXES",
@@ -409,8 +410,6 @@ def shard_step(traced: Any, mesh: MeshShape) -> Any:
     ``mesh.size`` partitions, the TPU compiler's figures are per chip. One device: ``traced`` itself."""
     if mesh.size == 1:
         return traced
-    from .fit.trace import INPUTS, OPTIMIZER, PARAMETERS
-
     params = {a.name: a for a in traced.arguments if a.role == PARAMETERS}
     specs: list[Spec] = []
     for argument in traced.arguments:

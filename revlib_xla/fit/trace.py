@@ -34,6 +34,7 @@ import torch
 from .. import backends
 from .._tree import tensor_leaves
 from ..backends import tracing
+from ..compiled.roles import BUFFERS, INPUTS, OPTIMIZER, OTHER, PARAMETERS, ROLES
 
 __all__ = [
     "PARAMETERS",
@@ -52,14 +53,6 @@ __all__ = [
     "device_data",
 ]
 
-PARAMETERS = "parameters"
-OPTIMIZER = "optimizer state"
-BUFFERS = "buffers"
-INPUTS = "inputs"
-OTHER = "other"
-#: The roles of a traced step's arguments; ``other`` holds what the step's code put on the device itself (scalars
-#: such as the learning rate, the random seed).
-ROLES = (PARAMETERS, OPTIMIZER, BUFFERS, INPUTS, OTHER)
 
 _ELEMENT_BYTES = {
     "f64": 8,
