@@ -35,9 +35,9 @@ What the training loop around a fused step may and may not do, and how each is e
   the fused step moves the first parameter as soon as its gradient exists. ``torch.nn.utils.clip_grad_norm_`` called
   on fused parameters after the backward would find their gradients freed and clip nothing (it returns 0); it
   raises :class:`FusedOptimizerError` instead (importing this module wraps torch's function with that check,
-  :mod:`revlib_xla.optim.clip_check`; it is
-  unchanged for every other parameter). What a fused step can clip is each group's gradients by their own norm,
-  right before its step: ``fuse_optimizer(model, factory, max_grad_norm=...)`` (one parameter per group), or
+  :mod:`revlib_xla.optim.clip_check`; it is unchanged for every other parameter). What a fused step can clip is
+  each group's gradients by their own norm, right before its step: ``fuse_optimizer(model, factory,
+  max_grad_norm=...)`` (one parameter per group), or
   ``fused.max_grad_norm = ...`` on a ``ReversibleSequential``'s own fused optimizer (one layer per group). That is
   per-parameter (per-layer) clipping, not the global norm; a global norm would need a second backward pass (the
   first only to measure it), twice the backward's time.
