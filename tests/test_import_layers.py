@@ -255,3 +255,19 @@ def test_the_checks_see_cycles_and_upward_imports_hidden_in_functions(tmp_path):
     assert graph["pkg.e"] == {"pkg.a": 1}
     assert graph["pkg.c"] == {"pkg.sub": 3, "pkg.sub.d": 3}
     assert sorted(cycles(graph)) == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.c", "pkg.sub", "pkg.sub.d", "pkg.c"]]
+
+
+#: The most lines a module of the package may have: past it, split the module along its concepts (one concept per
+#: module), keeping its public names importable from the old path.
+MAX_LINES = 650
+
+
+def test_no_module_is_too_long():
+    long = {
+        path.relative_to(ROOT).as_posix(): n
+        for path, _ in modules(ROOT, PACKAGE).values()
+        if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines (split them along their concepts): " + ", ".join(
+        f"{path} ({n} lines)" for path, n in sorted(long.items())
+    )
