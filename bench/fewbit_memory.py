@@ -33,7 +33,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from revlib_xla import backend, fewbit, memory
+from revlib_xla import backends, fewbit, memory
 
 CONFIGS = {
     "full": dict(vocab=1000, width=256, heads=4, hidden=1024, layers=4, seq=128, batch=16),
@@ -98,9 +98,9 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     cfg = CONFIGS["quick" if args.quick else "full"]
-    tpu = not args.no_tpu and backend.xla_available() and importlib.util.find_spec("libtpu") is not None
+    tpu = not args.no_tpu and backends.xla_available() and importlib.util.find_spec("libtpu") is not None
     if tpu:
-        backend.device_for("xla")  # start torch_xla's runtime before the first backward (see README, XLA)
+        backends.device_for("xla")  # start torch_xla's runtime before the first backward (see README, XLA)
     torch.manual_seed(0)
     base = Encoder(**cfg)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 import revlib_xla
-from revlib_xla import backend
+from revlib_xla import backends
 
 CONFIGS = {
     "full": {"width": 256, "depth": 16, "batch": 64, "repeats": 9, "warmup": 2},
@@ -97,7 +97,7 @@ class Variant:
         if self.opt is not None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-        backend.sync(self.device)
+        backends.sync(self.device)
 
     def timed(self) -> None:
         start = time.perf_counter()
@@ -163,7 +163,7 @@ def transfer_time(variant: Variant, repeats: int) -> float:
     streamer = model.streamer
     times = []
     for _ in range(repeats):
-        backend.sync(variant.device)
+        backends.sync(variant.device)
         start = time.perf_counter()
         for order in (range(len(streamer.units)), reversed(range(len(streamer.units)))):
             order = list(order)
@@ -171,7 +171,7 @@ def transfer_time(variant: Variant, repeats: int) -> float:
                 streamer.fetch(i, prefetch=order[j + 1] if j + 1 < len(order) else None)
                 streamer.release(i)
         streamer.release_all()
-        backend.sync(variant.device)
+        backends.sync(variant.device)
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    device = backend.device_for(args.device)
+    device = backends.device_for(args.device)
     cfg = CONFIGS["quick" if args.quick else "full"]
     variants = build(cfg, device, args.revlib_dir)
     for _ in range(cfg["warmup"]):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import backend, memory
+from revlib_xla import backends, memory
 
 
 class HostAnnotatedLinear(nn.Linear):
@@ -52,7 +52,7 @@ def step(model, x):
 
 def graphs(width: int, depth: int, batch: int) -> dict[str, str]:
     """StableHLO of the three graphs (see the module docstring)."""
-    backend.device_for("xla")
+    backends.device_for("xla")
 
     def model(n, linear):
         torch.manual_seed(0)

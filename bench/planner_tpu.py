@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch import nn
 
-from revlib_xla import backend, memory
+from revlib_xla import backends, memory
 from revlib_xla.models import TransformerConfig, gpt
 
-DEVICE = backend.device_for("xla")
+DEVICE = backends.device_for("xla")
 import revlib_xla as revlib
 
 WIDTH, HIDDEN, DEPTH = 256, 1024, 8

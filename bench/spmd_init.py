@@ -38,7 +38,7 @@ def measure(way: str, vocab: int, dim: int) -> dict[str, float]:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from revlib_xla import backend, sharding
+    from revlib_xla import backends, sharding
     from revlib_xla.train import strategy
     from revlib_xla.train.config import load_config
 
@@ -55,9 +55,9 @@ def measure(way: str, vocab: int, dim: int) -> dict[str, float]:
         ],
     )
     assert sharding.apply_mesh(cfg) is not None
-    xla = backend.device_for("xla")
+    xla = backends.device_for("xla")
     torch.zeros(1, device=xla)
-    backend.sync(xla)
+    backends.sync(xla)
     if way == WAYS[1]:  # every weight copied whole (to every device), then split by shard_model
         sharding.ShardedWriter = lambda *args, **kwargs: None  # type: ignore[assignment,misc]
     peak, done = [0], [False]
@@ -71,7 +71,7 @@ def measure(way: str, vocab: int, dim: int) -> dict[str, float]:
     sampler = threading.Thread(target=poll)
     sampler.start()
     lm = strategy.language_model(strategy.build_model(cfg, xla))
-    backend.sync(xla)
+    backends.sync(xla)
     done[0] = True
     sampler.join()
     return {

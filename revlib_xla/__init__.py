@@ -202,7 +202,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later accesses do not come here
         return value
     if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f".{name}", __name__)  # an internal module (``revlib_xla.backend``)
+        return importlib.import_module(f".{name}", __name__)  # an internal module (``revlib_xla.backends``)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

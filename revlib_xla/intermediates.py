@@ -10,7 +10,7 @@ rounding of the stored activations.
   saved twice (a ``tanh`` output that the next ``Linear`` saves as its input) is stored once.
 * xla: the same hooks put casts and ``place_to_host``/``place_to_device`` annotations into the graph; the TPU
   compiler turns them into transfers. PJRT CPU cannot execute the annotations, so there they are left out
-  (identity) unless :func:`revlib_xla.backend.host_annotations` asks for them (to inspect or compile the HLO).
+  (identity) unless :func:`revlib_xla.backends.host_annotations` asks for them (to inspect or compile the HLO).
 
 A storage dtype with a smaller range than the tensor's (float16 for float32 or bfloat16 activations, whose values
 above 65504 would become inf) is scaled per tensor by a power of two that puts the tensor's largest magnitude in
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import backend
+from . import backends
 
 Tensor = torch.Tensor
 
@@ -95,7 +95,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             not isinstance(storage_dtype, torch.dtype) or not storage_dtype.is_floating_point
         ):
             raise TypeError(f"storage_dtype must be a floating-point torch.dtype, got {storage_dtype!r}")
-        if storage_device is not None and not backend.is_host_memory(storage_device):
+        if storage_device is not None and not backends.is_host_memory(storage_device):
             raise ValueError(f"storage_device must be 'cpu' (host memory) or None, got {storage_device!r}")
         if not callable(tensor_filter):
             raise TypeError("tensor_filter must be a function of a tensor returning a bool")
@@ -115,7 +115,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
     @staticmethod
     def _identity(tensor: Tensor) -> tuple[tuple, Any]:
         """A key for "the same tensor" and the object whose lifetime it is valid for."""
-        if backend.is_tracing_lazily(tensor):  # no addressable storage: the same tensor object
+        if backends.is_tracing_lazily(tensor):  # no addressable storage: the same tensor object
             return (id(tensor), tensor._version), tensor
         storage = tensor.untyped_storage()
         return (
@@ -142,10 +142,10 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
                 scale = _range_scale(value, self.storage_dtype)
                 value = value * scale
             value = value.to(self.storage_dtype)
-        offloaded = self.offload and not backend.is_host_memory(value.device)
+        offloaded = self.offload and not backends.is_host_memory(value.device)
         if offloaded:
             self._pending = [ref for ref in self._pending if ref() is not None]
-            stored = _Stored(backend.to_host(value), tensor.dtype, True, scale)
+            stored = _Stored(backends.to_host(value), tensor.dtype, True, scale)
             self._pending.append(weakref.ref(stored))
         else:
             stored = _Stored(value, tensor.dtype, False, scale)
@@ -161,8 +161,8 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             value = stored.restored
         elif stored.offloaded:
             self._prefetch_after(stored)
-            value = backend.to_device(stored.value)
-            if backend.is_tracing_lazily(value):  # a graph node, not memory: reusing it costs nothing
+            value = backends.to_device(stored.value)
+            if backends.is_tracing_lazily(value):  # a graph node, not memory: reusing it costs nothing
                 stored.restored = value
         else:
             value = stored.value
@@ -179,7 +179,7 @@ class MemoryEfficientIntermediates(torch.autograd.graph.saved_tensors_hooks):
             return
         for other in pending[max(0, at - _PREFETCH_AHEAD) : at]:
             if other is not None:
-                backend.prefetch_to_device(other.value)
+                backends.prefetch_to_device(other.value)
 
 
 def memory_efficient_intermediates(

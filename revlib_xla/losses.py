@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import backend
+from . import backends
 
 __all__ = ["next_token_loss", "chunked_next_token_loss", "chunked_head_loss"]
 
@@ -90,7 +90,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         assert dtype is not None and denom is None, "recomputed chunks: the head's dtype, and the sum"
         ctx.save_for_backward(hidden, weight, targets)
         ctx.dtype, ctx.autocast = dtype, autocast
-        with backend.autocast_off(autocast):
+        with backends.autocast_off(autocast):
             head = weight.to(dtype)
             total = _chunk_loss_sum(hidden[:, :chunk].to(dtype), head, targets[:, :chunk], ignore_index)
             for start in range(chunk, hidden.shape[1], chunk):
@@ -120,7 +120,7 @@ def _gradients_now(
     grad_b = torch.zeros(z.shape[-1], dtype=accumulate, device=z.device) if need_b else None
     total = torch.zeros((), dtype=torch.float32, device=z.device)
     # transformers' loss would run its backward outside any autocast region: the chunks' gradients are too.
-    with backend.autocast_off(backend.backend_for(z.device).autocast_device_type):
+    with backends.autocast_off(backends.backend_for(z.device).autocast_device_type):
         for start in range(0, z.shape[0], rows):
             stop = min(start + rows, z.shape[0])
             # The chunk's own graph lives and dies here: the saved-tensor hooks around the loss (an offload
@@ -183,7 +183,7 @@ def _recomputed(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor]:
     features, weight, targets = ctx.saved_tensors
     create_graph = torch.is_grad_enabled()  # double backward: record this backward
     want_features = ctx.needs_input_grad[0]
-    with backend.autocast_off(ctx.autocast), torch.enable_grad():
+    with backends.autocast_off(ctx.autocast), torch.enable_grad():
         if create_graph:
             head = weight.to(ctx.dtype)
         else:
@@ -194,7 +194,7 @@ def _recomputed(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor]:
             part, part_targets = features[:, start : start + ctx.chunk], targets[:, start : start + ctx.chunk]
             w, g = head, grad
             if not create_graph:
-                part, w, g, weight_grad = backend.optimization_barrier([part, head, grad, weight_grad])
+                part, w, g, weight_grad = backends.optimization_barrier([part, head, grad, weight_grad])
                 part = part.requires_grad_(want_features)
             logits = F.linear(part.to(ctx.dtype), w).float()
             loss = F.cross_entropy(
@@ -233,7 +233,7 @@ def _head_compute_dtype(weight: Tensor) -> tuple[torch.dtype, str | None] | None
     """The dtype the head's products run in, with the autocast device type to turn off while running them
     explicitly, where that dtype is below float32 (a bfloat16 weight, or a float32 one under autocast to bfloat16 or
     float16); None where they run in float32 or float64."""
-    autocast = backend.backend_for(weight).autocast_device_type
+    autocast = backends.backend_for(weight).autocast_device_type
     if autocast is not None and not torch.is_autocast_enabled(autocast):
         autocast = None
     if weight.dtype.itemsize < 4:
@@ -251,7 +251,7 @@ def chunked_next_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, chun
     ``hidden``: ``(B, T, dim)`` features after the final norm; ``weight``: the ``(vocab, dim)`` head (the embedding
     when tied); ``tokens``: ``(B, T)``. The positions ``0 .. T-2`` are cut into chunks of ``chunk`` along the
     sequence (the batch dimension stays whole, so a batch split over devices stays split); each chunk's logits and
-    cross entropy are computed under activation checkpointing (:func:`revlib_xla.backend.checkpoint`: on XLA behind
+    cross entropy are computed under activation checkpointing (:func:`revlib_xla.backends.checkpoint`: on XLA behind
     optimization barriers, so the compiler cannot merge the recomputation back into the forward), which keeps only
     the chunk's input and recomputes its logits in the backward pass. The mean is the sum of the chunks' sums over
     the count of targets that are not ``-100`` (cross entropy's ``ignore_index``, as in the unchunked mean): the same
@@ -272,7 +272,7 @@ def chunked_next_token_loss(hidden: Tensor, weight: Tensor, tokens: Tensor, chun
     for start in range(0, features.shape[1], chunk):
         part = (features[:, start : start + chunk], weight, targets[:, start : start + chunk])
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            loss = backend.checkpoint(_chunk_loss_sum, *part, preserve_rng_state=False)
+            loss = backends.checkpoint(_chunk_loss_sum, *part, preserve_rng_state=False)
         else:
             loss = _chunk_loss_sum(*part)
         total = loss if total is None else total + loss

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import backend
+from . import backends
 
 __all__ = ["offload_tensor", "ParameterStreamer"]
 
@@ -43,7 +43,7 @@ class _ToDevice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        backend.cut_graph(grad)  # xla: run what is pending once, rather than once more in every transfer's graph
+        backends.cut_graph(grad)  # xla: run what is pending once, rather than once more in every transfer's graph
         return grad.to(ctx.source), None
 
 
@@ -83,15 +83,15 @@ class ParameterStreamer:
     device buffers; copies that an autograd graph may keep (``fetch(..., persistent=False)``) are fresh tensors.
     """
 
-    def __init__(self, units: Sequence[Sequence[Tensor]], device: backend.DeviceLike, persistent: bool = True):
+    def __init__(self, units: Sequence[Sequence[Tensor]], device: backends.DeviceLike, persistent: bool = True):
         self.units = [list(u) for u in units]
-        self.device = backend.as_device(device)
-        self.copier = backend.device_copier(self.device)
+        self.device = backends.as_device(device)
+        self.copier = backends.device_copier(self.device)
         for unit in self.units:
             for t in unit:
-                backend.pin_host_tensor_(t, self.device)
+                backends.pin_host_tensor_(t, self.device)
         self.persistent = persistent and self.copier.asynchronous
-        self._pending: dict[int, backend.Transfer] = {}
+        self._pending: dict[int, backends.Transfer] = {}
         self._loaded: dict[int, list[Tensor]] = {}
         self._given: dict[int, list[weakref.ref]] = {}
         self._slot_owner: list[int | None] = [None, None]

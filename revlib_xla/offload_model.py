@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import backend
+from . import backends
 from .offload import ParameterStreamer
 from .recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
 
@@ -67,7 +67,7 @@ def split_by_parameters(modules: Sequence[nn.Module], num_slices: int) -> list[l
 # Micro-batches
 
 
-def _as_device(device: backend.DeviceLike, argument: str) -> torch.device:
+def _as_device(device: backends.DeviceLike, argument: str) -> torch.device:
     """``device`` (a device, its name, or a tensor standing for its device) as a ``torch.device``."""
     if isinstance(device, Tensor):
         return device.device
@@ -123,8 +123,8 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        backend.cut_graph(grad)
-        return backend.to_host_blocking(grad, ctx.host_device), None
+        backends.cut_graph(grad)
+        return backends.to_host_blocking(grad, ctx.host_device), None
 
 
 class _Boundary(torch.autograd.Function):
@@ -223,13 +223,13 @@ class _CheckpointedSlice(torch.autograd.Function):
         owner._streamer.release(ctx.index)
         if ctx.index == 0:
             owner._streamer.release_all()
-        backend.cut_graph(owner.device)
+        backends.cut_graph(owner.device)
         input_grads: list[Tensor | None] = []
         for j in range(ctx.n_acts):
             parts = [g for mb in act_grads if (g := mb[j]) is not None]
             whole = len(parts) == len(act_grads)  # every micro-batch has a gradient for this input
             input_grads.append(None if not whole else (parts[0] if len(parts) == 1 else torch.cat(parts, 0)))
-        host_grads = [None if g is None else backend.to_host_blocking(g, h.device) for g, h in zip(param_grads, host)]
+        host_grads = [None if g is None else backends.to_host_blocking(g, h.device) for g, h in zip(param_grads, host)]
         return (None, None, None, None, *input_grads, *host_grads)
 
 
@@ -258,8 +258,8 @@ class OffloadModel(nn.Module):
     def __init__(
         self,
         model: nn.Sequential | Sequence[nn.Module],
-        device: backend.DeviceLike,
-        offload_device: backend.DeviceLike = "cpu",
+        device: backends.DeviceLike,
+        offload_device: backends.DeviceLike = "cpu",
         num_slices: int = 3,
         checkpoint_activation: bool = False,
         num_microbatches: int = 1,
@@ -362,7 +362,7 @@ class OffloadModel(nn.Module):
             outs = _join([self._call(index, copies, mb) for mb in _micro_batches(inputs, self._num_microbatches)])
         if call is not None:
             saved = state.changed(watch, f"OffloadModel slice {index}")
-        backend.cut_graph(self.device)
+        backends.cut_graph(self.device)
         self._write_back_buffers(index, copies)
         del copies
         self._streamer.release(index)
@@ -377,13 +377,15 @@ class OffloadModel(nn.Module):
         # Parameters must not change before the backward; buffers may (running statistics are written back after
         # the forward, and normalization's backward does not read them in training mode).
         versions = [None if id(t) in self._buffer_ids else t._version for t in host]
-        storages = {c.untyped_storage().data_ptr(): k for k, c in enumerate(copies) if not backend.is_tracing_lazily(c)}
+        storages = {
+            c.untyped_storage().data_ptr(): k for k, c in enumerate(copies) if not backends.is_tracing_lazily(c)
+        }
         for k, t in enumerate(host):
             if t.requires_grad:
                 copies[k] = _Attach.apply(t, copies[k])
 
         def pack(t: Tensor) -> Any:
-            if not backend.is_tracing_lazily(t):
+            if not backends.is_tracing_lazily(t):
                 k = storages.get(t.untyped_storage().data_ptr())
                 if k is not None:
                     return ("slice tensor", index, k, t.size(), t.stride(), t.storage_offset(), versions[k])

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import backend
+from . import backends
+from .compiled.roles import INPUTS, OPTIMIZER, PARAMETERS
 
 __all__ = [
     "AXES",
@@ -262,11 +263,11 @@ class Mesh:
 _ACTIVE: list[Mesh | None] = [None]
 
 
-def make_mesh(axes: Mapping[str, int], device: backend.DeviceLike) -> Mesh | None:
+def make_mesh(axes: Mapping[str, int], device: backends.DeviceLike) -> Mesh | None:
     """The mesh of ``axes`` over every device the process drives through ``device``'s backend, with SPMD switched
     on; ``None`` where that is one device (nothing to shard). Call it before any tensor is put on the device."""
-    dev = backend.as_device(device)
-    family = backend.backend_for(dev)
+    dev = backends.as_device(device)
+    family = backends.backend_for(dev)
     devices = family.spmd_device_count(dev)
     shape = resolve_mesh(axes, devices, backend_name=repr(dev.type))
     if shape.size == 1:
@@ -274,7 +275,7 @@ def make_mesh(axes: Mapping[str, int], device: backend.DeviceLike) -> Mesh | Non
     return Mesh(shape, dev, family.spmd_mesh(shape.sizes, AXES))
 
 
-def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
+def apply_mesh(cfg: Any, device: backends.DeviceLike = None) -> Mesh | None:
     """The mesh of run config ``cfg`` (its ``mesh`` section) over the devices this process drives, made the active
     one (:func:`shard_batch` splits each step's batch over it, :func:`revlib_xla.train.strategy.build_model` the
     parameters), after checking that the run can use it: the batch (per micro-batch) splits over ``data x fsdp``
@@ -284,8 +285,8 @@ def apply_mesh(cfg: Any, device: backend.DeviceLike = None) -> Mesh | None:
     ``device``: where the run goes (default: ``train.device``, ``auto`` = the default device's family). Call it
     before anything is put on that device: SPMD is switched on before the runtime starts."""
     if device is None:
-        kind = cfg.train.device if cfg.train.device != "auto" else backend.default_device_type()
-        if not backend.device_available(kind):
+        kind = cfg.train.device if cfg.train.device != "auto" else backends.default_device_type()
+        if not backends.device_available(kind):
             _ACTIVE[0] = None
             return None  # the run's device check names the problem
         device = torch.device(kind)
@@ -315,20 +316,20 @@ def planning_budget(budget: int, mesh: Mesh | None) -> int:
     return budget if mesh is None else budget * mesh.shape.ways(BATCH_AXES)
 
 
-def active_mesh(device: backend.DeviceLike = None) -> Mesh | None:
+def active_mesh(device: backends.DeviceLike = None) -> Mesh | None:
     """The mesh :func:`apply_mesh` made active (``None``: one device), or with ``device``: that mesh if it is
     over ``device``'s family (a model built on the CPU beside a run over XLA devices is not split)."""
     mesh = _ACTIVE[0]
     if mesh is None or device is None:
         return mesh
-    return mesh if backend.backend_for(device) is backend.backend_for(mesh.device) else None
+    return mesh if backends.backend_for(device) is backends.backend_for(mesh.device) else None
 
 
 def shard_model(model: nn.Module, mesh: Mesh, placed: Collection[int] = ()) -> dict[str, Spec]:
     """Split every parameter of ``model`` over ``mesh`` (:func:`parameter_spec`), in place, but those whose id is
     in ``placed`` (split already: :class:`ShardedWriter`); returns each parameter's spec by name. The optimizer
     state created from them follows their sharding."""
-    family = backend.backend_for(mesh.device)
+    family = backends.backend_for(mesh.device)
     specs = {}
     for name, param in model.named_parameters():
         spec = parameter_spec(name, param.shape, mesh.shape)
@@ -381,7 +382,7 @@ class ShardedWriter:
             return
         spec = parameter_spec(name, param.shape, self.mesh.shape)
         value = value.to(self.dtype or param.dtype)
-        family = backend.backend_for(self.mesh.device)
+        family = backends.backend_for(self.mesh.device)
         param.data = family.from_host_pieces(host_pieces(value, spec, self.mesh.shape), self.mesh.handle, spec)
         self.placed.add(id(param))
 
@@ -394,7 +395,7 @@ def shard_batch(tokens: torch.Tensor, mesh: Mesh | None = None) -> torch.Tensor:
     if mesh is None:
         return tokens
     check_batch(tokens.shape[0], mesh.shape)
-    backend.backend_for(mesh.device).mark_sharding(tokens, mesh.handle, batch_spec(tokens.ndim))
+    backends.backend_for(mesh.device).mark_sharding(tokens, mesh.handle, batch_spec(tokens.ndim))
     return tokens
 
 
@@ -409,8 +410,6 @@ def shard_step(traced: Any, mesh: MeshShape) -> Any:
     ``mesh.size`` partitions, the TPU compiler's figures are per chip. One device: ``traced`` itself."""
     if mesh.size == 1:
         return traced
-    from .fit.trace import INPUTS, OPTIMIZER, PARAMETERS
-
     params = {a.name: a for a in traced.arguments if a.role == PARAMETERS}
     specs: list[Spec] = []
     for argument in traced.arguments:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from revlib_xla import backend, backends, fewbit, kernels
+from revlib_xla import backends, fewbit, kernels
 from revlib_xla.backends import xla as xla_backend
 from revlib_xla.kernels import fewbit_reference as ref
 
@@ -122,18 +122,20 @@ def test_dispatch_picks_by_device(monkeypatch):
     assert kernels.implementation_for(x) == "reference"
     assert kernels.implementation_for(x.double()) == "reference"
     # x stands for a tensor of each family: the facade is handed that family's backend
+    from revlib_xla.backends import facade
+
     family = backends.registered()
-    monkeypatch.setattr(backend, "backend_for", lambda t: family["cuda"])
+    monkeypatch.setattr(facade, "backend_for", lambda t: family["cuda"])
     expected = "triton" if importlib.util.find_spec("triton") is not None else "reference"
-    assert backend.kernel_platform(x) == expected
-    monkeypatch.setattr(backend, "backend_for", lambda t: family["xla"])
+    assert backends.kernel_platform(x) == expected
+    monkeypatch.setattr(facade, "backend_for", lambda t: family["xla"])
     monkeypatch.setattr(xla_backend, "runtime_type", lambda: "TPU")
-    assert backend.kernel_platform(x) == "pallas"
+    assert backends.kernel_platform(x) == "pallas"
     monkeypatch.setattr(xla_backend, "runtime_type", lambda: "CPU")
-    assert backend.kernel_platform(x) == "reference"
+    assert backends.kernel_platform(x) == "reference"
     monkeypatch.setenv("REVLIB_XLA_KERNELS", "reference")
-    monkeypatch.setattr(backend, "backend_for", lambda t: family["cuda"])
-    assert backend.kernel_platform(x) == "reference"
+    monkeypatch.setattr(facade, "backend_for", lambda t: family["cuda"])
+    assert backends.kernel_platform(x) == "reference"
 
 
 def test_cuda_activation_uses_triton_and_matches_reference(device):

@@ -428,12 +428,12 @@ def test_offloaded_optimizer_on_xla_steps_on_the_host_and_equals_adamw():
 def test_mfu_is_measured_against_the_chip_the_run_is_on(monkeypatch):
     """The peak behind MFU is the running chip's (a TPU from its runtime, times chip.chips), not chip.name's; none
     on the CPU (the progress bar showed mfu=0.0% on a CPU, against a v5e)."""
-    from revlib_xla import backend
+    from revlib_xla import backends
     from revlib_xla.train.strategy import peak_flops
 
     cfg = load_config(None, ["chip.name=v5e", "chip.chips=4"])
     assert peak_flops(cfg, torch.device("cpu")) is None
-    monkeypatch.setattr(backend, "tpu_generation", lambda device: "v6e")
+    monkeypatch.setattr(backends, "tpu_generation", lambda device: "v6e")
     assert peak_flops(cfg, torch.device("cpu")) == 918e12 * 4
 
 

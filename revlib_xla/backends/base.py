@@ -143,7 +143,7 @@ class Backend:
     #: Bytes the allocator rounds each allocation up to a multiple of (cuda's caching allocator: 512), as tensor
     #: storage counts (:class:`revlib_xla.memory.StorageTracker`) count them.
     allocation_granularity: int = 1
-    #: Order in which :func:`revlib_xla.backend.default_device` prefers families that have hardware here.
+    #: Order in which :func:`revlib_xla.backends.default_device` prefers families that have hardware here.
     preference: int = 0
     #: The ``torch.distributed`` backend that reduces the family's tensors across processes (``gloo`` on the host,
     #: ``nccl`` on CUDA), or ``None`` where the family does not train with several processes (XLA: one process
@@ -209,7 +209,7 @@ class Backend:
 
     def after(self, value: Any, token: torch.Tensor) -> Any:
         """``value`` made to depend on ``token`` as data, where a compiler could otherwise hoist work reading it
-        (see :func:`revlib_xla.backend.after`); ``value`` itself on an eager device."""
+        (see :func:`revlib_xla.backends.after`); ``value`` itself on an eager device."""
         return value
 
     def checkpoint(self, function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:

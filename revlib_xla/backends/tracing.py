@@ -21,7 +21,7 @@ their callers need them in different combinations and over different spans:
 So ``fit.trace_step`` for a TPU has all three (the third for its second call only), ``fit.plan_config`` the last
 two, ``step_stablehlo`` the first. The names they had before stay as aliases:
 ``revlib_xla.reversible.rebuild_check.suspended``/``armed``, ``revlib_xla.planner.sizing.without_execution`` and
-``revlib_xla.planner.measure.executing``, ``revlib_xla.backend.execution_forbidden``.
+``revlib_xla.planner.measure.executing``, ``revlib_xla.backends.execution_forbidden``.
 """
 
 from __future__ import annotations

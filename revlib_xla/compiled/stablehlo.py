@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .. import backend
+from .. import backends
 from .._tree import map_tensors, tensor_leaves
 from ..backends.tracing import checks_suspended
 
@@ -24,7 +24,7 @@ def stablehlo_of(outputs: Sequence[torch.Tensor]) -> str:
     tensors = list(tensor_leaves(list(outputs)))
     if not tensors:
         raise ValueError("stablehlo_of needs at least one XLA tensor")
-    return backend.lazy_stablehlo(tensors)
+    return backends.lazy_stablehlo(tensors)
 
 
 def step_stablehlo(
@@ -41,13 +41,13 @@ def step_stablehlo(
 
     ``require_grads``: raise if trainable parameters got no gradient (a forgotten ``backward()``).
     """
-    dev = backend.device_for("xla")
+    dev = backends.device_for("xla")
     model.to(dev)
     moved = [map_tensors(lambda t: t.to(dev), item) for item in inputs]
     params = list(model.parameters())
     for param in params:
         param.grad = None
-    backend.sync(dev)
+    backends.sync(dev)
     # torch's autograd engine sizes its per-device worker queues at the first backward of the process; after a CPU
     # backward that ran before torch_xla's runtime started, an XLA backward on a worker fails with "INTERNAL ASSERT
     # FAILED ... engine.cpp". Tracing needs no worker thread: run the backward on this thread. The reversible
@@ -62,7 +62,7 @@ def step_stablehlo(
     outputs: list[torch.Tensor] = []
     seen = set()
     for tensor in list(tensor_leaves(result)) + grads:
-        if backend.is_tracing_lazily(tensor) and id(tensor) not in seen:
+        if backends.is_tracing_lazily(tensor) and id(tensor) not in seen:
             seen.add(id(tensor))
             outputs.append(tensor)
     try:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .. import backend, kernels
+from .. import backends, kernels
 from .approximation import SUPPORTED_BITS, StepwiseDerivative, derivative_of, optimal_stepwise
 
 Tensor = torch.Tensor
@@ -271,7 +271,7 @@ class FewBitFunction(torch.autograd.Function):
                 nan_ends = derivative.nan_ends(x)
         # Tie the codes to the output: the encode must run when the output is made, so the compiler cannot move it
         # to the backward pass and keep the full input alive instead (a no-op in eager mode).
-        y, packed, *ends = backend.optimization_barrier([y, packed] + ([nan_ends] if nan_ends is not None else []))
+        y, packed, *ends = backends.optimization_barrier([y, packed] + ([nan_ends] if nan_ends is not None else []))
         nan_ends = ends[0] if ends else None
         ctx.save_for_backward(packed, nan_ends)
         ctx.derivative = derivative

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import backend
+from .. import backends
 from ..recompute import rng_scope
 
 Tensor = torch.Tensor
@@ -52,7 +52,7 @@ class _RandomizedLinearFunction(torch.autograd.Function):
         sketched = None
         if weight.requires_grad:
             sketched = _sketch(kind, proj_dim, rows.shape[0], seed, rows) @ rows
-            out, sketched = backend.optimization_barrier([out, sketched])  # as in the few-bit activations: sketch now
+            out, sketched = backends.optimization_barrier([out, sketched])  # as in the few-bit activations: sketch now
         ctx.save_for_backward(sketched, weight if x.requires_grad else None)
         ctx.meta = (kind, seed, proj_dim, x.shape, bias is not None and bias.requires_grad, rows.dtype)
         return out
@@ -115,7 +115,7 @@ def randomized_linear(
         return F.linear(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     k = _proj_dim(rows, proj_dim_ratio, proj_dim, proj_dim_min, proj_dim_max)
-    return _RandomizedLinearFunction.apply(x, weight, bias, k, matmul, backend.draw_seed())
+    return _RandomizedLinearFunction.apply(x, weight, bias, k, matmul, backends.draw_seed())
 
 
 class RandomizedLinear(nn.Linear):

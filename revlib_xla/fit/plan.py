@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .. import backend
+from .. import backends
 from ..backends import tracing
 from ..chips import Chip
 from ..planner import Schedule
@@ -50,7 +50,7 @@ def plan_config(cfg: Any, budget: float) -> PlannedSchedule:
     planner = getattr(model, "planned", None)
     if planner is None:
         raise ValueError("plan_config needs a config with strategy.activations=plan")
-    dev = backend.device_for("xla")
+    dev = backends.device_for("xla")
     materialize(model, dev)
     micro = cfg.data.batch_size // getattr(cfg.optim, "grad_accum_steps", 1)
     tokens = device_data(torch.empty(micro, cfg.data.seq_len, dtype=torch.int64, device="meta"), dev)

@@ -2,7 +2,7 @@
 
 A model built on the ``meta`` device has shapes and no memory. :func:`trace_step` gives every meta parameter,
 buffer and input a device tensor over untouched host memory (``torch.empty``: the pages are never written, so a
-16 GB model costs no RAM), through :func:`revlib_xla.backend.zero_copy_device_tensor` (on XLA: DLPack, no copy).
+16 GB model costs no RAM), through :func:`revlib_xla.backends.zero_copy_device_tensor` (on XLA: DLPack, no copy).
 It then runs the user's own step function lazily, twice: the first call creates the optimizer's state, which is
 then given fresh zero-copy storage like the parameters, so that the second call is the steady-state step whose
 program a TPU runs on every step after the first. The traced step never executes
@@ -31,9 +31,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .. import backend
+from .. import backends
 from .._tree import tensor_leaves
 from ..backends import tracing
+from ..compiled.roles import BUFFERS, INPUTS, OPTIMIZER, OTHER, PARAMETERS, ROLES
 
 __all__ = [
     "PARAMETERS",
@@ -52,14 +53,6 @@ __all__ = [
     "device_data",
 ]
 
-PARAMETERS = "parameters"
-OPTIMIZER = "optimizer state"
-BUFFERS = "buffers"
-INPUTS = "inputs"
-OTHER = "other"
-#: The roles of a traced step's arguments; ``other`` holds what the step's code put on the device itself (scalars
-#: such as the learning rate, the random seed).
-ROLES = (PARAMETERS, OPTIMIZER, BUFFERS, INPUTS, OTHER)
 
 _ELEMENT_BYTES = {
     "f64": 8,
@@ -269,7 +262,7 @@ class _Storage:
         if not self.zero_copy:
             return torch.zeros(like.shape, dtype=like.dtype).to(self.device)
         host = torch.empty(like.shape, dtype=like.dtype)
-        return backend.zero_copy_device_tensor(host, self.device)
+        return backends.zero_copy_device_tensor(host, self.device)
 
 
 def _materialize(module: torch.nn.Module, storage: _Storage) -> None:
@@ -342,7 +335,7 @@ def trace_step(
     make_step: Callable[[torch.nn.Module, torch.optim.Optimizer | None], Callable[..., Any]],
     inputs: Sequence[torch.Tensor],
     *,
-    device: backend.DeviceLike = "xla",
+    device: backends.DeviceLike = "xla",
     zero_copy: bool = True,
 ) -> TracedStep:
     """Trace the steady-state training step of ``model`` at full size and return its program (see the module
@@ -358,8 +351,8 @@ def trace_step(
     first step executed (so the optimizer state is real device data) before the second is traced. The two programs
     are the same; the zero-copy one needs no memory (this is what the tests check).
     """
-    dev = backend.device_for(str(device)) if isinstance(device, str) else backend.as_device(device)
-    if not backend.backend_for(dev).program_text_available:
+    dev = backends.device_for(str(device)) if isinstance(device, str) else backends.as_device(device)
+    if not backends.backend_for(dev).program_text_available:
         raise ValueError(f"trace_step traces a program for the TPU compiler on an XLA device, not on {dev}")
     storage = _Storage(dev, zero_copy)
     _materialize(model, storage)
@@ -373,7 +366,7 @@ def trace_step(
     try:
         with contextlib.ExitStack() as stack:
             if zero_copy:  # traced for a TPU: host placements annotated as there, stages measured without running
-                stack.enter_context(backend.host_annotations(True))
+                stack.enter_context(backends.host_annotations(True))
                 stack.enter_context(tracing.stand_in_inputs())
             return _trace(model, optimizer, step, batch, inputs, storage, dev)
     except RuntimeError as exc:
@@ -410,17 +403,17 @@ def _trace(
         sent.clear()
         if zero_copy:  # fresh storage: drop the first step's graph; the second starts from device data
             for _, _, tensor, setter in _named_state(model, optimizer):
-                if backend.is_tracing_lazily(tensor) and not _plain_data(tensor):
+                if backends.is_tracing_lazily(tensor) and not _plain_data(tensor):
                     setter(storage(tensor))
             batch = [storage(spec) for spec in inputs]
         else:
-            backend.sync(dev)
+            backends.sync(dev)
         for i, tensor in enumerate(batch):
-            roles[backend.data_identity(tensor)] = (INPUTS, f"input {i}")
+            roles[backends.data_identity(tensor)] = (INPUTS, f"input {i}")
         before = {}  # Python object -> its device data's identity, for what the step updates in place
         for role, name, tensor, _ in _named_state(model, optimizer):
-            if backend.is_tracing_lazily(tensor):
-                before[id(tensor)] = backend.data_identity(tensor)
+            if backends.is_tracing_lazily(tensor):
+                before[id(tensor)] = backends.data_identity(tensor)
                 roles.setdefault(before[id(tensor)], (role, name))
         with tracing.execution_forbidden(dev):
             result = step(*batch)
@@ -432,7 +425,7 @@ def _trace(
 def _plain_data(tensor: torch.Tensor) -> bool:
     """Whether a lazy tensor holds device data with nothing pending (a buffer the step does not change keeps its
     object, so engines that watch buffers by identity see the same one)."""
-    return backend.program_arguments([tensor]) == [backend.data_identity(tensor)]
+    return backends.program_arguments([tensor]) == [backends.data_identity(tensor)]
 
 
 def _program(
@@ -448,7 +441,7 @@ def _program(
     outputs: list[torch.Tensor] = []
     names: list[str] = []
     seen: set[int] = set()
-    results = [t for t in tensor_leaves(result) if backend.is_tracing_lazily(t)]
+    results = [t for t in tensor_leaves(result) if backends.is_tracing_lazily(t)]
     if not results:
         raise ValueError("the traced step returned no device tensor (return the loss)")
     for i, tensor in enumerate(results):
@@ -463,18 +456,18 @@ def _program(
             names.append(f"gradient to host {i}")
     donors: dict[int, int] = {}  # data identity -> output index
     for role, name, tensor, _ in updated:
-        if not backend.is_tracing_lazily(tensor) or id(tensor) in seen:
+        if not backends.is_tracing_lazily(tensor) or id(tensor) in seen:
             continue
         seen.add(id(tensor))
         identity = before.get(id(tensor))
-        if identity is not None and _plain_data(tensor) and backend.data_identity(tensor) == identity:
+        if identity is not None and _plain_data(tensor) and backends.data_identity(tensor) == identity:
             continue  # unchanged (a host-stepped optimizer's weights): no output, which would be a copy of it
         if identity is not None and roles.get(identity, (None,))[0] == role and identity not in donors:
             donors[identity] = len(outputs)
         outputs.append(tensor)
         names.append(name)
-    text = backend.lazy_stablehlo(outputs)
-    identities = backend.program_arguments(outputs)
+    text = backends.lazy_stablehlo(outputs)
+    identities = backends.program_arguments(outputs)
     sizes = stablehlo_arguments(text)
     if len(sizes) != len(identities):
         raise RuntimeError(

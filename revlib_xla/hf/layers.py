@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 
 __all__ = ["HFConversionError", "LayerStack", "Split", "SPLITS", "find_layer_stack", "split_of", "Branches"]
 
@@ -225,7 +225,7 @@ class Branches:
         self.layer.eval()
         try:
             # no autocast weight-cast cache: casts made here, without autograd, would be reused by the step's runs
-            with torch.no_grad(), backend.autocast_cache_off():
+            with torch.no_grad(), backends.autocast_cache_off():
                 want = call(self.layer, x)
                 want = want[0] if isinstance(want, tuple) else want
                 got = self.residual(x, *args, **kw)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import backend
+from .. import backends
 from ..losses import next_token_loss
 from .configs import model_from_config
 from .convert import convert_layer_activations, memory_efficient
@@ -164,7 +164,7 @@ def _check_positions(cfg: Any) -> None:
 
 
 def _checkpoint_on_any_device(model: nn.Module) -> None:
-    """transformers' per-layer checkpointing function, with XLA tensors sent to :func:`revlib_xla.backend.checkpoint`
+    """transformers' per-layer checkpointing function, with XLA tensors sent to :func:`revlib_xla.backends.checkpoint`
     (``torch.utils.checkpoint``, transformers' own, fails on them in torch 2.9: there is no ``torch.xla``)."""
     for module in model.modules():
         own = module.__dict__.get("_gradient_checkpointing_func")
@@ -173,9 +173,9 @@ def _checkpoint_on_any_device(model: nn.Module) -> None:
 
         def checkpointed(fn: Any, *args: Any, _own: Any = own, **kwargs: Any) -> Any:
             first = next((a for a in args if isinstance(a, Tensor)), None)
-            if first is None or not backend.is_tracing_lazily(first):
+            if first is None or not backends.is_tracing_lazily(first):
                 return _own(fn, *args, **kwargs)
-            return backend.checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args)
+            return backends.checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args)
 
         module.__dict__["_gradient_checkpointing_func"] = checkpointed
 
@@ -189,7 +189,7 @@ class HFCausalLM(nn.Module):
         self.lm = lm
 
     def forward(self, tokens: Tensor) -> Tensor:
-        mask = causal_mask(self.lm, tokens) if backend.is_tracing_lazily(tokens) else None
+        mask = causal_mask(self.lm, tokens) if backends.is_tracing_lazily(tokens) else None
         logits: Tensor = self.lm(input_ids=tokens, attention_mask=mask, use_cache=False).logits
         return logits
 

@@ -5,7 +5,7 @@ The few-bit backward has two fused steps:
 * :func:`encode_stepwise` - code each element by the borders it is above and pack the codes (forward pass);
 * :func:`stepwise_grad` - unpack the codes, look up their levels and multiply the incoming gradient (backward).
 
-Which implementation runs is decided by :func:`revlib_xla.backend.kernel_platform`: the Triton kernels
+Which implementation runs is decided by :func:`revlib_xla.backends.kernel_platform`: the Triton kernels
 (``fewbit_triton``) for CUDA tensors when triton is installed, the Pallas kernels (``fewbit_pallas``, JAX) for XLA
 tensors on a TPU, and the reference (``fewbit_reference``) everywhere else (cpu, XLA on the CPU, or when
 ``REVLIB_XLA_KERNELS=reference``). The reference defines the results.
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import backend
+from .. import backends
 from . import fewbit_reference as reference
 
 __all__ = ["encode_stepwise", "encode_band", "stepwise_grad", "implementation_for", "levels_tensor", "reference"]
@@ -31,7 +31,7 @@ def implementation_for(tensor: torch.Tensor) -> str:
     always uses the reference)."""
     if tensor.dtype not in _KERNEL_DTYPES:
         return "reference"
-    return backend.kernel_platform(tensor)
+    return backends.kernel_platform(tensor)
 
 
 _LEVELS: dict[tuple[tuple[float, ...], torch.device, torch.dtype], torch.Tensor] = {}
@@ -108,6 +108,6 @@ def stepwise_grad(
         reference.unpack(packed, bits, grad.numel()),
         grad,
         table,
-        gather=not backend.is_tracing_lazily(grad),
+        gather=not backends.is_tracing_lazily(grad),
         select_zero=select_zero,
     )

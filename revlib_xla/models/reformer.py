@@ -4,7 +4,7 @@ Efficient Transformer"), with the feed-forward layers applied over chunks of the
 The network is the two-stream reversible decoder of :mod:`revlib_xla.models.transformer` (``(x1, x2) ->
 (x1 + Attention(x2), x2 + FeedForward(y1))``, causal, with a byte-level LM head), and adds the Reformer's second
 memory saving: the feed-forward block is a function of each position alone, so it is computed ``ff_chunks``
-sequence chunks at a time, each under activation checkpointing (:func:`revlib_xla.backend.checkpoint`). Its hidden
+sequence chunks at a time, each under activation checkpointing (:func:`revlib_xla.backends.checkpoint`). Its hidden
 activation (``mlp_ratio * width`` features per position, the largest tensor of a layer) then exists for one chunk
 at a time, in the forward and in the backward pass, instead of for the whole sequence: O(T / ff_chunks). With the
 reversible layers (activation memory independent of depth) this bounds a layer's peak by its attention and one
@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from .. import backend, recompute
+from .. import backends, recompute
 from ._named import named_config
 from .transformer import MLP, Block, ByteTransformerLM, Flavour, TransformerConfig, lm_loss
 
@@ -72,7 +72,7 @@ class ChunkedMLP(MLP):
         pieces = x.chunk(self.chunks, dim=1)
         if not torch.is_grad_enabled():
             outputs = [self.transform(piece) for piece in pieces]
-        elif backend.backend_for(x).checkpoint_in_partial_backward:
+        elif backends.backend_for(x).checkpoint_in_partial_backward:
             outputs = [recompute.checkpoint(self.transform, piece) for piece in pieces]
         else:
             outputs = [self.transform(piece) for piece in pieces]

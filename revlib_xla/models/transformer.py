@@ -20,7 +20,7 @@ differ only in what autograd keeps for the backward pass:
   difference comes from the saving strategy alone (an ordinary single-stream residual transformer would differ in
   embedding/head width and would not compute the same function).
 * ``"checkpoint"``: as ``no_savings``, with every block (attention or MLP) under activation checkpointing
-  (:func:`revlib_xla.backend.checkpoint`: ``torch.utils.checkpoint`` on eager devices, ``torch_xla.utils.checkpoint``
+  (:func:`revlib_xla.backends.checkpoint`: ``torch.utils.checkpoint`` on eager devices, ``torch_xla.utils.checkpoint``
   on XLA). Keeps each block's input stream, O(depth) but with a small constant; recomputes every block once.
 * ``"reversible"``: ``MemoryModes.autograd_function``: keeps only the final two streams and rebuilds each layer's
   input from its output in the backward pass, so activation memory does not grow with depth.

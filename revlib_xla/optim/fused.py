@@ -34,9 +34,10 @@ What the training loop around a fused step may and may not do, and how each is e
 * Global-norm clipping cannot be fused: it needs the norm of every gradient before the first parameter moves, and
   the fused step moves the first parameter as soon as its gradient exists. ``torch.nn.utils.clip_grad_norm_`` called
   on fused parameters after the backward would find their gradients freed and clip nothing (it returns 0); it
-  raises :class:`FusedOptimizerError` instead (importing this module wraps torch's function with that check; it is
-  unchanged for every other parameter). What a fused step can clip is each group's gradients by their own norm,
-  right before its step: ``fuse_optimizer(model, factory, max_grad_norm=...)`` (one parameter per group), or
+  raises :class:`FusedOptimizerError` instead (importing this module wraps torch's function with that check,
+  :mod:`revlib_xla.optim.clip_check`; it is unchanged for every other parameter). What a fused step can clip is
+  each group's gradients by their own norm, right before its step: ``fuse_optimizer(model, factory,
+  max_grad_norm=...)`` (one parameter per group), or
   ``fused.max_grad_norm = ...`` on a ``ReversibleSequential``'s own fused optimizer (one layer per group). That is
   per-parameter (per-layer) clipping, not the global norm; a global norm would need a second backward pass (the
   first only to measure it), twice the backward's time.
@@ -56,9 +57,7 @@ backward still reads.
 
 from __future__ import annotations
 
-import functools
 import math
-import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -66,7 +65,9 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .. import backend, fsdp
+from .. import backends, fsdp
+from ..errors import FusedOptimizerError
+from .clip_check import _COVERED, _install_clip_check, _torch_clip_grad_norm_
 
 __all__ = [
     "OptimizerFactory",
@@ -85,10 +86,6 @@ _NO_LOSS_SCALING = (
     "that when one of them overflows. Train in bfloat16 autocast (torch.autocast(device, dtype=torch.bfloat16) "
     "needs no GradScaler) or float32, or use an unfused optimizer"
 )
-
-
-class FusedOptimizerError(ValueError):
-    """A fused optimizer was asked for something it cannot do; the message names the parameter and the problem."""
 
 
 def _processes_sharing_gradients() -> int:
@@ -221,7 +218,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Called by the forward of the model this optimizer is fused into: remember whether it ran under float16
         autocast while autograd records, so that its backward is refused before any weight moves."""
         if torch.is_grad_enabled():
-            state = backend.AutocastState.capture(device)
+            state = backends.AutocastState.capture(device)
             self._float16_forward = device if state.enabled and state.dtype == torch.float16 else None
 
     def step_params(self, params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
@@ -444,7 +441,7 @@ class _HookedFusedOptimizer(FusedOptimizer):
 
     def _before_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._follow_model()
-        first = next(iter(backend.tensors_in((args, kwargs))), None)
+        first = next(iter(backends.tensors_in((args, kwargs))), None)
         self.record_forward(first.device if first is not None else self.params[0].device)
 
     def _follow_model(self) -> None:
@@ -561,61 +558,3 @@ def fuse_optimizer(
     fused = _HookedFusedOptimizer([n for n, _ in named], optimizer_factory, model)
     fused.max_grad_norm = max_grad_norm
     return fused
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# torch.nn.utils.clip_grad_norm_ on fused parameters: refused where it would silently clip nothing
-
-_COVERED: weakref.WeakValueDictionary[int, FusedOptimizer] = weakref.WeakValueDictionary()
-"""``id(parameter)`` -> the live fused optimizer that steps it (kept by :meth:`FusedOptimizer._index`)."""
-
-
-def _unchecked(clip: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    inner: Callable[..., torch.Tensor] = getattr(clip, "__wrapped__", clip)
-    return inner if getattr(clip, "_revlib_checked", False) else clip
-
-
-_torch_clip_grad_norm_ = _unchecked(torch.nn.utils.clip_grad.clip_grad_norm_)
-"""torch's own clip_grad_norm_: what a fused step's per-group clipping runs."""
-
-
-def _fused_without_grad(params: Sequence[torch.Tensor]) -> tuple[FusedOptimizer, int] | None:
-    for p in params:
-        owner = _COVERED.get(id(p))
-        if owner is not None and owner._by_id.get(id(p)) is p and p.grad is None:
-            return owner, owner._of[id(p)]
-    return None
-
-
-def _checked(clip: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``clip`` (a ``clip_grad_norm_``) refusing the parameters of a fused optimizer whose gradients it freed."""
-    if getattr(clip, "_revlib_checked", False):
-        return clip
-
-    @functools.wraps(clip)  # (torch_xla replaces torch's function only when the signature is torch's: it is)
-    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        found = _fused_without_grad(params)
-        if found is not None:
-            owner, gi = found
-            raise FusedOptimizerError(
-                f"clip_grad_norm_ on the parameters of a fused optimizer ({owner.names[gi]}): the fused step "
-                f"updates each parameter during the backward and frees its gradient, so there is nothing left to "
-                f"clip (torch would return 0 and clip nothing). Clip each parameter's gradient by its own norm "
-                f"inside the fused step (fuse_optimizer(model, factory, max_grad_norm=...)), or use an unfused "
-                f"optimizer for global-norm clipping"
-            )
-        return clip(params, max_norm, *args, **kwargs)
-
-    clip_grad_norm_._revlib_checked = True  # type: ignore[attr-defined]
-    return clip_grad_norm_
-
-
-def _install_clip_check() -> None:
-    """Wrap ``torch.nn.utils.clip_grad_norm_`` with the fused-parameter check (again where something replaced it
-    since: torch_xla puts its own in place when it starts)."""
-    torch.nn.utils.clip_grad_norm_ = _checked(torch.nn.utils.clip_grad_norm_)
-    torch.nn.utils.clip_grad.clip_grad_norm_ = _checked(torch.nn.utils.clip_grad.clip_grad_norm_)
-
-
-_install_clip_check()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import backend
+from .. import backends
 
 __all__ = ["HostOptimizer", "InnerFactory", "master_dtype"]
 
@@ -33,10 +33,10 @@ class HostOptimizer(torch.optim.Optimizer):
       does): the optimizer runs on the CPU over host master copies of the parameters (page-locked where the
       backend can copy from them asynchronously); each step brings the gradients to the host and the updated
       weights back, one weight at a time. The state never occupies device memory. On a lazy device (XLA) the
-      step first runs the pending graph (forward and backward, :func:`revlib_xla.backend.sync`), so the device
+      step first runs the pending graph (forward and backward, :func:`revlib_xla.backends.sync`), so the device
       program is the forward and backward producing gradients, and the weights come back as new device data.
     * ``annotate`` (XLA, by request only): the state stays a graph value annotated to live in host memory between
-      steps (:func:`revlib_xla.backend.place_on_host`). The TPU compiler rejects such a step (an output moved to
+      steps (:func:`revlib_xla.backends.place_on_host`). The TPU compiler rejects such a step (an output moved to
       host is returned without a host layout), and torch_xla has no host-resident graph arguments, so the state
       would come back into HBM as an argument anyway; kept to show the annotations.
 
@@ -58,7 +58,7 @@ class HostOptimizer(torch.optim.Optimizer):
             self.host = [nn.Parameter(torch.empty(p.shape, dtype=master_dtype(p.dtype))) for p in params]
             self._filled = False
             for h, p in zip(self.host, params):
-                backend.pin_host_tensor_(h, p.device)
+                backends.pin_host_tensor_(h, p.device)
             self.inner = inner(self.host)
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups  # schedulers and set_lr reach the inner groups
@@ -111,11 +111,11 @@ class HostOptimizer(torch.optim.Optimizer):
         if self._deferred:
             return
         grads = [p.grad for p in self.device_params]
-        if self.device_params and backend.backend_for(self.device_params[0].device).lazy:
-            backend.sync(self.device_params[0].device)
+        if self.device_params and backends.backend_for(self.device_params[0].device).lazy:
+            backends.sync(self.device_params[0].device)
         for i, (h, p, g) in enumerate(zip(self.host, self.device_params, grads)):
             if g is not None:
-                grad = backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+                grad = backends.to_host_blocking(g.detach(), "cpu").to(h.dtype)
                 total = self._sums[i]
                 self._sums[i] = grad if total is None else total.add_(grad)
                 p.grad = None
@@ -136,16 +136,16 @@ class HostOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if self.annotate:
-            self._move_state(lambda t: backend.place_on_device(t))
+            self._move_state(lambda t: backends.place_on_device(t))
             out = self.inner.step(closure)
-            self._move_state(lambda t: backend.place_on_host(t))
+            self._move_state(lambda t: backends.place_on_host(t))
             return out
         grads = [p.grad for p in self.device_params]
         if self._deferred:
             self._deferred[-1].extend(g for g in grads if g is not None)
             return None
-        if self.device_params and backend.backend_for(self.device_params[0].device).lazy:
-            backend.sync(self.device_params[0].device)  # one program: forward and backward (and the loss)
+        if self.device_params and backends.backend_for(self.device_params[0].device).lazy:
+            backends.sync(self.device_params[0].device)  # one program: forward and backward (and the loss)
         if not self._filled:
             self._copy_from_device()
         loss = None
@@ -158,7 +158,7 @@ class HostOptimizer(torch.optim.Optimizer):
             total, self._sums[i] = self._sums[i], None
             if g is None and total is None:
                 continue
-            grad = None if g is None else backend.to_host_blocking(g.detach(), "cpu").to(h.dtype)
+            grad = None if g is None else backends.to_host_blocking(g.detach(), "cpu").to(h.dtype)
             h.grad = total if grad is None else grad if total is None else total.add_(grad)
             self.inner.step()
             h.grad = None

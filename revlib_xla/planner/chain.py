@@ -29,11 +29,11 @@ Beyond rotor, a stage may offer more ways to run:
 * ``options[i]``: alternative ways to run stage i with autograd (few-bit or low-precision saved activations),
   each with its own times and sizes; the plan picks per stage.
 * ``stopped_fw[i]``: where stage i's input stays stored from a ``CF_i`` to its last recomputation ``Fe_i B_i``,
-  the executor stops that recomputation at the last tensor the backward reads (:mod:`revlib_xla.early_stop`: a
+  the executor stops that recomputation at the last tensor the backward reads (:mod:`revlib_xla.planner.early_stop`: a
   Llama layer's ``down_proj`` is not run again), so that ``Fe_i`` costs ``stopped_fw[i]``, not ``fw[i]``
   (:func:`~revlib_xla.planner.schedule.early_stops` finds those ``Fe``; at most ``fw[i]``).
 * ``caches[i]``: stage i may keep what its fused attention kernels returned (:class:`StageCache`: ``bytes``, from
-  its first run until its backward; :mod:`revlib_xla.attention_cache`), and its later runs read it instead of
+  its first run until its backward; :mod:`revlib_xla.planner.attention_cache`), and its later runs read it instead of
   running attention again (selective recomputation, operation ``CA``): such a forward costs ``fw`` of the
   :class:`StageCache` (a stopped one ``stopped_fw[i]`` less the same saving) with its ``fwd_tmp``, and one with
   autograd keeps its ``cbw`` (autograd's saved attention output is the cached one). Only the plain option reads

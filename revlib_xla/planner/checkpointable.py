@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from ..recompute import CallReplay, RecomputeState
 from ..reversible.repeat import ScanUnsupported
 from ..units import parse_bytes
@@ -115,7 +115,7 @@ class Checkpointable(nn.Module):
         attention_cache: stages whose attention runs as one fused kernel (``scaled_dot_product_attention`` on
             eager devices) may keep what it returned from their first run until their backward, and their
             recomputations read it instead of running attention again (selective recomputation, operation ``CA``;
-            :mod:`revlib_xla.attention_cache`). The planner measures each stage's cache and uses it where the
+            :mod:`revlib_xla.planner.attention_cache`). The planner measures each stage's cache and uses it where the
             budget holds it and it saves time. Gradients are the same either way. Not combined with reversible
             stages or offload (the plan then keeps no cache).
     """
@@ -243,7 +243,7 @@ class Checkpointable(nn.Module):
     def _default_limit(self) -> float:
         plain = self.no_checkpoint_memory()
         device = next((t.device for t in self.parameters()), torch.device("cpu"))
-        free = backend.free_memory(device)
+        free = backends.free_memory(device)
         return plain if free is None else min(plain, 0.9 * free)
 
     # -- sizing with the TPU compiler --------------------------------------------------------------------------

@@ -23,16 +23,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .. import backend, fsdp
+from .. import backends, fsdp
 from .._grad_destination import GradDestination, grad_destination
-from .._tree import detached, map_tensors, tensor_leaves, tree_flatten, tree_unflatten
-from ..attention_cache import AttentionCache
-from ..early_stop import DeferredSaves
+from .._tree import detached, map_tensors, tensor_leaves
 from ..recompute import CallReplay, RecomputeState, SavedBuffers, owned_buffers
+from .attention_cache import AttentionCache
 from .chain import Chain
+from .early_stop import DeferredSaves
 from .measure import grad_leaves
 from .roots import EDGE_ROOTS, stops_early
 from .roots import roots as stage_roots
+from .run_values import _DEFERRED, _Deferred, _input_grads, _OutputEdges, _stand_in, _Structure
 from .schedule import OPERATIONS, OpKind, Schedule, ScheduleError, Value, ValueKind, early_stops, simulate
 from .stages import check_one_input, flatten_sequential, inverse_of
 
@@ -69,51 +70,6 @@ class StagesToRun(Protocol):
     def recompute_state(self) -> RecomputeState: ...
 
 
-def _input_grads(x: Any) -> tuple[torch.Tensor | None, ...]:
-    """The gradients of a stage's input leaves (made by ``grad_leaves`` for this run), taken off the leaves, whose
-    values are released too: autograd's graph may keep a leaf alive (its AccumulateGrad node, e.g. held by a
-    module hook's reference cycle until Python's garbage collector runs) after the leaf is dropped, and neither its
-    gradient nor the input it aliases must live as long."""
-    grads = []
-    for t in tensor_leaves(x):
-        grads.append(t.grad if t.requires_grad else None)
-        if t.requires_grad:
-            t.grad = None
-            t.data = t.new_empty(0)
-    return tuple(grads)
-
-
-_DEFERRED = object()  # x̄_{i+1} of a deferred stage: its graph is in _Run.deferred
-
-
-@functools.lru_cache(maxsize=64)
-def _stand_in_of(dtype: torch.dtype, device: torch.device, shape: torch.Size) -> torch.Tensor:
-    return torch.zeros((), dtype=dtype, device=device).expand(shape)
-
-
-def _stand_in(grad: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``grad``'s shape, dtype and device that holds no memory of its own (a broadcast zero, kept
-    across steps: nothing is allocated in a step after the first)."""
-    return _stand_in_of(grad.dtype, grad.device, grad.shape)
-
-
-class _Structure:
-    """Where the tensors of a nested value sit (``torch.utils._pytree``'s flattening; other leaves are kept), to
-    build the same value around other tensors."""
-
-    def __init__(self, value: Any) -> None:
-        tensor_leaves(value)  # refuses containers whose tensors pytree would miss
-        leaves, self.spec = tree_flatten(value)
-        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.slots = [k for k, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-
-    def rebuild(self, tensors: Sequence[torch.Tensor]) -> Any:
-        leaves = list(self.leaves)
-        for k, t in zip(self.slots, tensors):
-            leaves[k] = t
-        return tree_unflatten(leaves, self.spec)
-
-
 def deferred_runs(schedule: Schedule) -> dict[int, int]:
     """The ``CF`` operations that build their stage's graph for a last recomputation that stops early
     (:func:`~revlib_xla.planner.schedule.early_stops`), as {position in ``schedule.ops``: stage}."""
@@ -123,32 +79,6 @@ def deferred_runs(schedule: Schedule) -> dict[int, int]:
 def deferrable_stages(schedule: Schedule) -> set[int]:
     """The stages whose last recomputation stops early (:func:`deferred_runs`)."""
     return set(deferred_runs(schedule).values())
-
-
-class _Deferred:
-    """Stage i's graph from its first run, without saved activations (:class:`~revlib_xla.early_stop.DeferredSaves`):
-    its input leaves, the gradient edges of its output tensors (None where one needs no gradient), and its slots."""
-
-    __slots__ = ("edges", "inp", "saves")
-
-    def __init__(self, inp: Any, edges: list[Any], saves: DeferredSaves) -> None:
-        self.inp, self.edges, self.saves = inp, edges, saves
-
-
-class _OutputEdges:
-    """x̄_L of the last stage once the forward phase has returned the model's output: the gradient edges of the
-    output's tensors (None where one needs no gradient), all its backward needs, so that the output's values are
-    the caller's alone to keep or free (a language model's logits, freed once the loss has been computed from them,
-    as with the plain model)."""
-
-    __slots__ = ("edges",)
-
-    def __init__(self, out: Any) -> None:
-        with torch.enable_grad():
-            self.edges = [
-                torch.autograd.graph.get_gradient_edge(o.view_as(o)) if o.requires_grad else None
-                for o in tensor_leaves(out)
-            ]
 
 
 class _Run:
@@ -170,7 +100,7 @@ class _Run:
         self.x: dict[int, Any] = {}
         self.xbar: dict[int, tuple[Any, Any]] = {}
         self.grad: dict[int, tuple[torch.Tensor | None, ...]] = {}
-        self.host: dict[int, tuple[_Structure, list[backend.HostCopy]]] = {}
+        self.host: dict[int, tuple[_Structure, list[backends.HostCopy]]] = {}
         self.held: set[int] = set()
         self.replay = CallReplay(device, owner.preserve_rng_state)
         self.buffers = [owned_buffers(stage.modules()) for stage in self.stages]
@@ -242,11 +172,11 @@ class _Run:
         forward read, and the compiler merges the two and keeps the forward's intermediates until the backward."""
         x = self.x[i] if i in self.x else detached(self._input(i))
         tensors = [t for obj in (x, *extra) for t in tensor_leaves(obj)]
-        fenced = iter(backend.optimization_barrier(tensors))
+        fenced = iter(backends.optimization_barrier(tensors))
         x = map_tensors(lambda _: next(fenced), x)
         if i == 0:
-            # x_0 is the model's input, normally an argument of the step: see backend.after.
-            x = backend.after(x, next(iter(tensor_leaves(extra)), None))
+            # x_0 is the model's input, normally an argument of the step: see backends.after.
+            x = backends.after(x, next(iter(tensor_leaves(extra)), None))
         return x
 
     def _input(self, i: int) -> Any:
@@ -369,11 +299,11 @@ class _Run:
 
     def to_host(self, i: int) -> None:
         x = self.x.pop(i)
-        self.host[i] = (_Structure(x), [backend.to_host(t) for t in tensor_leaves(x)])
+        self.host[i] = (_Structure(x), [backends.to_host(t) for t in tensor_leaves(x)])
 
     def from_host(self, i: int) -> None:
         structure, copies = self.host.pop(i)
-        self.x[i] = structure.rebuild([backend.to_device(c) for c in copies])
+        self.x[i] = structure.rebuild([backends.to_device(c) for c in copies])
 
     def run(self, start: int, stop: int, backward: bool) -> None:
         """Run ``schedule.ops[start:stop]``."""
@@ -422,11 +352,11 @@ class _Run:
         """Run the schedule up to the loss from the model's input tensors; returns the model's output."""
         self.x[0] = self.input_structure.rebuild(inputs)
         self.input_needs_grad = [t.requires_grad for t in inputs]
-        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.early_stop). Fake tensors
-        # of an eager device stop as that device's tensors would (sizing a GPU step on fake tensors counts what it
-        # runs); meta tensors are no device's.
+        # A lazily traced device's compiler drops the unread operations itself (revlib_xla.planner.early_stop).
+        # Fake tensors of an eager device stop as that device's tensors would (sizing a GPU step on fake tensors
+        # counts what it runs); meta tensors are no device's.
         self.stop_early = bool(self.deferrable) and all(
-            backend.backend_for(t).holds_data and not backend.is_tracing_lazily(t) for t in inputs
+            backends.backend_for(t).holds_data and not backends.is_tracing_lazily(t) for t in inputs
         )
         self.run(0, self.loss_at, backward=False)
         n = len(self.stages)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .. import backend
+from .. import backends
 from .._tree import detached, tensor_leaves
 from ..backends import tracing
 from ..compiled.stablehlo import stablehlo_of
@@ -67,7 +67,7 @@ def device_argument(shape: torch.Size, dtype: torch.dtype, device: torch.device)
     at a searched batch, zeros made on the host and copied exceeded a 24 GB machine's memory); else zeros copied
     to the device."""
     if tracing.standing_in():
-        return backend.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
+        return backends.zero_copy_device_tensor(torch.empty(shape, dtype=dtype), device)
     return torch.zeros(shape, dtype=dtype).to(device)
 
 
@@ -90,20 +90,20 @@ class StageMeasurement:
     #: forward without autograd too); None where it is not measured apart (XLA: from the compiled programs)
     grad_fwd_tmp: int | None = None
     #: the time of the stage's last recomputation where the executor stops it at the last saved tensor
-    #: (:mod:`revlib_xla.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
+    #: (:mod:`revlib_xla.planner.early_stop`); None where it does not (XLA, forward hooks, FSDP2 units)
     stopped_fw: float | None = None
-    #: the stage's attention cache (:mod:`revlib_xla.attention_cache`): its bytes, the forward's time reading it,
-    #: what the forward with autograd keeps then, and the transient memory of a forward without autograd reading it
+    #: the stage's attention cache (:mod:`revlib_xla.planner.attention_cache`): its bytes, the forward's time reading
+    #: it, what the forward with autograd keeps then, and the transient memory of a forward without autograd reading it
     #: (:class:`~revlib_xla.planner.StageCache`); None: no fused attention, or not measured
     cache: tuple[int, float, int, int] | None = None
 
 
 def _seconds(fn: Callable[[], Any], device: torch.device) -> float:
     """The time ``fn`` takes on ``device``, synchronised before and after."""
-    backend.sync(device)
+    backends.sync(device)
     start = time.perf_counter()
     fn()
-    backend.sync(device)
+    backends.sync(device)
     return time.perf_counter() - start
 
 
@@ -119,11 +119,11 @@ def _cost(fn: Callable[[], Any], device: torch.device, counted: bool) -> float:
 
 def _stopped_share(stage: nn.Module, x: Any, device: torch.device, repeats: int, counted: bool = False) -> float:
     """The share of a stage's forward that a recomputation stopping at its last saved tensor runs
-    (:class:`~revlib_xla.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
+    (:class:`~revlib_xla.planner.early_stop.DeferredSaves`): the least time of that recomputation over the least time of
     the run that recorded the slots, both with autograd and saved-tensor hooks, so that the share applies to the
     plain forward's time (at most 1). The least of a few runs: the noise of a shared machine (and a first run's
     allocations) only lengthens either time of the ratio. ``counted``: the FLOPs of either, counted once."""
-    from ..early_stop import DeferredSaves, RecomputationMismatch
+    from .early_stop import DeferredSaves, RecomputationMismatch
 
     full, stopped = [], []
     for _ in range(1 if counted else max(2, repeats)):
@@ -220,7 +220,7 @@ def stage_programs(stage: nn.Module, x: Any) -> StagePrograms:
 
         # Device data: arguments of the program, not constants it could fold.
         dys = [device_argument(o.shape, o.dtype, o.device) for o in outs]
-        fenced = backend.optimization_barrier(outs + dys)
+        fenced = backends.optimization_barrier(outs + dys)
         outs, dys = fenced[: len(outs)], fenced[len(outs) :]
         torch.autograd.backward(outs, dys)
         grads = [t.grad for t in tensor_leaves(inp) if t.requires_grad and t.grad is not None]
@@ -281,7 +281,7 @@ def measure_stage(
             f"the input of {type(stage).__name__} holds no tensor; a planned stage takes a tensor or a tuple of tensors"
         )
     device = tensors[0].device
-    lazy = backend.is_tracing_lazily(tensors[0])
+    lazy = backends.is_tracing_lazily(tensors[0])
     cw = value_bytes(x)
     versions = [t._version for t in tensors]
     with torch.no_grad():
@@ -307,7 +307,7 @@ def measure_stage(
         return StageMeasurement(fw, bw, cw, max(cbw, value_bytes(out)), 0, 0, inverse_time), out
 
     # Fake tensors: their operations cost the time of their dispatch alone, so their costs are counted in FLOPs.
-    counted = not backend.holds_data(tensors[0])
+    counted = not backends.holds_data(tensors[0])
     with torch.no_grad():
         fw = _flops(lambda: stage(x)) if counted else _median_time(lambda: stage(x), device, repeats)
         # The transient memory of a forward without autograd (Fn, CF) differs from that of one with it (Fe):
@@ -394,7 +394,7 @@ def _cache_costs(
     them (at most ``fw``), what the forward with autograd keeps then (the cached tensors are the cache's), and the
     transient memory of a forward without autograd reading them (without attention's workspace); None when the
     stage has no fused attention."""
-    from ..attention_cache import AttentionCache
+    from .attention_cache import AttentionCache
 
     cache = AttentionCache()
     with torch.no_grad(), cache.capturing():

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import backend
+from .. import backends
 from .._replaced_params import mark_replaced
 from ..reversible.engine import vjp
 from ..reversible.repeat import MODULE_HOOKS, ScanUnsupported, difference, module_signature
@@ -170,10 +170,10 @@ class ScannedStages(nn.Module):
             )
         return y
 
-    def _refuse_random(self, drawn: bool, before: backend.RngState, device: torch.device) -> None:
+    def _refuse_random(self, drawn: bool, before: backends.RngState, device: torch.device) -> None:
         """Raise if the layers drew random numbers: ``drawn`` (seen operator by operator), or the device's or the
         CPU's generator moved since ``before``."""
-        after = backend.RngState.capture(device)
+        after = backends.RngState.capture(device)
         moved = before.accel != after.accel or (
             before.cpu is not None and after.cpu is not None and not torch.equal(before.cpu, after.cpu)
         )
@@ -187,8 +187,8 @@ class ScannedStages(nn.Module):
     def _run_forward(self, x: Tensor, keep: bool) -> tuple[Tensor, Any]:
         """The layers without autograd: the output, and with ``keep`` each layer's input (stacked on XLA)."""
         device = x.device
-        before = backend.RngState.capture(device)
-        loop = backend.scan_loop(device) if backend.is_tracing_lazily(x) else None
+        before = backends.RngState.capture(device)
+        loop = backends.scan_loop(device) if backends.is_tracing_lazily(x) else None
         if loop is None:
             inputs = []
             with _RandomOps() as seen:  # the stage may draw from generators of its own (Checkpointable's replay)
@@ -210,7 +210,7 @@ class ScannedStages(nn.Module):
         return y, inputs
 
     def _run_backward(
-        self, inputs: Any, dy: Tensor, trained: list[bool], autocast: backend.AutocastState
+        self, inputs: Any, dy: Tensor, trained: list[bool], autocast: backends.AutocastState
     ) -> tuple[Tensor | None, list[Tensor | None]]:
         """The input's gradient and the gradient of each layer's parameters (in ``parameters()`` order; ``None``
         where not ``trained``), recomputing one layer at a time from its kept input."""
@@ -222,7 +222,7 @@ class ScannedStages(nn.Module):
             names = list(self._stacked_params())
             count, need = 0, trained
         wanted_names = [n for n, wanted in zip(names, need) if wanted]
-        loop = backend.scan_loop(dy.device) if backend.is_tracing_lazily(dy) else None
+        loop = backends.scan_loop(dy.device) if backends.is_tracing_lazily(dy) else None
         grads: list[Tensor | None] = [None] * len(trained)
         if loop is None:
             per_layer: dict[str, list[Tensor]] = {n: [] for n in wanted_names}  # stacked: in reverse
@@ -251,7 +251,7 @@ class ScannedStages(nn.Module):
 
         def body(carry: Tensor, xs: tuple[Tensor, dict[str, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
             x, tensors = xs
-            fenced = backend.optimization_barrier([carry, x, *tensors.values()])
+            fenced = backends.optimization_barrier([carry, x, *tensors.values()])
             g, x = fenced[0], fenced[1]
             tensors = params_after(dict(zip(tensors, fenced[2:])), g)
             leaves = {n: t.detach().requires_grad_() if n in wanted_names else t for n, t in tensors.items()}
@@ -299,7 +299,7 @@ class _ScannedStagesFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, owner: ScannedStages, x: Tensor, *params: Tensor):  # type: ignore[override]
         ctx.owner = owner
-        ctx.autocast = backend.AutocastState.capture(x.device)
+        ctx.autocast = backends.AutocastState.capture(x.device)
         with torch.no_grad():
             y, inputs = owner._run_forward(x, keep=True)
         ctx.inputs = inputs

@@ -517,7 +517,7 @@ class Schedule:
 
 
 def early_stops(ops: Sequence[Op]) -> dict[int, int]:
-    """The recomputations that stop at the last tensor their backward reads (:mod:`revlib_xla.early_stop`), as
+    """The recomputations that stop at the last tensor their backward reads (:mod:`revlib_xla.planner.early_stop`), as
     {position of ``Fe_i``: position of the ``CF_i`` that builds its graph}, positions in ``ops``.
 
     Such an ``Fe_i`` is stage i's last recomputation, immediately followed by ``B_i`` (plain option), and stage i's

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from .._tree import detached, map_tensors, tensor_leaves
 from ..recompute import probe
 from .chain import Chain, StageCache, StageOption
@@ -49,7 +49,7 @@ class Sizing:
     ``loss_tmp_memory_usage``: transient memory of the loss (rotor's parameter). ``tpu_generation``: on XLA, size
     stages from their programs compiled deviceless for this TPU (None: from shapes, temporaries 0).
     ``attention_cache``: stages whose attention is a fused kernel may keep its outputs for their later runs
-    (selective recomputation, :mod:`revlib_xla.attention_cache`; eager devices: they are measured).
+    (selective recomputation, :mod:`revlib_xla.planner.attention_cache`; eager devices: they are measured).
     ``verbosity``: 1 shows progress, 2 also logs each stage's measurement."""
 
     reversible: bool = True
@@ -89,9 +89,9 @@ def measure_chain(
     measured: list[StageMeasurement] = []
     stage_options: list[list[StageOption]] = []
     progress = _progress(len(stages), "measuring stages", sizing.verbosity)
-    lazy = any(backend.is_tracing_lazily(t) for t in tensor_leaves(x))
+    lazy = any(backends.is_tracing_lazily(t) for t in tensor_leaves(x))
     # The TPU generation to size compiled stages for: the runtime's chip, or the user's where tracing for a TPU.
-    generation = backend.sizing_generation(tensor_leaves(x)[0].device, sizing.tpu_generation) if lazy else None
+    generation = backends.sizing_generation(tensor_leaves(x)[0].device, sizing.tpu_generation) if lazy else None
     programs: list[list[StagePrograms]] = []  # per stage: the plain stage, then its options
     out_bytes: list[int] = []
     # The solver plans no attention cache in a chain with reversible stages or offload (not planned together yet):
@@ -111,7 +111,7 @@ def measure_chain(
         # Measuring runs the stage (and its options) several times: it must leave no trace (buffers, the
         # stage's own generators, torch's global generators, autocast's weight-cast cache: a cast made without
         # autograd would be reused by the step's runs with it, and the stage's parameters get no gradient).
-        with probe(tensor_leaves(x)[0].device, list(stage.buffers()), i), backend.autocast_cache_off():
+        with probe(tensor_leaves(x)[0].device, list(stage.buffers()), i), backends.autocast_cache_off():
             try:
                 m, out = measure_stage(stage, x, reversible=rev, attention_cache=caches)
             except InPlaceInput:
@@ -173,7 +173,7 @@ def _with_autograd(m: StageMeasurement) -> float:
 def _as_device_data(x: Any) -> Any:
     """``x`` as device data: computed (a sync), or, within :func:`without_execution`, stood in for."""
     if executing():
-        backend.sync(tensor_leaves(x)[0].device)
+        backends.sync(tensor_leaves(x)[0].device)
         return x
 
     def stand_in(t: torch.Tensor) -> torch.Tensor:

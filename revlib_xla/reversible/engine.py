@@ -12,7 +12,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from .._grad_destination import GradDestination, node_destination
 from ..errors import ReversibleError
 from . import fixed_point as _fixed
@@ -58,7 +58,7 @@ def run_layers(plan: Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor]
             if check is not None and check.first == i and not x1.requires_grad:
                 check.keep(i + 1, *streams_of(plan, x0, x1))
             del tensors
-            backend.cut_graph(device)
+            backends.cut_graph(device)
             off.write_back_buffers(i, copies)
             del copies
             off.streamer.release(i)
@@ -242,7 +242,7 @@ def _layer_backward(
         for k, a, need in zip(plan.layer_arg_slots[i], own_arg_tensors, want.args)
     }
     own_args = [recompute_args[k] for k, need in zip(plan.layer_arg_slots[i], want.args) if need]
-    y0, y1, dy0, dy1 = backend.optimization_barrier([y0, y1, dy0, dy1, *layer_params, *_finished(later)])[:4]
+    y0, y1, dy0, dy1 = backends.optimization_barrier([y0, y1, dy0, dy1, *layer_params, *_finished(later)])[:4]
     replaced: contextlib.AbstractContextManager[Any] = _NOTHING
     if off is None and used and (units is not None or any(layer_params[j]._backward_hooks for j in used)):
         # The recomputation differentiates aliases of the parameters: a VJP taken against the parameters themselves
@@ -309,12 +309,12 @@ def _layer_backward(
         g = grads.pop()
         dx1 = dy0 if g is None else dy0 + g
     if off is not None:
-        backend.cut_graph(x0)  # xla: this layer's recomputation and gradients as one graph, run now
+        backends.cut_graph(x0)  # xla: this layer's recomputation and gradients as one graph, run now
     param_grads: list[Tensor | None] = [None] * len(want.params)
     for j in used:
         g = grads.pop()
         if g is not None and off is not None:
-            g = backend.to_host_blocking(g, plan.params[plan.layer_params[i][j]].device)
+            g = backends.to_host_blocking(g, plan.params[plan.layer_params[i][j]].device)
         param_grads[j] = g
     arg_grads = [grads.pop() if need else None for need in want.args]
     if off is not None:
@@ -328,7 +328,7 @@ def _layer_backward(
         for j in done:
             param_grads[j] = None
     finished: tuple[list[Tensor], list[nn.Parameter]] = ([], [])
-    if backend.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
+    if backends.is_tracing_lazily(x0):  # eager: nothing to order, and no reference kept to a returned gradient
         # An accumulated gradient is reached through its parameter's .grad: holding it here would make
         # AccumulateGrad copy it rather than take it over.
         kept = [g for g, dest in zip(param_grads, want.params) if g is not None and dest is not _ACCUMULATE]

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import backend
+from .. import backends
 from ..errors import ReversibleError
 
 Tensor = torch.Tensor
@@ -155,7 +155,7 @@ class StreamGuard:
         """``scaled``: the values in units of the grid, before the conversion to integers."""
         if scaled.numel() == 0:
             return
-        if backend.is_tracing_lazily(scaled):  # (torch_xla 2.9's aminmax crashes inside a compiled loop's body)
+        if backends.is_tracing_lazily(scaled):  # (torch_xla 2.9's aminmax crashes inside a compiled loop's body)
             lo, hi = scaled.min(), scaled.max()
         else:  # one pass
             lo, hi = torch.aminmax(scaled)

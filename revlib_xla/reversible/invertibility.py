@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import torch
 
-from .. import backend
+from .. import backends
 from ..errors import ReversibleError
 from ..offload import offload_tensor
 from ..recompute import preserved, rewind, rng_scope
@@ -68,7 +68,7 @@ class InvertibilityReport:
 
 
 @torch.no_grad()
-@backend.autocast_cache_off()
+@backends.autocast_cache_off()
 def check_plan(
     plan: Plan, x0: Tensor, x1: Tensor, arg_tensors: Sequence[Tensor], tolerance: float | None = None
 ) -> InvertibilityReport:

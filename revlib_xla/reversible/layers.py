@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from .. import _tree, backend
+from .. import _tree, backends
 from ..errors import ReversibleError
 from .coupling import (
     COUPLING,
@@ -260,10 +260,10 @@ def available_device(target_device: str | torch.device) -> torch.device:
         raise ReversibleError(
             f"ReversibleSequential: target_device={target_device!r} is not a device ({err})"
         ) from None
-    if not backend.device_available(device):
+    if not backends.device_available(device):
         raise ReversibleError(
             f"ReversibleSequential: target_device={target_device!r}, but this machine has no such device (it has "
-            f"{', '.join(backend.available_kinds())}). Pass one of those, or leave target_device empty to run each "
+            f"{', '.join(backends.available_kinds())}). Pass one of those, or leave target_device empty to run each "
             f"layer where its parameters are."
         )
     return device

@@ -11,7 +11,7 @@ from typing import Literal, cast
 import torch
 from torch import nn
 
-from .. import _tree, backend, fsdp
+from .. import _tree, backends, fsdp
 from ..errors import ReversibleError
 from ..fused_optimizer import FusedOptimizer, FusedOptimizerError
 from ..offload import ParameterStreamer, offload_tensor
@@ -149,7 +149,7 @@ class PlannedSequence(nn.Sequential):
         index: dict[int, int] = {}
         layer_params, layer_buffers, param_slots = [], [], []
         blocks_see = self.compute_dtype or x0.dtype
-        check_dtypes = not backend.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
+        check_dtypes = not backends.AutocastState.capture(x0.device).differs_from_now()  # autocast casts for them
         stacked = {p.dtype for p in self._parameters.values() if p is not None and p.is_floating_point()}  # scan
         for i, layer in enumerate(layers):
             own, slots, float_dtypes, modules = [], [], set(stacked), list(layer.modules())
@@ -347,7 +347,7 @@ class PlannedSequence(nn.Sequential):
         poison = guard.poison()
         if poison is None:
             return x0, x1
-        if not (backend.is_tracing_lazily(x0) or rebuild_check.agreeing_group(plan.params) is not None):
+        if not (backends.is_tracing_lazily(x0) or rebuild_check.agreeing_group(plan.params) is not None):
             guard.judge()
             return x0, x1
         self.__dict__["_last_guard"] = guard
@@ -384,7 +384,7 @@ class PlannedSequence(nn.Sequential):
         input measured against it (:mod:`revlib_xla._rebuild_check`), armed on the plan."""
         key = (x0.dtype, plan.compute_dtype)
         verify = self.verify_inverse
-        if verify is False or key in self._verified or not backend.holds_data(x0):
+        if verify is False or key in self._verified or not backends.holds_data(x0):
             return  # fake tensors (sizing a model under FakeTensorMode) have no values to check
         if verify is True or (
             verify is None

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import backend
+from .. import backends
 from ..backends import tracing
 from ..errors import ReversibleError
 from .fixed_point import FixedPoint
@@ -252,14 +252,14 @@ class RebuildCheck:
             error = torch.where(torch.isfinite(scale), error, torch.full_like(error, -1.0))
             if changed:
                 error = torch.full_like(error, -1.0)
-        if self.group is not None and backend.value_ready(error):
+        if self.group is not None and backends.value_ready(error):
             # every process raises, or passes, or measures again next step, together (-1: not measured)
             dist.all_reduce(error, op=dist.ReduceOp.MAX, group=self.group)
         through = "through all its layers" if self.first == 0 else f"of layer {self.first}, through the layers above"
         what = f"{through} ({self.layers} in all; {_dtypes(self.key, self.autocast)})"
         verdict = Verdict(error, self.tolerance, what, self.key, self.verified, self.fused, self.replays_random)
         self.verified.add(self.key)
-        if backend.value_ready(error):
+        if backends.value_ready(error):
             verdict.read(previous=False)
         else:
             self.pending.append(verdict)
@@ -282,7 +282,7 @@ def _name(dtype: torch.dtype) -> str:
 def settle(pending: list[Verdict]) -> None:
     """Read the verdicts whose values are ready (computed at a step cut since), raising for a failed one; the rest
     wait. Nothing is run to compute them."""
-    ready = [v for v in pending if backend.value_ready(v.error)]
+    ready = [v for v in pending if backends.value_ready(v.error)]
     for verdict in ready:
         pending.remove(verdict)
     for verdict in ready:

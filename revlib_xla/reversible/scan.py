@@ -41,7 +41,7 @@ layer.
 Devices that do not trace lazily (cpu, cuda) run the layers unrolled, which is the same computation.
 
 Both loops read each layer's floating-point parameters through a value of the iteration (the stream, or the incoming
-gradient: :func:`revlib_xla.backend.after`). The TPU compiler runs float32 matrix products on bfloat16 operands; a
+gradient: :func:`revlib_xla.backends.after`). The TPU compiler runs float32 matrix products on bfloat16 operands; a
 body that only slices its weights out of the stacks let it convert the whole stacks once, outside both loops, and
 keep that bfloat16 copy through the step (half the float32 parameter bytes, growing with depth).
 
@@ -64,7 +64,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .. import _tree, backend
+from .. import _tree, backends
 from .._grad_destination import GradDestination, node_destination
 from ..errors import ReversibleError
 from . import fixed_point as _fixed
@@ -106,7 +106,7 @@ def scanned_forward(
     stacked parameters (:func:`stack_layers`) always run here: scanned, or one by one on views of the stacks."""
     wanted = getattr(model, "scan", False)  # models pickled before the argument existed: its default
     stacks = stacks_of(model)
-    if stacks is None and (wanted is False or (wanted is None and not backend.is_tracing_lazily(x0))):
+    if stacks is None and (wanted is False or (wanted is None and not backends.is_tracing_lazily(x0))):
         return None  # nothing to compile: the unrolled walk, without checking anything per call
     if stacks is not None:
         _check_stacked(model, stacks, plan, arg_tensors)
@@ -160,9 +160,9 @@ def _prepare(
     refuse_state(plan)
     period = repeat_period(plan.layers, plan.describe) if stacks is None else stacks.period
     layout = layout_of(plan, period, arg_tensors)
-    if not backend.is_tracing_lazily(x0):
+    if not backends.is_tracing_lazily(x0):
         return None  # eager devices: the unrolled walk is the same computation, without a compiler to save
-    loop = backend.scan_loop(x0.device)
+    loop = backends.scan_loop(x0.device)
     if loop is None:
         raise ScanUnsupported(f"the {x0.device.type} backend has no compiled loop (Backend.scan_loop)")
     return _Run(plan, layout, list(arg_tensors), loop, None if stacks is None else _stack_positions(model, stacks))
@@ -231,7 +231,7 @@ class _Run:
 
     def _read_after(self, j: int, tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]:
         """Position ``j``'s floating-point parameters in a loop body, read through ``token`` (a value of this
-        iteration, :func:`revlib_xla.backend.after`). Why: the TPU compiler runs float32 matrix multiplies on bfloat16
+        iteration, :func:`revlib_xla.backends.after`). Why: the TPU compiler runs float32 matrix multiplies on bfloat16
         operands (DEFAULT precision), and hoists the conversion of a weight the loop only slices out of the loop:
         a bfloat16 copy of every layer's weights, live through both loops (half the parameter bytes, growing with
         depth). Read through a value of the iteration, the weight is converted one layer at a time, as the unrolled
@@ -280,14 +280,14 @@ class _Run:
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
                 buffers = [tensors[n] for n in layout.buffer_names[j]]
                 versions = [b._version for b in buffers]
-                before = backend.RngState.capture(device).accel
+                before = backends.RngState.capture(device).accel
                 if fixed is not None:
                     value = fixed.decode(a1, cast(torch.dtype, plan.value_dtype))
                     y1 = forward_fixed(plan, j, a0, value, args, kwargs, self._named(j, tensors), guard=guard)[1]
                     a0, a1 = a1, y1
                 else:
                     a0, a1 = a1, forward_layer(plan, j, a0, a1, args, kwargs, self._named(j, tensors))
-                if backend.RngState.capture(device).accel != before:
+                if backends.RngState.capture(device).accel != before:
                     self.draws = True
                 if [b._version for b in buffers] != versions:
                     raise ScanUnsupported(f"{plan.describe(j)} changes a buffer in its forward (running statistics)")
@@ -364,7 +364,7 @@ class _Run:
             for j in reversed(range(len(xs))):
                 tensors, stacked = xs[j]
                 args, kwargs = layout.args(j, self.arg_tensors, stacked)
-                b0, b1, g0, g1 = backend.optimization_barrier([b0, b1, g0, g1, *tensors.values()])[:4]
+                b0, b1, g0, g1 = backends.optimization_barrier([b0, b1, g0, g1, *tensors.values()])[:4]
                 tensors = self._read_after(j, tensors, g1)
                 leaves = {n: t.detach().requires_grad_() if n in wanted[j] else t for n, t in tensors.items()}
                 x0, g0, g1, found = _recompute_vjp(
@@ -412,7 +412,7 @@ class _Run:
         with torch.no_grad(), plan.call.scope(replay=True) as reseed:
             for i in reversed(range(len(plan.layers))):
                 j, t = i % len(self.stacks), i // len(self.stacks)
-                y0, y1, dy0, dy1 = backend.optimization_barrier([y0, y1, dy0, dy1, *written])[:4]
+                y0, y1, dy0, dy1 = backends.optimization_barrier([y0, y1, dy0, dy1, *written])[:4]
                 reseed(plan.seed_of(i))
                 args, kwargs = plan.args_for(i, self.arg_tensors)
                 tensors: dict[str, Tensor] = {}
@@ -544,4 +544,4 @@ def params_after(tensors: dict[str, Tensor], token: Tensor) -> dict[str, Tensor]
     """A loop body's floating-point tensors read through ``token``, a value of the iteration (see
     :meth:`_Run._read_after`: no hoisted bfloat16 copy of every layer's weights on TPU); the others as they are."""
     floating = {n: t for n, t in tensors.items() if t.is_floating_point()}
-    return tensors | backend.after(floating, token)
+    return tensors | backends.after(floating, token)

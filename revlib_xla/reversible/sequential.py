@@ -11,7 +11,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from .. import backend
+from .. import backends
 from ..errors import ReversibleError
 from ..fused_optimizer import FusedOptimizer, FusedOptimizerError
 from ..offload import ParameterStreamer
@@ -236,7 +236,7 @@ class ReversibleSequential(PlannedSequence):
         inputs = (x0, x1)  # (exact streams: what the rebuild check keeps, and encodes when it compares)
         if plan.fixed is not None:  # the values x0, x1 carry the gradients, the streams s0, s1 the exact bits
             assert plan.value_dtype is not None
-            if backend.holds_data(x0):  # (fake tensors, sizing a model under FakeTensorMode, have no values)
+            if backends.holds_data(x0):  # (fake tensors, sizing a model under FakeTensorMode, have no values)
                 plan.guard = _fixed.StreamGuard(plan.fixed, len(plan.layers), plan.describe_stream)
             shared = x1 is x0  # one stream's value twice (split_dim=None, or a pair of one tensor): encoded once
             x0, s0 = _fixed.encode_input(plan.fixed, x0, plan.value_dtype, plan.guard)

@@ -45,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from .. import _tree, backend
+from .. import _tree, backends
 
 __all__ = [
     "Checkpoint",
@@ -105,7 +105,7 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     """Every random state a step can draw from: torch's CPU generator, ``device``'s own, numpy's, Python's."""
     return {
         "torch": torch.get_rng_state(),
-        "device": _tree.map_tensors(lambda t: t.cpu(), backend.backend_for(device).get_rng_state(device)),
+        "device": _tree.map_tensors(lambda t: t.cpu(), backends.backend_for(device).get_rng_state(device)),
         "numpy": np.random.get_state(),
         "python": random.getstate(),
     }
@@ -115,7 +115,7 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     """Put back what :func:`rng_state` returned."""
     torch.set_rng_state(state["torch"])
     if state.get("device") is not None:
-        backend.backend_for(device).set_rng_state(device, state["device"])
+        backends.backend_for(device).set_rng_state(device, state["device"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
 

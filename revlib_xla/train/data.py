@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import backend
+from .. import backends
 from .config import ConfigError, RunConfig
 
 __all__ = ["TokenData", "BatchSampler", "SamplerState", "load_data", "eval_batches"]
@@ -176,7 +176,7 @@ class BatchSampler:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         if self._order is None or self._order[0] != epoch:
-            generator = torch.Generator().manual_seed(backend.derive_seed(self.state.seed, epoch))
+            generator = torch.Generator().manual_seed(backends.derive_seed(self.state.seed, epoch))
             self._order = (epoch, torch.randperm(self.windows, generator=generator).numpy())
         return self._order[1]
 

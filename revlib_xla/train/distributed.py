@@ -51,7 +51,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from .. import _tree, backend
+from .. import _tree, backends
 from ..fsdp import fsdp_module_type, fully_shard_function
 from ..planner.checkpointable import Checkpointable
 from ..reversible import ReversibleSequential
@@ -143,7 +143,7 @@ def join_processes(cfg: RunConfig, device: torch.device) -> tuple[Processes | No
         )
     if s.data_parallel == "fsdp2":
         _check_fsdp2(cfg, world)
-    family = backend.backend_for(device)
+    family = backends.backend_for(device)
     if family.process_group_backend is None:
         raise StrategyError(
             f"{world} processes on {device.type}: this device family does not train with several processes here "

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .. import backend
+from .. import backends
 from ..reversible import stream_range_error
 from ..sharding import apply_mesh
 from .checkpoint import (
@@ -163,7 +163,7 @@ class _StopRequest:
 def evaluate(cfg: RunConfig, model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     """The mean loss of ``model`` over ``batches``, without gradients (in eval mode, under the run's precision)."""
     device = compute_device(model)
-    autocast_type = backend.backend_for(device).autocast_device_type
+    autocast_type = backends.backend_for(device).autocast_device_type
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
@@ -176,7 +176,7 @@ def evaluate(cfg: RunConfig, model: torch.nn.Module, batches: list[torch.Tensor]
         ):
             for batch in batches:
                 total = total + lm_loss(model, batch.to(device)).float()
-        backend.sync(device)
+        backends.sync(device)
         return float(total) / max(1, len(batches))
     finally:
         model.train(was_training)
@@ -301,7 +301,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
         sampler.state = SamplerState.from_dict(restored.sampler)
         set_rng_state(restored.rng, device)
     else:
-        backend.manual_seed(device, cfg.train.seed)
+        backends.manual_seed(device, cfg.train.seed)
     if main:
         dropped = cut_back(out / "metrics.jsonl", start)
         if dropped:
@@ -378,7 +378,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
             lr = lr_at(cfg, step)
             set_lr(optimizer, lr)
             loss = step_fn(sampler.next_batch())
-            backend.sync(device)
+            backends.sync(device)
             if skip and report.skipped:
                 skipped_steps.append(done)
                 in_a_row += 1
@@ -395,7 +395,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                 check(unchecked)  # the previous step's loss, computed by now: reading it does not stall the device
                 unchecked.append((done, loss, report.grad_norm))
             since += 1
-            compiled = backend.compilations(device)
+            compiled = backends.compilations(device)
             if compiled is not None and done - start == WARMUP_STEPS:
                 compiled_after_warmup, recompilations = compiled, 0
             elif compiled is not None and compiled_after_warmup is not None and compiled > compiled_after_warmup:

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .. import backend
+from .. import backends
 
 __all__ = ["MetricsLogger", "StepMemory", "cut_back", "device_memory", "step_memory", "start_peak"]
 
 
 def device_memory(device: torch.device) -> int | None:
     """Bytes the device's allocator holds now, where it reports them (cuda, TorchTPU); else ``None``."""
-    found = backend.backend_for(device)
+    found = backends.backend_for(device)
     return found.memory_allocated(device) if found.allocator_statistics(device) else None
 
 
@@ -47,7 +47,7 @@ class StepMemory:
 
 def start_peak(device: torch.device) -> None:
     """Start the peak that the next :func:`step_memory` reads (where the allocator keeps statistics)."""
-    found = backend.backend_for(device)
+    found = backends.backend_for(device)
     if found.allocator_statistics(device):
         found.reset_peak_memory_stats(device)
 
@@ -55,7 +55,7 @@ def start_peak(device: torch.device) -> None:
 def step_memory(device: torch.device) -> StepMemory | None:
     """The memory of the steps since :func:`start_peak` (:class:`StepMemory`), or ``None`` where the device's
     allocator reports none (cpu; XLA, whose compiler plans memory: see ``revlib-xla memory``)."""
-    found = backend.backend_for(device)
+    found = backends.backend_for(device)
     if not found.allocator_statistics(device):
         return None
     return StepMemory(

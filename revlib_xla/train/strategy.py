@@ -2,7 +2,7 @@
 composed from the pieces of :mod:`revlib_xla.train.strategies` (one per setting, applied in its fixed order).
 
 * ``activations``: ``none`` (plain autograd), ``checkpoint`` (each block under
-  :func:`revlib_xla.backend.checkpoint`: ``torch.utils.checkpoint`` on eager devices, torch_xla's on XLA),
+  :func:`revlib_xla.backends.checkpoint`: ``torch.utils.checkpoint`` on eager devices, torch_xla's on XLA),
   ``reversible`` / ``momentum`` (the LM's two-stream reversible and MomentumNet forms, activations rebuilt in the
   backward pass), ``plan`` (:class:`revlib_xla.Checkpointable` over the LM's stages with the fastest schedule that
   fits ``budget`` bytes; ``auto`` = the chip's HBM less the parameters, gradients and optimizer state).
@@ -43,7 +43,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from .. import backend
+from .. import backends
 from ..optim.host import HostOptimizer
 from ..reversible import ReversibleError
 from .config import RunConfig
@@ -138,8 +138,8 @@ def build_model(
 
     check_strategy(cfg)
     pieces = list(active_pieces(cfg))
-    where = backend.as_device(device) if device is not None else resolve_device(cfg)
-    on_meta = not backend.backend_for(where).holds_data
+    where = backends.as_device(device) if device is not None else resolve_device(cfg)
+    on_meta = not backends.backend_for(where).holds_data
     budget = next((piece.budget(cfg) for piece in pieces if piece.budget is not None), 0)
     target = Target(where, on_meta, active_mesh(where), budget, dtype)
     builder = next((piece.build for piece in pieces if piece.build is not None), None)
@@ -211,7 +211,7 @@ def make_step(
     """One training step on a ``(B, T)`` token batch: forward and backward (over ``optim.grad_accum_steps``
     micro-batches), gradient clipping by the global norm (``optim.grad_clip``), the optimizer step, gradients
     freed; returns the mean loss (a 0-d tensor on the device). bf16 precision runs under autocast. On XLA it does not
-    sync: the caller cuts the step (:func:`revlib_xla.backend.sync`). With ``train.nonfinite=skip`` the step reads
+    sync: the caller cuts the step (:func:`revlib_xla.backends.sync`). With ``train.nonfinite=skip`` the step reads
     the loss and the gradient norm on the host before the update (a sync) and drops the gradients instead of
     stepping when either is NaN or inf. ``report`` (if given) receives the gradient norm and whether the update was
     skipped."""

@@ -1,6 +1,6 @@
 """How a step keeps what the backward pass needs, ``strategy.activations`` and its companions, as pieces.
 
-* ``activations=checkpoint``: each block under :func:`revlib_xla.backend.checkpoint` (``torch.utils.checkpoint`` on
+* ``activations=checkpoint``: each block under :func:`revlib_xla.backends.checkpoint` (``torch.utils.checkpoint`` on
   eager devices, torch_xla's on XLA).
 * ``activations=reversible`` / ``momentum``: the LM's two-stream reversible and MomentumNet forms, activations
   rebuilt in the backward pass.
@@ -22,7 +22,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ... import backend
+from ... import backends
 from ...losses import next_token_loss
 from ..config import RunConfig
 from .base import Options, Piece, StrategyError, Target, register
@@ -80,7 +80,7 @@ class PlannedLM(nn.Module):
         0 on XLA, where the compiled stages' sizes stand for it."""
         from ...memory import StorageTracker
 
-        if backend.is_tracing_lazily(sample):
+        if backends.is_tracing_lazily(sample):
             return 0
         head = cast(Any, self.lm).config
         dtype = self._autocast_now()
@@ -106,7 +106,7 @@ class PlannedLM(nn.Module):
 
     def _autocast_now(self) -> torch.dtype | None:
         """The dtype autocast computes in on the LM's device now, or None where it is off."""
-        kind = backend.backend_for(next(self.lm.parameters()).device).autocast_device_type
+        kind = backends.backend_for(next(self.lm.parameters()).device).autocast_device_type
         return torch.get_autocast_dtype(kind) if kind and torch.is_autocast_enabled(kind) else None
 
     def loss(self, tokens: Tensor) -> Tensor:
@@ -153,7 +153,7 @@ def _plan(cfg: RunConfig, lm: nn.Module, target: Target) -> nn.Module:
     micro_batch = cfg.data.batch_size // cfg.optim.grad_accum_steps
     sample = torch.zeros(micro_batch, cfg.data.seq_len, dtype=torch.long, device=target.device)
     budget = planning_budget(target.budget, target.mesh)  # measured on the whole batch: see there
-    autocast = backend.backend_for(target.device).autocast_device_type if cfg.strategy.precision == "bf16" else None
+    autocast = backends.backend_for(target.device).autocast_device_type if cfg.strategy.precision == "bf16" else None
     return PlannedLM(lm, budget, generation, sample=None if target.on_meta else sample, autocast=autocast)
 
 

@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ... import backend
+from ... import backends
 from ...losses import next_token_loss
 from ..config import RunConfig
 from .base import Options, Piece, Refusal, ScopeFactory, Target, register
@@ -73,7 +73,7 @@ def _stream(cfg: RunConfig, lm: nn.Module, target: Target) -> nn.Module:
 def _host_optimizer(
     cfg: RunConfig, model: nn.Module, params: list[nn.Parameter], ndims: list[int]
 ) -> torch.optim.Optimizer:
-    if backend.is_host_memory(params[0].device) and cfg.strategy.param_dtype == "fp32":
+    if backends.is_host_memory(params[0].device) and cfg.strategy.param_dtype == "fp32":
         return adamw(cfg, params, ndims)  # the state is in host memory already (bf16 weights still need masters)
     return HostOptimizerState(cfg, params, annotate=False, ndims=ndims)
 

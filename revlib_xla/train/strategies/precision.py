@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ... import backend
+from ... import backends
 from ..config import RunConfig
 from .base import Piece, ScopeFactory, StrategyError, Target, register
 
@@ -42,7 +42,7 @@ def _shard(cfg: RunConfig, lm: nn.Module, target: Target) -> nn.Module:
 
 
 def _autocast(cfg: RunConfig, device: torch.device) -> ScopeFactory:
-    kind = backend.backend_for(device).autocast_device_type
+    kind = backends.backend_for(device).autocast_device_type
     if kind is None:
         raise StrategyError(f"strategy.precision=bf16: the {device.type} device has no autocast; use fp32")
 

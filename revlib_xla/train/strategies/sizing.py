@@ -11,7 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ... import backend
+from ... import backends
 from ...chips import CHIPS, GPU_CHIPS, TPU_CHIPS
 from ..config import RunConfig
 from .base import StrategyError
@@ -39,10 +39,10 @@ def resolve_device(cfg: RunConfig) -> torch.device:
     """``train.device``: ``auto`` = a TPU through torch_xla if there is one, else a GPU, else the CPU."""
     kind = cfg.train.device
     if kind == "auto":
-        return backend.default_device()
-    if not backend.device_available(kind):
+        return backends.default_device()
+    if not backends.device_available(kind):
         raise StrategyError(f"train.device={kind!r}: this machine has no {kind} device; use train.device=auto or cpu")
-    return backend.device_for(kind)
+    return backends.device_for(kind)
 
 
 def hf_call(cfg: RunConfig, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -80,11 +80,11 @@ def peak_flops(cfg: RunConfig, device: torch.device) -> float | None:
     runtime (``chip.name`` is what a run sizes for, not what it runs on), times ``chip.chips``; a GPU's from
     ``chip.name`` when that names a GPU, else from the device's own name; ``None`` (no MFU) on the CPU, XLA on the
     CPU or a device whose peak is not known."""
-    generation = backend.tpu_generation(device)
+    generation = backends.tpu_generation(device)
     if generation is not None:
         tpu = TPU_CHIPS.get(generation)
         return None if tpu is None else float(tpu.peak_bf16_flops) * cfg.chip.chips
-    identity = backend.device_name(device)
+    identity = backends.device_name(device)
     if identity is None:  # the CPU, or a device that does not say what it is
         return None
     named = GPU_CHIPS.get(cfg.chip.name)

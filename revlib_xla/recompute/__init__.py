@@ -4,7 +4,7 @@ backward pass (the reversible core, ``Checkpointable``'s executor, ``OffloadMode
 A unit (a reversible layer, a planned stage, an offloaded slice) that is recomputed must compute what its first run
 computed. Three things can differ between the two runs, and each is handled here:
 
-* **Random numbers.** A call draws one seed from torch's global generator (:func:`backend.draw_seed`, one atomic
+* **Random numbers.** A call draws one seed from torch's global generator (:func:`backends.draw_seed`, one atomic
   draw), and unit ``i`` runs under ``derive_seed(seed, i)``, in its first run and in every recomputation. Within
   :func:`rng_scope` the random operators of the running thread are handed generators that the scope owns (a
   dispatch rule that only that thread sees, below autograd), so nothing seeds, saves or restores the process-global
@@ -14,7 +14,7 @@ computed. Three things can differ between the two runs, and each is handled here
   block's own ``torch.Generator`` is started again where the forward found it and left where the
   forward left it. Python's ``random`` cannot be replayed: an engine reports a block that draws from it at its
   first training call (:meth:`RecomputeState.python_random_check`).
-* **Autocast** (:class:`backend.AutocastState`): captured with the seed and replayed (:class:`CallReplay`).
+* **Autocast** (:class:`backends.AutocastState`): captured with the seed and replayed (:class:`CallReplay`).
 * **Buffers the forward changes** (running statistics, ``spectral_norm``'s power iteration, counters).
   :class:`RecomputeState` learns which buffers a unit changes, keeps their values from before each forward
   (:class:`SavedBuffers`), gives them back to the recomputation, and puts the forward's results back once the
@@ -24,7 +24,7 @@ computed. Three things can differ between the two runs, and each is handled here
   changed in place are not tracked.
 * **Merging with the forward** (lazily traced devices, XLA): a recomputation computes what the forward computed, and
   a compiler that sees both in one graph merges them and keeps the forward's activations. The reversible core and
-  ``Checkpointable`` put an optimization barrier (:func:`backend.optimization_barrier`) over what a recomputation
+  ``Checkpointable`` put an optimization barrier (:func:`backends.optimization_barrier`) over what a recomputation
   reads before running it; ``OffloadModel`` cuts the graph after each slice's forward and recomputation, so the two
   never share a graph.
 
@@ -33,20 +33,22 @@ autograd takes them (a block that keeps a matmul in float32 under autocast gets 
 
 Cost: a unit without buffers and random operators pays one seeding per run; each random operator pays one Python
 call (a few microseconds); a unit with buffers pays a version check per buffer and a copy of the changed ones.
+
+The buffers part lives in ``buffers.py`` (:class:`RecomputeState`, :class:`SavedBuffers`), re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import random
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from . import backend
+from .. import backends
+from .buffers import RecomputeState, SavedBuffers, owned_buffers
 
 __all__ = [
     "rng_scope",
@@ -65,7 +67,6 @@ Reseed = Callable[[int | None], None]
 #: at the unit's first draw from each in the forward, ``{seed: {id(generator): (generator, state)}}``.
 GeneratorRecord = dict[int, dict[int, tuple[torch.Generator, Tensor]]]
 
-_NOTHING = contextlib.nullcontext()
 #: a dispatch key above autograd that torch leaves unused (torchdistx had it)
 DISPATCH_KEY_NAME = "DeferredInit"
 _local = threading.local()
@@ -90,7 +91,7 @@ class _Frame:
     def __init__(self, device: torch.device, record: GeneratorRecord | None, replay: bool) -> None:
         self.gens: dict[torch.device, torch.Generator | None] = {}
         self.owned: set = set()
-        self.device_seed = backend.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
+        self.device_seed = backends.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
         self.seed: int | None = None
         self.record, self.replay = record, replay
         self.moved: list[tuple[torch.Generator, Tensor]] = []
@@ -114,7 +115,7 @@ class _Frame:
             return None
         if device in self.gens:
             return self.gens[device]
-        g = self.gens[device] = backend.owned_generator(device)
+        g = self.gens[device] = backends.owned_generator(device)
         if g is not None:
             self.owned.add(id(g))
             g.manual_seed(self.seed)
@@ -221,12 +222,12 @@ def _forking(op: Any, position: int, key: Any) -> Callable:
         p = kwargs.get("dropout_p", args[position] if len(args) > position else 0.0)
         device = _device_of(args, kwargs)
         frame = frames[-1] if frames else None
-        glob = backend.default_generator(device) if frame is not None and p and frame.generator(device) else None
+        glob = backends.default_generator(device) if frame is not None and p and frame.generator(device) else None
         if frame is None or frame.seed is None or glob is None:
             return redispatch_below(op, keyset, key, args, kwargs)
         frame.forks += 1
         state = glob.get_state()
-        glob.manual_seed(backend.derive_seed(frame.seed, 1 << 20 | frame.forks))
+        glob.manual_seed(backends.derive_seed(frame.seed, 1 << 20 | frame.forks))
         try:
             return redispatch_below(op, keyset, key, args, kwargs)
         finally:
@@ -300,7 +301,7 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def rng_scope(
-    device: backend.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
+    device: backends.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
 ) -> Iterator[Reseed]:
     """Yield ``reseed(seed)``: from then on, random operators of this thread draw from generators owned by the
     scope and seeded with ``seed``. One ``reseed`` per unit; given ``None``, or with ``active=False``, it does
@@ -319,9 +320,9 @@ def rng_scope(
     dev = device.device if isinstance(device, Tensor) else torch.device("cpu" if device is None else device)
     key = _install()
     if key is None:
-        saved = backend.RngState.capture(dev)
+        saved = backends.RngState.capture(dev)
         try:
-            yield lambda seed: None if seed is None else backend.manual_seed(dev, seed)
+            yield lambda seed: None if seed is None else backends.manual_seed(dev, seed)
         finally:
             saved.restore()
         return
@@ -338,7 +339,7 @@ def rng_scope(
 
 def dispatch_key() -> Any:
     """The dispatch key (above autograd, included only within this module's scopes) at which the recompute engine's
-    per-operator rules run (also :mod:`revlib_xla.attention_cache`'s), or ``None`` where this torch cannot."""
+    per-operator rules run (also :mod:`revlib_xla.planner.attention_cache`'s), or ``None`` where this torch cannot."""
     return _install()
 
 
@@ -354,20 +355,20 @@ def rewind(record: GeneratorRecord) -> None:
 
 
 def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: bool = True) -> Any:
-    """:func:`revlib_xla.backend.checkpoint` that also recomputes the random numbers of an engine's scope.
+    """:func:`revlib_xla.backends.checkpoint` that also recomputes the random numbers of an engine's scope.
 
     Inside a unit of an engine (a reversible layer, a planned stage), random operators draw from the scope's own
     generators, which ``torch.utils.checkpoint`` does not know: its recomputation, in the backward pass after the
     scope has moved on, would draw other dropout masks than the forward (wrong gradients). Here the first run draws
     from the scope's generator as any block does, and the recomputation draws from a generator started where that
-    one stood. Outside a scope this is ``backend.checkpoint``.
+    one stood. Outside a scope this is ``backends.checkpoint``.
     """
     frames = _frames()
     frame = frames[-1] if frames else None
     device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
     generator = frame.generator(device) if frame is not None else None
     if generator is None or not preserve_rng_state:
-        return backend.checkpoint(function, *args, preserve_rng_state=preserve_rng_state)
+        return backends.checkpoint(function, *args, preserve_rng_state=preserve_rng_state)
     start = generator.get_state()
     runs = 0
 
@@ -383,7 +384,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: boo
                 own.set_state(start)
             return function(*inputs)
 
-    return backend.checkpoint(run, *args, preserve_rng_state=preserve_rng_state)
+    return backends.checkpoint(run, *args, preserve_rng_state=preserve_rng_state)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,15 +400,15 @@ class CallReplay:
     (:meth:`first_run`, :meth:`rerun`); the reversible core enters one :meth:`scope` for its whole forward, and one
     per layer in the backward, and reseeds it per layer with :meth:`unit_seed`."""
 
-    def __init__(self, device: backend.DeviceLike, preserve_rng: bool = True) -> None:
+    def __init__(self, device: backends.DeviceLike, preserve_rng: bool = True) -> None:
         self.device = device
-        self.seed = backend.draw_seed() if preserve_rng else None
-        self.autocast = backend.AutocastState.capture(device)
+        self.seed = backends.draw_seed() if preserve_rng else None
+        self.autocast = backends.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
 
     def unit_seed(self, unit: int) -> int | None:
         """The seed unit ``unit`` runs under, in its first run and in every recomputation."""
-        return None if self.seed is None else backend.derive_seed(self.seed, unit)
+        return None if self.seed is None else backends.derive_seed(self.seed, unit)
 
     def scope(self, replay: bool = False) -> contextlib.AbstractContextManager[Reseed]:
         """An :func:`rng_scope` for several units of this call (``reseed(self.unit_seed(i))`` before unit ``i``):
@@ -417,9 +418,9 @@ class CallReplay:
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:
-        """The unit's random numbers, recorded; no autocast weight-cast cache (:func:`backend.autocast_cache_off`:
+        """The unit's random numbers, recorded; no autocast weight-cast cache (:func:`backends.autocast_cache_off`:
         a first run without autograd would leave casts without history for a later run with it)."""
-        with self.scope() as reseed, backend.autocast_cache_off():
+        with self.scope() as reseed, backends.autocast_cache_off():
             reseed(self.unit_seed(unit))
             yield
 
@@ -429,213 +430,6 @@ class CallReplay:
         with self.scope(replay=True) as reseed, self.autocast.replay():
             reseed(self.unit_seed(unit))
             yield
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Buffers a forward changes
-
-
-class SavedBuffers:
-    """The buffers of a unit that its forward changed, by position in the unit's buffer list, with their values
-    from before that forward."""
-
-    __slots__ = ("before", "positions")
-
-    def __init__(self, positions: list[int], before: list[Tensor]) -> None:
-        self.positions, self.before = positions, before
-
-    def swap_in(self, tensors: Sequence[Tensor]) -> list[Tensor]:
-        """Give ``tensors`` (the unit's buffers, or the device copies standing for them) their values from before
-        the forward; returns their current values, for :meth:`put_back`."""
-        current = []
-        with torch.no_grad():
-            for k, before in zip(self.positions, self.before):
-                current.append(tensors[k].clone())
-                tensors[k].copy_(before)
-        return current
-
-    def put_back(self, tensors: Sequence[Tensor], current: Sequence[Tensor]) -> None:
-        with torch.no_grad():
-            for k, value in zip(self.positions, current):
-                tensors[k].copy_(value)
-
-    @contextlib.contextmanager
-    def replayed(self, tensors: Sequence[Tensor]) -> Iterator[None]:
-        """Within the block, ``tensors`` hold their values from before the forward; at exit, their current ones
-        again. Exit only after the gradient of what was computed within (see the module docstring)."""
-        current = self.swap_in(tensors)
-        try:
-            yield
-        finally:
-            self.put_back(tensors, current)
-
-    @contextlib.contextmanager
-    def on_copies(self, buffers: Sequence[tuple[torch.nn.Module, Tensor]]) -> Iterator[None]:
-        """Within the block, each changed buffer of the unit (``buffers``: its ``(owner, buffer)`` pairs, see
-        :func:`owned_buffers`) is replaced in its module by a copy holding its value from before the forward; at
-        exit the buffers are back in place, holding what the forward left. Nothing is written into a buffer, so a
-        graph built within (which may save the copies) stays valid whatever runs afterwards: another unit sharing
-        the buffer recomputed before this one's backward, or a second backward (``create_graph=True``)."""
-        restore = []
-        try:
-            with torch.no_grad():
-                for k, before in zip(self.positions, self.before):
-                    owner, tensor = buffers[k]
-                    name = next(n for n, b in owner._buffers.items() if b is tensor)
-                    owner._buffers[name] = before.clone()
-                    restore.append((owner, name, tensor))
-            yield
-        finally:
-            for owner, name, tensor in restore:
-                owner._buffers[name] = tensor
-
-
-class _Watch:
-    __slots__ = ("copies", "fresh", "keys", "tensors", "versions")
-
-    def __init__(
-        self, keys: list[Any], tensors: Sequence[Tensor], copies: list[Tensor | None], fresh: list[bool]
-    ) -> None:
-        self.keys, self.tensors, self.copies, self.fresh = keys, tensors, copies, fresh
-        self.versions = [t._version for t in tensors]
-
-
-def owned_buffers(modules: Iterable[torch.nn.Module]) -> list[tuple[torch.nn.Module, Tensor]]:
-    """Each buffer of ``modules`` (e.g. ``unit.modules()``) once, with the module that owns it."""
-    seen: dict[int, tuple[torch.nn.Module, Tensor]] = {}
-    for owner in modules:
-        for b in owner._buffers.values():
-            if b is not None and id(b) not in seen:
-                seen[id(b)] = (owner, b)
-    return list(seen.values())
-
-
-class RecomputeState:
-    """What an engine learns about its units across calls: which buffers their forward changes, and whether they
-    draw from Python's ``random``.
-
-    A buffer is known by the buffer object and whether its module is in training mode. The first forward that meets
-    it copies it and afterwards compares (its version counter, and its values: kernels such as batch norm's update
-    their running statistics without bumping the counter); from then on only the buffers known to change are
-    copied, and the others are watched through their version counter. A buffer that starts changing in place later
-    cannot be given back to that call's recomputation: that is reported with a warning, and it is copied from the
-    next call on."""
-
-    def __init__(self) -> None:
-        self._changing: set = set()
-        self._seen: set = set()
-        self._unsure: list[tuple[Any, Tensor]] = []  # (key, lazy "kept its value"): taken as changing until read
-        self._random_checked = False
-
-    @classmethod
-    def of(cls, engine: torch.nn.Module) -> RecomputeState:
-        """The state of ``engine`` (an engine module), made at its first use (so also for models pickled before
-        it existed)."""
-        state = engine.__dict__.get("_recompute")
-        if state is None:
-            state = engine.__dict__["_recompute"] = cls()
-        return state
-
-    def watch(
-        self, buffers: Sequence[tuple[torch.nn.Module, Tensor]], tensors: Sequence[Tensor] | None = None
-    ) -> _Watch | None:
-        """Before a unit's first run: note the state of its ``buffers`` (``(owner, buffer)`` pairs, see
-        :func:`owned_buffers`), or of the device copies ``tensors`` standing for them. ``None`` when it has none."""
-        if not buffers:
-            return None
-        if self._unsure:
-            self._settle()
-        tensors = [b for _, b in buffers] if tensors is None else tensors
-        keys = [(id(b), owner.training) for owner, b in buffers]
-        fresh = [k not in self._seen for k in keys]
-        with torch.no_grad():
-            copies = [t.clone() if new or k in self._changing else None for k, t, new in zip(keys, tensors, fresh)]
-        return _Watch(keys, tensors, copies, fresh)
-
-    def changed(self, watch: _Watch | None, where: str) -> SavedBuffers | None:
-        """After the unit's first run: the buffers it changed, with their values from before (``None``: none)."""
-        if watch is None:
-            return None
-        saved: list[int] = []
-        before: list[Tensor] = []
-        missing = 0
-        for k, t in enumerate(watch.tensors):
-            key, copy = watch.keys[k], watch.copies[k]
-            if watch.fresh[k]:
-                self._seen.add(key)
-                if t._version == watch.versions[k] and copy is not None and self._kept(key, t, copy):
-                    continue
-                self._changing.add(key)
-            elif key not in self._changing:
-                if t._version == watch.versions[k]:
-                    continue
-                self._changing.add(key)
-                missing += 1
-                continue
-            if copy is None:  # known to change only since watch() (a unit sharing the buffer ran meanwhile)
-                missing += 1
-                continue
-            saved.append(k)
-            before.append(copy)
-        if missing:
-            warnings.warn(
-                f"{where} changed {missing} buffer(s) in place in its forward for the first time; their "
-                f"earlier values were not kept, so this call's recomputation starts from the changed values "
-                f"(its gradients may differ from the plain model's). They are kept from the next call on.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return SavedBuffers(saved, before) if saved else None
-
-    def _kept(self, key: Any, tensor: Tensor, before: Tensor) -> bool:
-        """Whether a buffer whose version did not move kept its value through the unit's first run, without running
-        pending work: compared where the values are ready (eager devices). On a lazy device (XLA) a buffer that
-        still holds device data was not written (a write makes it a pending value); one that is pending is taken
-        as changing, and compared once the step has run (:meth:`_settle`, at a later call). A fake tensor (a step
-        sized under ``FakeTensorMode``) has no value: its unmoved version counter is all there is to go by."""
-        if not (backend.holds_data(tensor) and backend.holds_data(before)):
-            return True
-        if backend.value_ready(tensor) and backend.value_ready(before):
-            return torch.equal(tensor, before)
-        if backend.value_ready(tensor):
-            return True
-        if tensor.shape == before.shape:
-            with torch.no_grad():
-                self._unsure.append((key, torch.eq(tensor, before).all()))
-        return False
-
-    def _settle(self) -> None:
-        """Read the lazy comparisons of :meth:`_kept` that are computed: a buffer that kept its value is no longer
-        copied."""
-        ready = [(key, same) for key, same in self._unsure if backend.value_ready(same)]
-        self._unsure = [(key, same) for key, same in self._unsure if not backend.value_ready(same)]
-        for key, same in ready:
-            if bool(same):
-                self._changing.discard(key)
-
-    def python_random_check(self, where: str) -> Any:
-        """A context for an engine's training call: at the first one, report a block that draws from Python's
-        ``random`` (its recomputation would draw other numbers; neither threads nor this library can replay
-        it)."""
-        if self._random_checked:
-            return _NOTHING
-        self._random_checked = True
-        return _python_random_guard(where)
-
-
-@contextlib.contextmanager
-def _python_random_guard(where: str) -> Iterator[None]:
-    before = random.getstate()
-    yield
-    if random.getstate() != before:
-        warnings.warn(
-            f"{where}: a block drew from Python's random module during the forward. Its recomputation in "
-            f"the backward draws the next numbers, not the same ones, so the gradients are not those of "
-            f"the forward that was run. Draw with torch (torch.rand, or a torch.Generator the block owns), "
-            f"which is replayed. (If another thread used random meanwhile, this is a false alarm.)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 @contextlib.contextmanager
@@ -652,7 +446,7 @@ def preserved(tensors: Sequence[Tensor]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def probe(device: backend.DeviceLike, buffers: Sequence[Tensor], seed: int) -> Iterator[None]:
+def probe(device: backends.DeviceLike, buffers: Sequence[Tensor], seed: int) -> Iterator[None]:
     """Run blocks without leaving a trace (measuring them, checking an inverse): random numbers from generators
     seeded with ``seed``, and the buffers and the blocks' own generators put back at exit."""
     record: GeneratorRecord = {}

@@ -1,31 +1,6 @@
-"""Deterministic memory measurement for training steps: what autograd keeps, the eager peak, and compiled XLA memory.
-
-Three questions, three tools, all giving the same bytes when asked twice:
-
-1. **What does autograd keep for the backward pass?** :class:`SavedTensorCounter` / :func:`saved_bytes` count the
-   bytes of tensors saved for backward (``torch.autograd.graph.saved_tensors_hooks``), each storage once. This is
-   the right number for "this block saves only its output" or "compression halves what is kept" assertions.
-2. **What is the eager peak of a step, and what is it made of?** :func:`eager_peak` runs a step under PyTorch's
-   ``MemTracker`` and splits the peak into parameters, gradients, activations, temporaries, optimizer state,
-   buffers and inputs. It works for CPU and CUDA tensors, and under ``FakeTensorMode`` (``fake=True``) so a model
-   that does not fit anywhere can be sized on a laptop. :func:`cuda_peak` gives the CUDA caching allocator's own
-   ``max_memory_allocated`` for a call; :func:`allocator_peak` how far the allocator's bytes rose during a call on
-   cpu (profiler memory events) or cuda, which also sees what ``torch.compile``'d code allocates.
-3. **How much memory does the compiled XLA step need?** On XLA the Python lifetimes above mean nothing: the compiler
-   decides what lives when. That part lives in :mod:`revlib_xla.compiled` and is re-exported here:
-   :func:`step_stablehlo` traces one training step on the XLA device and returns its
-   StableHLO (loss and every parameter gradient); :func:`xla_cpu_memory` compiles it for XLA:CPU in-process and
-   :func:`tpu_memory` compiles it for a TPU generation (v5e by default; v5p, v6e) *without a TPU*, with libtpu's
-   deviceless compiler in a child process. TPU figures are what the TPU compiler plans for one chip - they come
-   from the TPU compiler, not from a TPU run. XLA:CPU numbers are useful for execution-level sanity checks but
-   cannot judge rematerialisation, reversible or offload policies (XLA:CPU removes optimization barriers early
-   and CSE merges recomputation back into the forward); use the TPU compiler for those.
-
-Compiled results are cached by a hash of the StableHLO text (plus compiler versions and flags): in memory always,
-and on disk when asked (``disk_cache=True`` or the ``REVLIB_XLA_CACHE`` environment variable). Byte counts in words
-(:func:`format_bytes`, :func:`parse_bytes`) live in :mod:`revlib_xla.units`. Nothing here prints;
-progress and timings go to the ``revlib_xla.memory`` logger at DEBUG level.
-"""
+"""The eager peak of a step, split into what it is made of (parameters, gradients, activations, temporaries,
+optimizer state, buffers, inputs): :func:`eager_peak` under PyTorch's ``MemTracker`` (on fake tensors too), and
+:class:`StorageTracker`, which follows tensor storages. Re-exported by :mod:`revlib_xla.memory`."""
 
 from __future__ import annotations
 
@@ -36,189 +11,16 @@ import functools
 import logging
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeGuard
 
 import torch
 
-from . import backend
-from ._tree import map_tensors, tensor_leaves
-from .compiled.memory import (
-    MATMUL_PATTERN,
-    TPU_GENERATIONS,
-    CompiledMemory,
-    MissingDependencyError,
-    TpuCompileError,
-    clear_compile_cache,
-    compile_timeout,  # noqa: F401  (not in __all__, but read as memory.compile_timeout)
-    tpu_memory,
-    tpu_memory_many,
-    tpu_memory_results,
-    xla_cpu_memory,
-)
-from .compiled.stablehlo import stablehlo_of, step_stablehlo
-from .units import BYTE_UNITS, format_bytes, parse_bytes  # noqa: F401  (BYTE_UNITS: as memory.BYTE_UNITS)
+from .. import backends
+from .._tree import map_tensors, tensor_leaves
+from ..units import format_bytes
 
-__all__ = [
-    "SavedTensorCounter",
-    "saved_bytes",
-    "storage_of",
-    "tensor_bytes",
-    "MemoryBreakdown",
-    "EagerPeak",
-    "StorageTracker",
-    "eager_peak",
-    "CudaPeak",
-    "cuda_peak",
-    "AllocatorPeak",
-    "allocator_peak",
-    "CompiledMemory",
-    "stablehlo_of",
-    "step_stablehlo",
-    "xla_cpu_memory",
-    "tpu_memory",
-    "tpu_memory_many",
-    "tpu_memory_results",
-    "clear_compile_cache",
-    "TPU_GENERATIONS",
-    "MATMUL_PATTERN",
-    "MissingDependencyError",
-    "TpuCompileError",
-    "format_bytes",
-    "parse_bytes",
-]
-
-logger = logging.getLogger(__name__)
-
-
-# =================================================================================================================
-# 1. Bytes saved for backward
-
-
-def storage_of(tensor: torch.Tensor) -> tuple[Any, int]:
-    """What holds ``tensor``'s memory and its size in bytes: its storage (a view shares its base's); on XLA, which
-    has no addressable storage, the base tensor at its logical size."""
-    if backend.is_tracing_lazily(tensor):
-        base = tensor._base if tensor._base is not None else tensor  # a view holds its base alive
-        return base, base.numel() * base.element_size()
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError, TypeError):  # wrapper subclasses without one storage
-        return tensor, tensor.numel() * tensor.element_size()
-    return storage, storage.nbytes()
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of the tensors in ``obj`` (nested tuples/lists/dicts), each storage once (see :func:`storage_of`)."""
-    owners: dict[int, Any] = {}  # holding the owners keeps their ids unique while counting
-    total = 0
-    for tensor in tensor_leaves(obj):
-        owner, nbytes = storage_of(tensor)
-        if id(owner) not in owners:
-            owners[id(owner)] = owner
-            total += nbytes
-    return total
-
-
-class SavedTensorCounter:
-    """Count the bytes autograd saves for backward inside a ``with`` block, each storage once.
-
-    Every tensor an autograd node saves (``ctx.save_for_backward``, the inputs of ``addmm``, the output of
-    ``tanh``, ...) passes through a ``saved_tensors_hooks`` pack hook; the counter adds the size of its *storage*
-    unless that storage was already counted. A tensor saved by two nodes (``tanh`` saves its output, the next
-    ``Linear`` saves it as its input) and a view of a saved tensor (``weight.t()``) therefore count once, at the
-    size of the memory actually held. Storages are recognised through a weak reference, so a storage freed and
-    reallocated at the same address is a new one. Nothing is copied or kept alive.
-
-    Attributes: ``bytes`` (deduplicated bytes), ``count`` (distinct storages counted) and ``packed`` (pack-hook
-    calls, duplicates included).
-
-    ``exclude`` lists tensors whose storages are never counted, e.g. ``model.parameters()`` to count activations
-    only (autograd also saves weights: ``Linear`` keeps its weight to compute the input gradient).
-
-    Device notes: cpu and cuda tensors are deduplicated by storage. XLA tensors have no addressable storage (the
-    compiler decides what exists), so they are deduplicated by tensor object - a view by its base tensor - and
-    counted at their logical size ``numel * element_size``: the number says what autograd asks to keep, not what
-    the compiled graph holds (use :func:`tpu_memory` for that).
-
-    ``torch.compile``: AOTAutograd's compiled function saves what its partitioned forward keeps through
-    ``save_for_backward``, so a counter active while a compiled step runs (after its first, compiling call) counts
-    exactly what the compiled graph keeps for backward, i.e. what ``activation_memory_budget`` decides
-    (``test_saved_bytes_count_what_a_compiled_graph_saves``).
-
-    Pitfall: saved-tensor hooks do not nest. Hooks installed inside the block (``torch.utils.checkpoint`` with
-    ``use_reentrant=False``, activation compression or offload hooks) take over for the tensors saved under them, so
-    those are not seen here.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self.bytes = 0
-        self.count = 0
-        self.packed = 0
-        self._seen: dict[int, tuple[weakref.ReferenceType, int]] = {}
-        self._hooks: contextlib.AbstractContextManager | None = None
-        for tensor in exclude:
-            self._admit(tensor)
-
-    def reset(self) -> None:
-        """Forget everything counted so far (excluded storages stay excluded)."""
-        self.bytes = self.count = self.packed = 0
-        self._seen = {key: entry for key, entry in self._seen.items() if entry[1] < 0}
-
-    _identity = staticmethod(storage_of)
-
-    def _admit(self, tensor: torch.Tensor) -> None:
-        # Excluded storages are recorded with a negative size, so reset() can keep them.
-        owner, nbytes = self._identity(tensor)
-        self._seen[id(owner)] = (weakref.ref(owner), -1 - nbytes)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.packed += 1
-        owner, nbytes = self._identity(tensor)
-        entry = self._seen.get(id(owner))
-        if entry is None or entry[0]() is not owner:
-            self._seen[id(owner)] = (weakref.ref(owner), nbytes)
-            self.bytes += nbytes
-            self.count += 1
-        return tensor
-
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def __enter__(self) -> SavedTensorCounter:
-        if self._hooks is not None:
-            raise RuntimeError("a SavedTensorCounter cannot be entered twice at the same time")
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        hooks, self._hooks = self._hooks, None
-        if hooks is not None:
-            hooks.__exit__(*exc)
-
-    def __repr__(self) -> str:
-        return f"SavedTensorCounter(bytes={self.bytes}, count={self.count}, packed={self.packed})"
-
-
-def saved_bytes(fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] = (), **kwargs: Any) -> int:
-    """Bytes saved for backward while ``fn(*args, **kwargs)`` runs, each storage once (see :class:`SavedTensorCounter`).
-
-    ``fn`` is typically a forward pass; its result is dropped afterwards, which frees the saved tensors.
-    """
-    if not callable(fn):
-        raise TypeError(
-            f"saved_bytes needs a function to run, e.g. saved_bytes(lambda: model(x)) or "
-            f"saved_bytes(model, x); got {type(fn).__name__} {fn!r}"
-        )
-    with SavedTensorCounter(exclude) as counter:
-        fn(*args, **kwargs)
-    return counter.bytes
-
-
-# =================================================================================================================
-# 2. Eager peak
+logger = logging.getLogger("revlib_xla.memory")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,12 +134,12 @@ def _breakdown(
 ) -> MemoryBreakdown:
     per_device = snapshot.get(device)
     if per_device is None:  # torch.device("cuda") asked for, torch.device("cuda", 0) tracked
-        family = backend.backend_for(device)
+        family = backends.backend_for(device)
         per_device = next(
             (
                 v
                 for k, v in snapshot.items()
-                if backend.backend_for(k) is family and (device.index is None or k.index == device.index)
+                if backends.backend_for(k) is family and (device.index is None or k.index == device.index)
             ),
             {},
         )
@@ -376,7 +178,7 @@ class StorageTracker:
 
     @staticmethod
     def _size(storage: Any, device: torch.device) -> int:
-        unit = backend.backend_for(device).allocation_granularity
+        unit = backends.backend_for(device).allocation_granularity
         return -(-int(storage.nbytes()) // unit) * unit
 
     def _freed(self, key: int, ref: weakref.ReferenceType) -> None:
@@ -386,7 +188,7 @@ class StorageTracker:
             self._current[entry[2]] -= entry[1]
 
     def _note(self, tensor: torch.Tensor) -> None:
-        if backend.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
+        if backends.is_tracing_lazily(tensor):  # XLA: no storage; the compiler decides what exists
             return
         try:
             storage = tensor.untyped_storage()
@@ -422,13 +224,13 @@ class StorageTracker:
                     self._note(tensor.grad)
         self._update_peak()
 
-    def current(self, device: backend.DeviceLike = "cpu") -> int:
+    def current(self, device: backends.DeviceLike = "cpu") -> int:
         """Bytes live now on devices of ``device``'s kind."""
-        return self._current.get(backend.as_device(device).type, 0)
+        return self._current.get(backends.as_device(device).type, 0)
 
-    def peak(self, device: backend.DeviceLike = "cpu") -> int:
+    def peak(self, device: backends.DeviceLike = "cpu") -> int:
         """The most bytes live at once on devices of ``device``'s kind since the tracker was entered."""
-        kind = backend.as_device(device).type
+        kind = backends.as_device(device).type
         return max(self._peak.get(kind, 0), self._current.get(kind, 0))
 
     def reset_peak(self) -> None:
@@ -486,7 +288,7 @@ def eager_peak(
     *inputs: Any,
     optimizer: torch.optim.Optimizer | Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
     fake: bool = False,
-    device: backend.DeviceLike = None,
+    device: backends.DeviceLike = None,
     zero_grad: bool = True,
 ) -> EagerPeak:
     """Peak memory of one eager training step, split by category, measured by tracking tensor storages.
@@ -549,9 +351,9 @@ def eager_peak(
         lazy = [
             t
             for t in list(module.parameters()) + [t for a in args for t in tensor_leaves(a)]
-            if backend.is_tracing_lazily(t)
+            if backends.is_tracing_lazily(t)
         ]
-        if lazy or backend.backend_for(where).lazy:
+        if lazy or backends.backend_for(where).lazy:
             raise ValueError(
                 "eager_peak measures eager devices (cpu, cuda); an XLA step's memory is decided by the "
                 "compiler: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
@@ -592,146 +394,12 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _report_device(device: backend.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
+def _report_device(device: backends.DeviceLike, module: torch.nn.Module, args: Sequence[Any]) -> torch.device:
     if device is not None:
-        return backend.as_device(device)
+        return backends.as_device(device)
     for param in module.parameters():
         return param.device
     for arg in args:
         for tensor in tensor_leaves(arg):
             return tensor.device
     return torch.device("cpu")
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaPeak:
-    """The CUDA caching allocator's view of a call: ``torch.cuda.memory_allocated`` before and after it, and
-    ``torch.cuda.max_memory_allocated`` during it (peak statistics are reset first). All in bytes."""
-
-    peak: int
-    before: int
-    after: int
-    device: str
-
-    @property
-    def increase(self) -> int:
-        """How far the peak rose above what was allocated before the call."""
-        return self.peak - self.before
-
-    def __str__(self) -> str:
-        return (
-            f"cuda peak on {self.device}: {format_bytes(self.peak)} (+{format_bytes(self.increase)} over "
-            f"{format_bytes(self.before)} before; {format_bytes(self.after)} after)"
-        )
-
-
-def cuda_peak(fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = None, **kwargs: Any) -> CudaPeak:
-    """Run ``fn(*args, **kwargs)`` and report the CUDA allocator's peak (``max_memory_allocated``) during it.
-
-    This is what the GPU really had to hold, allocator block rounding included; unlike :func:`eager_peak` it also
-    sees memory allocated outside PyTorch tensors' storages (cuBLAS workspaces are excluded by the allocator
-    statistics, as always). The function's result is dropped before ``after`` is read.
-    """
-    if not backend.cuda_available():
-        raise RuntimeError("cuda_peak needs a CUDA GPU; use eager_peak for a device-independent count")
-    dev = backend.as_device(device) if device is not None else backend.device_for("cuda")
-    return _statistics_peak(fn, dev, *args, **kwargs)
-
-
-def _statistics_peak(fn: Callable[..., Any], dev: torch.device, *args: Any, **kwargs: Any) -> CudaPeak:
-    """The peak of a call from the allocator statistics of ``dev``'s backend (queued work waited for)."""
-    family = backend.backend_for(dev)
-    family.reset_peak_memory_stats(dev)
-    before = family.memory_allocated(dev)
-    result = fn(*args, **kwargs)
-    family.synchronize(dev)
-    del result
-    return CudaPeak(
-        peak=family.max_memory_allocated(dev), before=before, after=family.memory_allocated(dev), device=str(dev)
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class AllocatorPeak:
-    """How far the bytes allocated through PyTorch's allocator on ``device`` rose during a call above their level
-    just before it (``increase``, bytes); ``source`` names the counter the figure comes from. ``retained``: the
-    bytes the call allocated that are still allocated once it has returned and its result is dropped (what it
-    leaves behind: a model and optimizer it built, or what a step keeps alive from one step to the next)."""
-
-    increase: int
-    device: str
-    source: str
-    retained: int = 0
-
-    def __str__(self) -> str:
-        return (
-            f"allocator peak on {self.device}: +{format_bytes(self.increase)} during the call, "
-            f"{format_bytes(self.retained)} left allocated after it ({self.source})"
-        )
-
-
-def allocator_peak(
-    fn: Callable[..., Any], *args: Any, device: backend.DeviceLike = "cpu", **kwargs: Any
-) -> AllocatorPeak:
-    """Run ``fn(*args, **kwargs)`` and report how far the bytes allocated on ``device`` rose above their level
-    before the call.
-
-    Unlike :func:`eager_peak`, which follows tensor storages through Python dispatch, this counts what the
-    allocator hands out, so it also sees memory that compiled code allocates (``torch.compile``/inductor kernels
-    and their buffers never pass through Python dispatch; ``MemTracker`` reads the same peak whatever inductor
-    does). For an eager step both agree (the benchmark's GPT step: within 0.02 %), which makes this the common
-    yardstick for eager and compiled steps.
-
-    * ``cpu``: the PyTorch profiler's memory events (``profile_memory=True``): every allocation and free of the
-      CPU allocator, in order; the peak is the maximum of their running sum. Only allocations made through
-      PyTorch's CPU allocator on the calling thread are seen (not those of libraries that ``malloc`` on their own,
-      e.g. oneDNN scratch space); the profiler slows the call, so do not time it.
-      The profiler does not see frees of memory allocated before it started (it warns "Memory block of unknown
-      size"), so the figure is exact for a call that frees nothing allocated before it (a training step that
-      accumulates into existing ``.grad`` tensors, or starts from ``.grad = None``) and an upper bound otherwise;
-      the same holds for ``retained`` (exact for a call that builds the model it trains).
-    * ``cuda``: the caching allocator's ``max_memory_allocated`` (:func:`cuda_peak`); allocator block rounding
-      included, cached-but-free blocks excluded. Other devices whose backend has allocator statistics (TorchTPU,
-      experimental): ``torch.accelerator.max_memory_allocated``.
-
-    The function's result is dropped inside the measurement.
-    """
-    dev = backend.as_device(device)
-    family = backend.backend_for(dev)
-    if family.allocator_statistics(dev):
-        peak = _statistics_peak(fn, dev, *args, **kwargs)
-        return AllocatorPeak(
-            increase=peak.peak - peak.before,
-            device=peak.device,
-            source=family.statistics_source,
-            retained=peak.after - peak.before,
-        )
-    if not family.memory_is_host:
-        raise ValueError(
-            f"allocator_peak measures cpu and cuda, not {dev.type}; on XLA the compiler decides what "
-            f"lives when: use step_stablehlo() with tpu_memory() or xla_cpu_memory()"
-        )
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        result = fn(*args, **kwargs)
-        del result
-    results = getattr(prof.profiler, "kineto_results", None)
-    if results is None or not hasattr(results, "events"):
-        raise RuntimeError(
-            f"allocator_peak needs the kineto profiler's events (torch >= 2.5; written against "
-            f"torch 2.9); this is torch {torch.__version__}"
-        )
-    events = sorted(
-        (
-            (e.start_ns(), e.nbytes())
-            for e in results.events()
-            if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-        ),
-        key=lambda item: item[0],
-    )
-    level = increase = 0
-    for _, nbytes in events:
-        level += nbytes
-        increase = max(increase, level)
-    return AllocatorPeak(increase=increase, device=str(dev), source="torch.profiler memory events", retained=level)
