@@ -12,13 +12,18 @@ no network port), and run every case.
 
 from __future__ import annotations
 
+import datetime
+import os
 import tempfile
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from gloo_ranks import TINY_RUN, run_ranks
 from torch import nn
 
@@ -355,3 +360,194 @@ def test_what_several_processes_cannot_run_is_refused_before_joining(
     with pytest.raises(StrategyError, match=expected):
         join_processes(load_config(None, [*_TINY_RUN, *overrides]), torch.device("cpu"))
     assert not dist.is_initialized()
+
+
+# -- the rebuild check under torch.distributed -------------------------------------------------------------------------
+# The rebuild check under torch.distributed: where the data of one process alone cannot be rebuilt, every process of
+# the data-parallel group raises the same ReversibleError in the first step, and none waits for the others until the
+# collective's timeout (two gloo processes on the CPU, one spawn).
+GLOO_TIMEOUT_S = 20  # a process left waiting in a collective fails after this (the default is 30 minutes)
+
+
+def _rebuild_check_worker(rank: int, initfile: str, out: str, exact: bool) -> None:
+    from revlib_xla import ReversibleError, ReversibleSequential
+    from revlib_xla.reversible import stream_range_error
+
+    timeout = datetime.timedelta(seconds=GLOO_TIMEOUT_S)
+    dist.init_process_group("gloo", init_method=f"file://{initfile}", rank=rank, world_size=WORLD, timeout=timeout)
+    result: dict[str, Any] = {}
+    try:
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)) for _ in range(2)]
+        model = nn.parallel.DistributedDataParallel(ReversibleSequential(*blocks, split_dim=-1, exact=exact))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        if exact:  # rank 1's stream overflows the fixed-point grid
+            x = x * (1e12 if rank == 1 else 1.0)
+        else:  # float32 streams: inputs of 1 are rebuilt to ~1e-7; inputs of 1e-6 under blocks whose outputs are
+            # ~0.3 are rebuilt to the blocks' rounding (~3e-8), a relative error of ~3e-2, far over float32's 1e-4
+            x = x * (1e-6 if rank == 1 else 1.0)
+        try:
+            model(x).square().sum().backward()
+            result["outcome"] = "no error"
+            result["grads_finite"] = all(bool(p.grad.isfinite().all()) for p in model.parameters())
+            result["range_error"] = str(stream_range_error(model))
+        except ReversibleError as exc:
+            result["outcome"] = ("ReversibleError", str(exc))
+        except Exception as exc:  # e.g. the collective's timeout: a hang before the fix
+            result["outcome"] = (type(exc).__name__, str(exc)[:300])
+    except Exception:
+        result["outcome"] = ("setup", traceback.format_exc())
+    finally:
+        torch.save(result, f"{out}.{rank}")
+        dist.destroy_process_group()
+
+
+def _run(exact: bool) -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        initfile, out = str(Path(tmp) / "rendezvous"), str(Path(tmp) / "result")
+        context = mp.start_processes(
+            _rebuild_check_worker, args=(initfile, out, exact), nprocs=WORLD, start_method="spawn", join=False
+        )
+        start = time.monotonic()
+        while not context.join(timeout=1):
+            if time.monotonic() - start > 300:  # a waiting process fails after GLOO_TIMEOUT_S; this is the backstop
+                for process in context.processes:
+                    process.kill()
+                pytest.fail("the processes hang")
+        return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.slow  # two spawned processes (importing torch) and a gloo rendezvous
+def test_only_one_ranks_data_cannot_be_rebuilt_and_every_rank_raises_the_same_error():
+    """Before: rank 1 raised from its backward and rank 0 waited in DDP's gradient all-reduce until the timeout."""
+    results = [r["outcome"] for r in _run(exact=False)]
+    assert results[0][0] == "ReversibleError", results
+    assert results[1] == results[0]  # the same message: the same (largest) error, in the first step
+    assert "does not rebuild its input" in results[0][1]
+
+
+@pytest.mark.slow  # two spawned processes (importing torch) and a gloo rendezvous
+def test_only_one_ranks_exact_stream_overflows_and_no_rank_waits():
+    """Exact streams in a data-parallel group: rank 1's stream overflows; raising there alone would leave rank 0
+    in the gradient all-reduce. Instead rank 1's outputs are NaN, every rank's averaged gradients are NaN (a
+    training loop stops on them), and stream_range_error names the layer on the rank at fault only."""
+    results = _run(exact=True)
+    assert [r["outcome"] for r in results] == ["no error", "no error"], results
+    assert [r["grads_finite"] for r in results] == [False, False]
+    assert results[0]["range_error"] == "None"
+    assert "produced a value" in results[1]["range_error"]
+
+
+# -- global-norm clipping and gradient accumulation through revlib-xla train -------------------------------------------
+# Global-norm clipping and gradient accumulation under several processes, through ``revlib-xla train``: the gradients
+# the optimizer steps with equal one process's on the whole batch, elementwise.
+#
+# A clip by each process's own shard norm (FSDP2's gradients are DTensors: each process holds 1/N of every gradient)
+# or a sum that misses a micro-batch would be a silent wrong update that AdamW's first steps hide (its update is
+# nearly invariant to a gradient's scale), so the gradients are compared where the optimizer reads them: a global
+# optimizer step pre-hook records them (whole tensors) in every run. Two gloo processes, one spawn, a DDP and an FSDP2
+# run of one step each, with ``optim.grad_accum_steps=2`` and a clip far below the gradients' norm (0.01: every
+# gradient is scaled). DDP all-reduces once per step (the micro-batches before the last run under ``no_sync``); FSDP2
+# reduce-scatters after every micro-batch, which keeps each process's gradients sharded between them.
+#
+# Tolerance: float32; the processes add the batch's halves and micro-batches in another order than one process (a few
+# roundings, eps = 1.2e-7, per sum): rtol 1e-5 with atol 1e-8 (the clipped gradients are ~1e-3).
+RUNS = ["ddp"] + (["fsdp2"] if fully_shard_function() is not None else [])
+CLIP = 0.01
+
+
+def _config(data_parallel: str, out: Path) -> Any:
+    from revlib_xla.train.config import load_config
+
+    return load_config(
+        None,
+        [
+            *TINY_RUN,
+            "strategy=reversible",
+            f"strategy.data_parallel={data_parallel}",
+            "optim.grad_accum_steps=2",
+            f"optim.grad_clip={CLIP}",
+            "train.steps=1",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "train.progress=false",
+            "train.device=cpu",
+            f"train.out_dir={out}",
+        ],
+    )
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)  # a DTensor (FSDP2): gathered from every process
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def _recorded_train(cfg: Any) -> tuple[list[torch.Tensor], float]:
+    """The gradients of every parameter the optimizer steps with (whole tensors, in its groups' order), and their
+    global norm before the clip (the loop's logged grad norm is not needed: the clip's coefficient is in them)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from revlib_xla.train.loop import train
+
+    grads: list[torch.Tensor] = []
+
+    def record(optimizer: Any, args: Any, kwargs: Any) -> None:
+        grads.extend(_whole(p.grad) for group in optimizer.param_groups for p in group["params"])
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        result = train(cfg)
+    finally:
+        handle.remove()
+    return grads, float(result.losses[1])
+
+
+def _count_ddp_all_reduces(calls: list[int]) -> None:
+    """Every DistributedDataParallel made in this process appends to ``calls`` at each bucket all-reduce (a comm hook
+    that then all-reduces as DDP's default does)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    def counting(state, bucket):  # unannotated: DDP checks the annotation is dist.GradBucket, or none
+        calls.append(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    init = DistributedDataParallel.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.register_comm_hook(None, counting)
+
+    DistributedDataParallel.__init__ = counted  # type: ignore[method-assign]  # this spawned process only
+
+
+def _cases(rank: int, results: dict[str, Any]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    root = Path(os.environ["TRUST_CLIP_ROOT"])
+    all_reduces: list[int] = []
+    _count_ddp_all_reduces(all_reduces)
+    for data_parallel in RUNS:
+        results[data_parallel] = _recorded_train(_config(data_parallel, root / f"{data_parallel}-{rank}"))
+    results["ddp all-reduces"] = len(all_reduces)
+
+
+@pytest.mark.slow  # two spawned processes and one reference run
+def test_clipped_accumulated_gradients_equal_one_process_on_the_whole_batch():
+    with tempfile.TemporaryDirectory() as tmp:
+        reference, loss = _recorded_train(_config("ddp", Path(tmp) / "one"))  # one process: no data parallelism
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference]))
+        assert norm == pytest.approx(CLIP, rel=1e-5)  # the clip applied, to the global norm
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("TRUST_CLIP_ROOT", tmp)
+            ranks = run_ranks(_cases, WORLD, tmp)
+    for rank, result in enumerate(ranks):
+        # One step of 2 micro-batches: one all-reduce of the sum (the tiny model's gradients fill DDP's first 1 MB
+        # bucket alone). Before: one per micro-batch (2), the first one's average wasted.
+        assert result["ddp all-reduces"] == 1, rank
+        for data_parallel in RUNS:
+            grads, got_loss = result[data_parallel]
+            assert got_loss == pytest.approx(loss, rel=1e-5), (rank, data_parallel)
+            assert [g.shape for g in grads] == [g.shape for g in reference]
+            for i, (got, want) in enumerate(zip(grads, reference)):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8, msg=lambda m: f"{data_parallel} {i}: {m}")
