@@ -558,7 +558,7 @@ def test_under_torchrun_with_fsdp2_the_auto_budget_charges_each_process_its_shar
 # reads them, with a clip far below the gradients' norm. AdamW's first steps are nearly invariant to a gradient's
 # scale, so equal weights after a few steps would not show a clip by each stacked tensor's own norm.
 #
-# The learning rate across kill-and-resume of a scanned run is covered by tests/test_train_loop.py (bit-identical
+# The learning rate across kill-and-resume of a scanned run is covered by tests/train/test_train_loop.py (bit-identical
 # weights after resuming at step 4 of a warmup + cosine schedule: the rate is a function of the step).
 STACKED_TINY = [
     "model.overrides={vocab_size: 256, dim: 32, n_layers: 3, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",

@@ -13,7 +13,7 @@ tensors) must resume in one process and give the loss of step 4 that one process
 
 Tolerance: float32; the processes sum the batch's loss and gradients in another order (two halves, a reduce-scatter)
 than one process, which moves each result by a few float32 roundings (eps = 1.2e-7) per reduction, and AdamW's three
-steps carry them on: rtol 1e-5 is some 80 eps, the tolerance of the DDP run in tests/test_distributed.py.
+steps carry them on: rtol 1e-5 is some 80 eps, the tolerance of the DDP run in tests/train/test_distributed.py.
 """
 
 from __future__ import annotations

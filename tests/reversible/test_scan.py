@@ -238,7 +238,8 @@ def test_llama_reversible_form_scans_and_compiles_once():
     config = LlamaConfig(vocab_size=32, dim=16, n_layers=3, n_heads=2, n_kv_heads=1, ffn_dim=32, max_seq_len=8)
     torch.manual_seed(0)
     model = build_llama(config, "reversible", scan=None).to(device)
-    # the first step's rebuild check adds an output to that step's graph only (its cost: tests/test_rebuild_check.py)
+    # the first step's rebuild check adds an output to that step's graph only
+    # (its cost: tests/reversible/test_rebuild_check.py)
     model.layers.verify_inverse = False
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = [torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(s)) for s in range(3)]

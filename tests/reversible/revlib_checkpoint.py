@@ -1,11 +1,11 @@
-"""A checkpoint saved by the real RevLib 1.7.2 (``tests/data/revlib_1_7_2_checkpoint.pt``): the model's blocks, and
-the script that wrote it with what RevLib computes from it (output, input gradient, parameter gradients), for
-``tests/test_revlib_compat.py``.
+"""A checkpoint saved by the real RevLib 1.7.2 (``tests/reversible/data/revlib_1_7_2_checkpoint.pt``): the model's
+blocks, and the script that wrote it with what RevLib computes from it (output, input gradient, parameter
+gradients), for ``tests/reversible/test_revlib_compat.py``.
 
 Running it needs RevLib, which the project never installs; to regenerate::
 
     uv venv /tmp/revlib-env && uv pip install -p /tmp/revlib-env/bin/python --no-deps revlib==1.7.2
-    PYTHONPATH=/tmp/revlib-env/lib/python3.11/site-packages .venv/bin/python tests/revlib_checkpoint.py
+    PYTHONPATH=/tmp/revlib-env/lib/python3.11/site-packages .venv/bin/python tests/reversible/revlib_checkpoint.py
 """
 
 from pathlib import Path

@@ -210,7 +210,7 @@ def test_xla_design_per_layer_graphs_hold_less_hbm_than_host_annotations():
 
     if not backend.xla_available() or importlib.util.find_spec("libtpu") is None:
         pytest.skip("needs torch_xla and libtpu (pip install 'revlib_xla[xla,tpu-compile]')")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from offload_xla_design import measure
 
     depth = 4

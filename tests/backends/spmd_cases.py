@@ -1,8 +1,8 @@
-"""The SPMD cases of tests/test_spmd.py, run in ONE child process with ``CPU_NUM_DEVICES=4`` (torch_xla's SPMD
+"""The SPMD cases of tests/backends/test_spmd.py, run in ONE child process with ``CPU_NUM_DEVICES=4`` (torch_xla's SPMD
 needs the device count before it is imported, and SPMD mode before any XLA tensor): float64 training steps of a
 small Llama over a mesh of 4 CPU devices against the same steps on the CPU, eager. Prints one JSON object.
 
-Usage: ``CPU_NUM_DEVICES=4 PJRT_DEVICE=CPU python tests/spmd_cases.py OUT_DIR``.
+Usage: ``CPU_NUM_DEVICES=4 PJRT_DEVICE=CPU python tests/backends/spmd_cases.py OUT_DIR``.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ def test_a_batch_that_does_not_split_is_named():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Training over 4 CPU SPMD devices: ONE child process runs every case (tests/spmd_cases.py)
+# Training over 4 CPU SPMD devices: ONE child process runs every case (tests/backends/spmd_cases.py)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """revlib_xla against an independent JAX implementation of the same reversible network.
 
 The torch model runs in its default memory mode (the reversible backward, which rebuilds every layer's input from
-its output); the JAX reference (tests/jax_reference.py) runs a plain forward and ``jax.value_and_grad`` on weights
-copied from the torch model. Loss, every parameter gradient and the input gradient must agree elementwise:
+its output); the JAX reference (tests/reversible/jax_reference.py) runs a plain forward and ``jax.value_and_grad``
+on weights copied from the torch model. Loss, every parameter gradient and the input gradient must agree elementwise:
 max|torch - jax| / max|jax| <= 1e-5 in float32 (and <= 1e-12 in float64, which separates rounding noise from a
 semantic difference).
 """

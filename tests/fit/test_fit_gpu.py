@@ -17,7 +17,7 @@ from revlib_xla.fit.gpu import estimate_step, for_gpu, gpu_max_batch
 from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES, load
 from revlib_xla.units import parse_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOKE = "tpu_configs/cpu-smoke.yaml"
 TINY = [
     "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",

@@ -372,8 +372,9 @@ def test_engine_pieces_raise_with_what_to_use():
 
 
 def test_checkpoint_saved_by_revlib_1_7_2_loads_with_its_outputs_and_gradients():
-    """tests/data/revlib_1_7_2_checkpoint.pt was written by the real RevLib 1.7.2 (tests/revlib_checkpoint.py): its
-    state dict loads strictly, and revlib_xla computes RevLib's output and gradients from it (float64)."""
+    """tests/reversible/data/revlib_1_7_2_checkpoint.pt was written by the real RevLib 1.7.2
+    (tests/reversible/revlib_checkpoint.py): its state dict loads strictly, and revlib_xla computes RevLib's output
+    and gradients from it (float64)."""
     saved = torch.load(revlib_checkpoint.PATH)
     assert saved["revlib_version"] == "1.7.2"
     from revlib_xla.core import ReversibleSequential  # RevLib-style import

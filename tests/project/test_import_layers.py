@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "revlib_xla"
 
 # Bottom to top: a module may import from its own layer (without a cycle) and from the layers below. A module's layer

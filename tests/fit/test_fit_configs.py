@@ -22,7 +22,7 @@ pytest.importorskip("revlib_xla.train.config", reason="revlib_xla.train (the run
 from revlib_xla.fit.strategies import STRATEGIES, load, size_strategies
 
 CONFIGS = sorted(
-    p for p in (Path(__file__).resolve().parents[1] / "tpu_configs").glob("*.yaml") if p.stem != "cpu-smoke"
+    p for p in (Path(__file__).resolve().parents[2] / "tpu_configs").glob("*.yaml") if p.stem != "cpu-smoke"
 )
 PINNED = tpu_compile.versions() == {"jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.20"}
 

@@ -28,7 +28,7 @@ import torch
 
 from revlib_xla import backend
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: the files whose python blocks run: the front page, then the manuals
 DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]

@@ -1,5 +1,5 @@
 """Run a function in several gloo processes on the CPU and collect what each one records, for the tests of
-several processes (tests/test_distributed.py, tests/test_fsdp2_cli.py).
+several processes (tests/train/test_distributed.py, tests/train/test_fsdp2_cli.py).
 
 The processes are started with ``torch.multiprocessing``'s spawn method and meet through a file rendezvous (no
 network port); each runs ``cases(rank, results)`` with the process group joined, and an exception in it is recorded

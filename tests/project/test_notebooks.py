@@ -28,7 +28,7 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COLAB = ROOT / "colab"
 
 REPOSITORY = "https://github.com/revlib-xla/revlib_xla"
@@ -112,7 +112,7 @@ def _with_parameters(nb: Any, parameters: dict[str, Any]) -> Any:
     }
     unknown = set(parameters) - assigned
     assert not unknown, f"CI parameters {sorted(unknown)} are not assigned in the parameters cell ({sorted(assigned)})"
-    source = "# Parameters injected by tests/test_notebooks.py\n" + "".join(
+    source = "# Parameters injected by tests/project/test_notebooks.py\n" + "".join(
         f"{key} = {value!r}\n" for key, value in parameters.items()
     )
     injected = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})

@@ -106,7 +106,7 @@ def test_hf_plan_keeps_its_budget_and_auto_is_never_above_plain():
 # ---------------------------------------------------------------------------------------------------------------
 # Real width (Llama-3.2-1B: hidden 2048, 32 heads, 8 kv heads, MLP 8192, vocabulary 128256; 4 layers), in bfloat16.
 # The steps run on fake tensors (revlib_xla.fit.gpu: nothing allocated; bfloat16 matrix products on this 2-core CPU
-# run at 0.2 GFLOP/s) and their storages are counted as on real ones (the same counts: tests/test_fit_gpu.py).
+# run at 0.2 GFLOP/s) and their storages are counted as on real ones (the same counts: tests/fit/test_fit_gpu.py).
 
 
 def _fake_rise(mode, step, model, tokens):

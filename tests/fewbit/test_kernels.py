@@ -18,7 +18,7 @@ from revlib_xla import backend, backends, fewbit, kernels
 from revlib_xla.backends import xla as xla_backend
 from revlib_xla.kernels import fewbit_reference as ref
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SIZES = (1, 13, 1000, 4099)
 

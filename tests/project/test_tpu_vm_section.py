@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHIP_OF_ACCELERATOR = {"v5litepod": "v5e", "v5p": "v5p", "v6e": "v6e", "v4": "v4"}
 
 

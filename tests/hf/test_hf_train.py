@@ -21,7 +21,7 @@ from revlib_xla.planner import Op, simulate  # noqa: E402
 from revlib_xla.train.config import load_config  # noqa: E402
 from revlib_xla.train.strategy import StrategyError, build_model, flops_per_token, param_count  # noqa: E402
 
-SMOKE = str(Path(__file__).resolve().parents[1] / "tpu_configs" / "cpu-smoke.yaml")
+SMOKE = str(Path(__file__).resolve().parents[2] / "tpu_configs" / "cpu-smoke.yaml")
 SMALL = ["data.batch_size=2", "data.seq_len=32", "train.eval_batches=1", "train.progress=false", "train.device=cpu"]
 
 

@@ -21,7 +21,7 @@ from revlib_xla.train.config import load_config
 from revlib_xla.train.loop import train
 from revlib_xla.train.strategy import language_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # On the CPU wherever the machine has a GPU too (train.device=auto would pick it: the models below are compared
 # with CPU references and CPU batches, and resumed bit for bit); a test on another device overrides it after TINY.
 TINY = [

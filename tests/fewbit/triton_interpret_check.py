@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py in a child process with TRITON_INTERPRET=1 (triton must be imported after it is
+"""Run by tests/fewbit/test_kernels.py in a child process with TRITON_INTERPRET=1 (triton must be imported after it is
 set: its library functions, tl.zeros among them, are defined as interpreted or compiled at import time).
 
 Compares the Triton few-bit kernels with the pure-PyTorch reference, bit for bit (a NaN has to be a NaN), on every

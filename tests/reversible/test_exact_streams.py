@@ -1,7 +1,7 @@
 """Exact (fixed-point) reversible streams: the memory-saving backward gives plain autograd's gradients of the same
 function (``no_savings``) bit for bit, on every device and with the torch features users combine it with; values
 that do not fit the grid are refused naming the layer; the choice of streams is explicit and refused where it
-cannot hold. Real widths: tests/test_real_sizes.py."""
+cannot hold. Real widths: tests/reversible/test_real_sizes.py."""
 
 import copy
 import pickle

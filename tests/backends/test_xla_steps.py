@@ -40,8 +40,8 @@ def _block(width: int, p: float) -> nn.Module:
 
 def _model(p: float, memory_mode=revlib.MemoryModes.autograd_function, preserve_rng_state=True, seed=0, exact=None):
     torch.manual_seed(seed)
-    # scan=False: these tests compare the unrolled walk's outputs bit for bit with no_savings (tests/test_scan.py
-    # compares the scanned walk, which XLA fuses differently, with the unrolled one)
+    # scan=False: these tests compare the unrolled walk's outputs bit for bit with no_savings
+    # (tests/reversible/test_scan.py compares the scanned walk, which XLA fuses differently, with the unrolled one)
     return revlib.ReversibleSequential(
         *[_block(WIDTH, p) for _ in range(DEPTH)],
         memory_mode=memory_mode,
@@ -151,8 +151,8 @@ def _data():
 def _pair(device, preserve_rng_state=True):
     """A no_savings reference and a reversible copy. On XLA with floating-point streams: with exact streams the
     compiler fuses the LayerNorm's reduction of the step's graph differently from the reference's, so outputs and
-    gradients differ in their last bits (see tests/test_exact_streams.py), which would hide what these tests look
-    for, a different dropout mask; float streams compile to the same bits."""
+    gradients differ in their last bits (see tests/reversible/test_exact_streams.py), which would hide what these
+    tests look for, a different dropout mask; float streams compile to the same bits."""
     exact = False if device.type == "xla" else None
     reference = _model(0.5, memory_mode=revlib.MemoryModes.no_savings, exact=exact)
     reversible = _model(0.5, preserve_rng_state=preserve_rng_state, exact=exact)
@@ -217,7 +217,8 @@ def test_dropout_stream_matches_no_savings_across_steps(device):
 @pytest.mark.slow
 def test_dropout_without_replay_differs(device):
     """Control: the comparison above detects a missing replay (the recomputation then draws other masks). Unchecked:
-    by default the backward's measure of its rebuilt input refuses these gradients (tests/test_rebuild_check.py)."""
+    by default the backward's measure of its rebuilt input refuses these gradients
+    (tests/reversible/test_rebuild_check.py)."""
     reference, reversible = (m.to(device) for m in _pair(device, preserve_rng_state=False))
     reversible.verify_inverse = False
     x_host, w_host = _data()
