@@ -74,3 +74,24 @@ def test_pre_commit_ruff_is_the_pinned_ruff():
     assert rev.group(1) == pin.group(1)
     for hook in ("ruff-check", "ruff-format", "mypy"):
         assert re.search(rf"- id: {hook}\n", config), hook
+
+
+def test_test_modules_have_unique_basenames_and_no_packages():
+    """tests/ runs under pytest's default import mode (prepend, no ``__init__.py``): each module is imported by its
+    basename from its own folder, so two modules of one basename in two folders would collide, and the helpers
+    (``import fake_family``) and ``from conftest import`` rely on the folders not being packages."""
+    modules = sorted((ROOT / "tests").rglob("*.py"))
+    assert not [p for p in modules if p.name == "__init__.py"]
+    names = [p.name for p in modules]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_the_ci_and_slow_lists_name_test_files_that_exist():
+    """tests/ci_slow.txt and tests/slow_measured.txt select by node id (or its prefix): a line naming a moved or
+    deleted file would silently select nothing."""
+    for listing in ("ci_slow.txt", "slow_measured.txt"):
+        lines = (ROOT / "tests" / listing).read_text().splitlines()
+        ids = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        assert ids, listing
+        missing = sorted({i.split("::")[0] for i in ids if not (ROOT / i.split("::")[0]).is_file()})
+        assert missing == [], f"{listing} names files that do not exist: {missing}"
