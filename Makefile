@@ -18,7 +18,7 @@ PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
 .PHONY: venv venv-newer docs lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check clean
 
-# What the linters and the type checker read (README code blocks are run by tests/test_readme.py instead).
+# What the linters and the type checker read (README code blocks are run by tests/project/test_readme.py instead).
 LINT_PATHS := revlib_xla tests bench kernels colab docs/_hooks
 
 $(VENV)/.installed: setup.cfg constraints.txt

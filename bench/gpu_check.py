@@ -22,7 +22,7 @@ A part that fails or runs out of time is recorded as such and the next one runs.
 into ``.cache/bench/revlib-1.7.2``) from that folder only (``make gpu-wheels`` fills it on a machine with an index).
 
 ``--dry``: the same command on the CPU at toy sizes (a tiny model, 2 steps, a few tests), so that it cannot rot
-between GPUs; CI runs it (tests/test_gpu_check.py). See bench/README.md.
+between GPUs; CI runs it (tests/project/test_gpu_check.py). See bench/README.md.
 """
 
 from __future__ import annotations
@@ -98,10 +98,10 @@ FULL = Sizes(
 DRY = Sizes(
     limits={"tests": 90, "train": 90, "hf": 90, "peers": 90},
     device="cpu",
-    pytest_paths=("tests/test_kernels.py", "tests/test_readme.py"),
+    pytest_paths=("tests/fewbit/test_kernels.py", "tests/project/test_readme.py"),
     pytest_extra=("-m", "not slow"),
     test_timeout=60,
-    # the test suite's tiny Llama (tests/test_train_loop.py)
+    # the test suite's tiny Llama (tests/train/test_train_loop.py)
     train_overrides=(
         "model.overrides={vocab_size: 256, dim: 32, n_layers: 2, n_heads: 2, n_kv_heads: 1, ffn_dim: 64}",
         "data.seq_len=16",
@@ -425,7 +425,7 @@ def part_tests(part: Part) -> None:
     report = part.report(
         "CUDA test cases, kernel tests and README sections that run CUDA",
         '`pytest -k "cuda or test_kernels"`: every test case of the `device` fixture on cuda, the tests named for '
-        "CUDA, tests/test_kernels.py, and the README sections whose code runs on CUDA (their ids end in "
+        "CUDA, tests/fewbit/test_kernels.py, and the README sections whose code runs on CUDA (their ids end in "
         f"`(cuda)`); per-test limit {s.test_timeout} s.",
     )
     outcomes = part.work_dir / "tests.jsonl"

@@ -16,7 +16,7 @@ exact gradients and cost no more collectives than plain FSDP2, the recomputation
   default prefetch follows the post-forward order, which the recomputations append to, and would gather the wrong
   units.
 
-Measured on 2 gloo processes (tests/test_distributed.py, bench/results/fsdp_collectives-cpu-gloo.md): as many
+Measured on 2 gloo processes (tests/train/test_distributed.py, bench/results/fsdp_collectives-cpu-gloo.md): as many
 all-gathers and reduce-scatters per step as plain FSDP2 around the same blocks.
 
 Layouts that cannot be made exact are refused at the forward, naming the module: a unit on a layer or on its
@@ -284,7 +284,8 @@ def counting_collectives() -> Iterator[CollectiveCount]:
 def counted_steps(step: Callable[..., Any], counts: list[CollectiveCount]) -> Callable[..., Any]:
     """``step`` (a training step, e.g. :func:`revlib_xla.train.strategy.make_step`'s) that appends FSDP2's
     all-gathers and reduce-scatters of each call to ``counts``, one :class:`CollectiveCount` per step (a
-    diagnostic: how ``revlib-xla train`` is counted in tests/test_fsdp2_cli.py and ``bench/fsdp_collectives.py``)."""
+    diagnostic: how ``revlib-xla train`` is counted in tests/train/test_fsdp2_cli.py and
+    ``bench/fsdp_collectives.py``)."""
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         with counting_collectives() as count:

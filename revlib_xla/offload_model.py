@@ -5,7 +5,7 @@ A sequential model is cut into slices of about equal parameter count. All parame
 (:class:`revlib_xla.ParameterStreamer`: one slice in use and the next one in flight, at most two on the device),
 and gradients accumulate on the offloaded parameters, where the optimizer steps them.
 
-What differs from fairscale, and why (each is a test in ``tests/test_offload_model.py``):
+What differs from fairscale, and why (each is a test in ``tests/offload/test_offload_model.py``):
 
 * No module state per call: boundary activations live in the autograd graph (or in the checkpoint Function's
   context), never on the module, so two forwards before one backward each keep their own.

@@ -20,22 +20,22 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import pytest
 import torch
 
-from revlib_xla import backend
+from revlib_xla import backends
 from revlib_xla._tree import map_tensors
 
 # torch's autograd engine sizes its per-device queues once, at the first backward pass of the process, from the
 # device counts known then. XLA's count is known only once torch_xla's runtime has started, so start it before any
 # CPU backward runs in this worker, or every later XLA backward fails with an engine INTERNAL ASSERT.
-if backend.xla_available():
-    backend.device_for("xla")
+if backends.xla_available():
+    backends.device_for("xla")
 
 ALL_KINDS = ("cpu", "xla", "cuda")
 
 
 def _skip_reason(kind):
-    if kind == "xla" and not backend.xla_available():
+    if kind == "xla" and not backends.xla_available():
         return "torch_xla is not installed (pip install 'revlib_xla[xla]')"
-    if kind == "cuda" and not backend.cuda_available():
+    if kind == "cuda" and not backends.cuda_available():
         return "no CUDA GPU on this machine"
     return None
 
@@ -46,7 +46,7 @@ def device(request):
     reason = _skip_reason(request.param)
     if reason:
         pytest.skip(reason)
-    return backend.device_for(request.param)
+    return backends.device_for(request.param)
 
 
 def to_host(t):
@@ -55,9 +55,9 @@ def to_host(t):
     On a lazy device, one sync of every live tensor comes first: ``.cpu()`` of an unsynced XLA tensor compiles and
     runs a graph for that tensor alone, so comparing a model's gradients one parameter at a time compiled the whole
     forward and backward once per parameter (one Reformer test took 15 minutes on a loaded CI machine)."""
-    lazy = {x.device for x in backend.tensors_in(t) if backend.backend_for(x).lazy}
+    lazy = {x.device for x in backends.tensors_in(t) if backends.backend_for(x).lazy}
     for dev in lazy:
-        backend.sync(dev)
+        backends.sync(dev)
     return map_tensors(lambda x: x.detach().cpu(), t)
 
 
@@ -84,11 +84,11 @@ class SeededUnits(torch.nn.Module):
     def forward(self, x):
         from revlib_xla.recompute import rng_scope
 
-        seed = backend.draw_seed()
-        device = next(iter(backend.tensors_in(x))).device
+        seed = backends.draw_seed()
+        device = next(iter(backends.tensors_in(x))).device
         for i, unit in enumerate(self.units):
             with rng_scope(device) as reseed:
-                reseed(backend.derive_seed(seed, i))
+                reseed(backends.derive_seed(seed, i))
                 x = unit(x)
         return x
 

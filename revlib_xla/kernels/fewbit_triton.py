@@ -1,7 +1,7 @@
 """Triton kernels of the few-bit backward (CUDA): code-and-pack, and unpack-lookup-multiply, in one pass each.
 
 Bit for bit what :mod:`.fewbit_reference` computes (the layout is documented there); tested on the CPU with
-``TRITON_INTERPRET=1`` (``tests/test_kernels.py``). The kernels are defined on first use, so that a test can set
+``TRITON_INTERPRET=1`` (``tests/fewbit/test_kernels.py``). The kernels are defined on first use, so that a test can set
 ``TRITON_INTERPRET`` before (the @triton.jit functions live in ``_fewbit_triton_jit``, imported on first use);
 importing this module does not import triton.
 """

@@ -31,7 +31,7 @@ to the key yet), a ``model.hf_config`` model (no known blocks to shard), stacked
 every layer's weights, so FSDP2 could only gather them all at once; scan saves compile time on XLA, and on
 cpu/cuda runs layer by layer anyway), and a torch without FSDP2.
 
-Collectives per step (``revlib_xla.fsdp.counted_steps``, tests/test_fsdp2_cli.py): each unit's weights are
+Collectives per step (``revlib_xla.fsdp.counted_steps``, tests/train/test_fsdp2_cli.py): each unit's weights are
 gathered twice a step (the root's once) and its gradients reduced once, for ``none``, ``reversible`` and ``plan``
 alike; the reversible LM has two units per transformer block (its layers: attention and MLP), so it makes more,
 smaller all-gathers of the same weights.
