@@ -252,3 +252,51 @@ def test_hf_plan_keeps_its_budget_at_llama_3_2_1b_width_for_short_batches(dtype,
     for budget in (low, (low + high) / 2, high):
         checkpointable.compute_sequence(budget)
         assert _fake_rise(mode, step, planned, tokens) <= budget
+
+
+@pytest.mark.slow
+def test_hf_plan_runs_transformers_flops_near_their_bytes_and_fewer_above():
+    """transformers Llama with Llama-3.2-1B's shape (4 layers), bfloat16, 1 x 2048 tokens, on fake tensors, FLOPs
+    counted (FlopCounterMode): at 5 % above transformers' checkpointing's activation bytes the plan runs exactly
+    its FLOPs (every layer checkpointed, each recomputation stopped at the last tensor its backward reads, as
+    torch's non-reentrant checkpoint stops), within that budget; at 25 % above, fewer. Before: the executor ran its
+    recomputations whole on fake tensors (+4 %), and priced stages by the time of dispatching fake operations."""
+    require_transformers()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from revlib_xla.fit.gpu import _on_fake_host
+    from revlib_xla.hf import chunked_loss, memory_efficient, model_from_config
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        tokens = torch.zeros(1, 2048, dtype=torch.int64)
+
+    def make():
+        model = model_from_config("llama-3.2-1b", num_hidden_layers=4, device="meta", dtype=torch.bfloat16)
+        model.config.use_cache = False
+        _on_fake_host(model, mode)
+        return model.train()
+
+    def step(model):
+        with mode:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+
+    def flops(model):
+        with mode, FlopCounterMode(display=False) as counter:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+        return counter.get_total_flops()
+
+    theirs_model = make()
+    theirs_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chunked_loss(theirs_model)
+    theirs, theirs_flops = _fake_rise(mode, step, theirs_model, tokens), flops(theirs_model)
+    planned = memory_efficient(make(), "plan")
+    step(planned)
+    checkpointable = planned.revlib_xla_conversion.runner.checkpointable
+    checkpointable.compute_sequence(1.05 * theirs)
+    assert _fake_rise(mode, step, planned, tokens) <= 1.05 * theirs
+    assert flops(planned) == theirs_flops
+    checkpointable.compute_sequence(1.25 * theirs)
+    assert _fake_rise(mode, step, planned, tokens) <= 1.25 * theirs
+    assert flops(planned) < theirs_flops
