@@ -366,10 +366,13 @@ class Checkpointable(nn.Module):
         if self.sequence is None:
             self.compute_sequence()
         sequence = self._checked_sequence()
-        if _recomputes_nothing(sequence):
+        if _recomputes_nothing(sequence) and not _shared_parameters(self.stages):
             # Every stage kept whole, nothing recomputed, offloaded or compressed: autograd's own run, which holds
             # only what the stages save (the executor would also keep each stage's input as its own leaf). Each
-            # stage draws the random numbers it draws under the executor (its own seed, derived as there).
+            # stage draws the random numbers it draws under the executor (its own seed, derived as there). Not
+            # where stages share a parameter (a tied embedding and LM head): autograd would hold one stage's
+            # gradient of it until the other's backward (a whole vocabulary-sized gradient through the backward),
+            # where the executor accumulates each stage's gradient as that stage's backward ends.
             replay = CallReplay(next(iter(tensor_leaves(x))).device, self.preserve_rng_state)
             with self.recompute_state().python_random_check(type(self).__name__):
                 for i, stage in enumerate(self.stages):
@@ -412,3 +415,14 @@ def _recomputes_nothing(schedule: Schedule) -> bool:
     nothing else but the loss and the backwards."""
     plain = (OpKind.FE, OpKind.L, OpKind.B)
     return all(op.kind in plain and op.option == 0 for op in schedule.ops)
+
+
+def _shared_parameters(stages: Sequence[nn.Module]) -> bool:
+    """Whether a parameter belongs to more than one of ``stages``."""
+    seen: set[int] = set()
+    for stage in stages:
+        own = {id(p) for p in stage.parameters()}
+        if own & seen:
+            return True
+        seen |= own
+    return False

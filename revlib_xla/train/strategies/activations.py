@@ -24,11 +24,21 @@ from torch import Tensor, nn
 
 from ... import backends
 from ...losses import next_token_loss
+from ...planner.checkpointable import Checkpointable
 from ..config import RunConfig
 from .base import Options, Piece, StrategyError, Target, register
 from .sizing import plan_budget
 
 __all__ = ["PlannedLM", "CHECKPOINT", "REVERSIBLE", "MOMENTUM", "EXACT", "SCAN", "FEWBIT", "PLAN"]
+
+
+class _LossInside(Checkpointable):
+    """The LM's Checkpointable, whose output (the logits) goes straight into :meth:`PlannedLM.loss`: no caller keeps
+    it through the backward; autograd holds its gradient until the backward phase returns."""
+
+    def held_during_backward(self) -> float:
+        chain = self._need_chain("held_during_backward")
+        return 0.0 if self._sample is not None else float(chain.cw[-1])
 
 
 class PlannedLM(nn.Module):
@@ -44,10 +54,8 @@ class PlannedLM(nn.Module):
         autocast: str | None = None,
     ) -> None:
         super().__init__()
-        from ...planner.checkpointable import Checkpointable
-
         self.lm = lm
-        self.planned = Checkpointable(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
+        self.planned = _LossInside(cast(Any, lm).as_sequential(), mem_limit=budget, tpu_generation=tpu_generation)
         self.autocast = autocast
         self._loss_sized: tuple[tuple[int, ...], torch.dtype | None] | None = None  # what loss_transient sized
         if sample is not None:
@@ -74,10 +82,11 @@ class PlannedLM(nn.Module):
     def loss_transient(self, sample: Tensor) -> int:
         """The transient memory of :meth:`loss` on the logits of ``sample`` (a token batch of the step's shape), the
         chain's loss stage (rotor's ``loss_tmp_memory_usage``): what the cross entropy's forward and backward hold at
-        their peak besides the logits and their gradient, which the plan counts already. At Llama's vocabulary this
-        is several times the logits (their float32 copy and log-probabilities, and those gradients); a plan that took
-        it as 0 peaked above its budget there. Measured on an eager device (:class:`revlib_xla.memory.StorageTracker`);
-        0 on XLA, where the compiled stages' sizes stand for it."""
+        their peak besides the logits and their gradient, which the plan counts already (counted here too, the
+        smallest budget of a llama-1b plan at 2 x 2048 tokens was 29 % above the plain model's peak). At Llama's
+        vocabulary this is several times the logits (their float32 copy and log-probabilities, and those
+        gradients); a plan that took it as 0 peaked above its budget there. Measured on an eager device
+        (:class:`revlib_xla.memory.StorageTracker`); 0 on XLA, where the compiled stages' sizes stand for it."""
         from ...memory import StorageTracker
 
         if backends.is_tracing_lazily(sample):
@@ -94,7 +103,8 @@ class PlannedLM(nn.Module):
             start = tracker.current(sample.device)
             next_token_loss(logits, sample).backward()
             peak = tracker.peak(sample.device)
-        return max(0, peak - start - logits.numel() * logits.element_size())
+        # the logits and their gradient are the chain's output and its gradient, which the plan counts
+        return max(0, peak - start - 2 * logits.numel() * logits.element_size())
 
     def forward(self, tokens: Tensor) -> Tensor:
         sized = (tuple(tokens.shape), self._autocast_now())
