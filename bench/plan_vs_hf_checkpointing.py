@@ -84,6 +84,7 @@ def measure(layers: int, seq: int, real: bool = False) -> list[dict]:
     chunked_loss(theirs_model)
     theirs_bytes, theirs_flops = counted(theirs_model)
     rows.append({"variant": "transformers checkpointing", "activation_bytes": theirs_bytes, "flops": theirs_flops})
+    del theirs_model  # one model's weights and gradients at a time (16 float32 layers: 10 GB each)
     planned = memory_efficient(make(), "plan")
     step(planned)
     checkpointable = planned.revlib_xla_conversion.runner.checkpointable

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .. import backends
 from .. import fewbit as _fewbit
 from .._tree import detached, tree_leaves
 from ..planner import Chain
@@ -206,8 +207,12 @@ class _LayerCheckpointable(Checkpointable):
     def after_layers(self) -> float:
         """The least budget the step needs whatever the schedule: the input embedding's backward after the
         layers' (:meth:`HeadBytes.embedding_backward`)."""
-        # and the loss and its gradient, alive through the whole backward (scalars: one allocator block each)
-        return float(self.head.embedding_backward(int(self._need_chain("after_layers").cw[0])) + 2 * 512)
+        # and the loss and its gradient, alive through the whole backward: two float32 scalars, each one allocation
+        # of the device's granularity (512 bytes on cuda)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        unit = backends.backend_for(device).allocation_granularity
+        scalars = 2 * -(-4 // unit) * unit
+        return float(self.head.embedding_backward(int(self._need_chain("after_layers").cw[0])) + scalars)
 
     def min_memory(self) -> float:
         return max(super().min_memory(), self.after_layers())
