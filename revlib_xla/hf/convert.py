@@ -184,7 +184,11 @@ class HeadBytes:
             weight_grad = self.vocab * self.hidden * (4 + (0 if self.tied else self.element_size))
             chunk = _head.chunk_bytes(tokens, self.hidden, self.vocab) + weight_grad
             return tokens * (self.vocab + self.hidden) * self.element_size + chunk
-        return tokens * self.vocab * (2 * self.element_size + 2 * 4)
+        # transformers' loss: its backward's float32 tensors beside the logits and their gradient, then the head's
+        # weight gradient beside the logits' gradient; a tied head's is the gradient held_gradient counts from then
+        weight = self.vocab * self.hidden * self.element_size
+        logits = tokens * self.vocab * self.element_size
+        return max(0, max(tokens * self.vocab * 8 + 2 * logits, 2 * logits + weight) - self.held_gradient())
 
 
 class _LayerCheckpointable(Checkpointable):
@@ -200,9 +204,12 @@ class _LayerCheckpointable(Checkpointable):
         self.head = head
 
     def held_during_backward(self) -> float:
-        """Checkpointable's (the output and its gradient) and a tied head's weight gradient
-        (:meth:`HeadBytes.held_gradient`)."""
-        return super().held_during_backward() + self.head.held_gradient()
+        """Checkpointable's (the output and its gradient), a tied head's weight gradient
+        (:meth:`HeadBytes.held_gradient`) and the tensors the layers are called with (the causal mask, the rotary
+        tables, the positions: the run holds its input until its backward ends, after the embedding's backward)."""
+        return super().held_during_backward() + self.head.held_gradient() + self.call_bytes
+
+    call_bytes = 0  # bytes of the tensors in the layers' call (_Call), set by measure
 
     def after_layers(self) -> float:
         """The least budget the step needs whatever the schedule: the input embedding's backward after the
@@ -237,7 +244,14 @@ class _LayerCheckpointable(Checkpointable):
         return super().compute_sequence(mem_limit, mem_slots)
 
     def measure(self, sample_input: Any) -> Chain:
-        hidden = sample_input[0]
+        hidden, call = sample_input
+        tensors = [t for t in tree_leaves((call.args, call.kwargs)) if isinstance(t, torch.Tensor)]
+        storages = {
+            id(t.untyped_storage()): (t.untyped_storage().nbytes(), backends.backend_for(t).allocation_granularity)
+            for t in tensors
+            if not backends.is_tracing_lazily(t)  # XLA: no storage; the compiled program's sizes stand for them
+        }
+        self.call_bytes = sum(-(-size // unit) * unit for size, unit in storages.values())
         self.loss_tmp_memory_usage = self.head(hidden.numel() // max(hidden.shape[-1], 1))
         layers = [cast(_Stage, stage).layer for stage in self.stages]
         if not _same_shapes(layers) or len(self.stages) == 1:

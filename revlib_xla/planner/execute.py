@@ -391,6 +391,12 @@ class _Run:
         input_grads = self.grad.pop(0)
         self.x.clear()
         captured = dict(zip(map(id, self.capture), self.captured))
+        if not _graph_kept():
+            # No second backward through this run: let go of the input's and output's other parts now (a
+            # transformers layer call's mask and rotary tables), not when autograd frees this graph, after the
+            # backward of what came before the model (an embedding's: a step's peak at a real vocabulary).
+            self.input_structure = self.out_structure = None  # type: ignore[assignment]
+            self.xbar.clear()
         return input_grads, [captured.get(id(p)) for p in params]
 
     def again(self, inputs: Sequence[torch.Tensor]) -> _Run:
@@ -564,3 +570,9 @@ class ScheduleExecutor(nn.Module):
         if not (self.training and torch.is_grad_enabled()):
             return self.model(x)
         return run_schedule(self, self.schedule, x)
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward keeps its graph (``retain_graph=True``); True where torch cannot say."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
