@@ -123,50 +123,99 @@ def _fake_rise(mode, step, model, tokens):
             return tracker.peak() - start
 
 
+def _fake_tokens(batch, seq):
+    """A fake-tensor mode and a batch of ``batch`` x ``seq`` token ids in it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        tokens = torch.zeros(batch, seq, dtype=torch.int64)
+    return mode, tokens
+
+
+def _fake_cli_model(mode, tokens, strategy, precision):
+    """The native llama-1b (4 of its 16 layers) as ``revlib-xla train`` builds it, on ``mode``'s fake host."""
+    from revlib_xla.fit.gpu import _on_fake_host
+
+    batch, seq = tokens.shape
+    cfg = load_config(
+        None,
+        [
+            "model.name=llama-1b",
+            "model.overrides={n_layers: 4}",
+            f"data.seq_len={seq}",
+            f"data.batch_size={batch}",
+            f"strategy.activations={strategy}",
+            f"strategy.precision={precision}",
+            "chip.name=h100",
+        ],
+    )
+    model = build_model(cfg, "meta")
+    _on_fake_host(model, mode)
+    return model
+
+
+def _fake_cli_step(tokens, precision):
+    def step(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model.loss(tokens).backward()
+
+    return step
+
+
+def _fake_hf_model(mode, dtype, layers=4):
+    """transformers Llama with Llama-3.2-1B's shape (``layers`` layers), on ``mode``'s fake host, training."""
+    from revlib_xla.fit.gpu import _on_fake_host
+    from revlib_xla.hf import model_from_config
+
+    model = model_from_config("llama-3.2-1b", num_hidden_layers=layers, device="meta", dtype=dtype)
+    model.config.use_cache = False
+    _on_fake_host(model, mode)
+    return model.train()
+
+
+def _fake_hf_step(mode, tokens):
+    def step(model):
+        with mode:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+
+    return step
+
+
+def _transformers_checkpointing(model):
+    """``model`` with transformers' own (non-reentrant) checkpointing and the chunked loss, as the plan has it."""
+    from revlib_xla.hf import chunked_loss
+
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    chunked_loss(model)
+    return model
+
+
+def _assert_budgets_kept(mode, step, model, checkpointable, tokens, budgets):
+    for budget in budgets:
+        checkpointable.compute_sequence(budget)
+        assert _fake_rise(mode, step, model, tokens) <= budget
+
+
+def _from_smallest_to_no_recomputation(checkpointable, margin):
+    low, high = checkpointable.min_memory() * margin, checkpointable.no_checkpoint_memory()
+    return low, (low, (low + high) / 2, high)
+
+
 def test_cli_plan_keeps_its_budget_at_llama_1b_width():
     """The native llama-1b (4 of its 16 layers), 1 x 2048 tokens, bf16 autocast: the measured peak within each
     budget from the smallest to the no-recomputation one, and budget auto at the plain model's peak. Before: the
     loss's transient was taken as 0 and the stages measured in float32, and plans peaked 3-15 % above their
     budgets (42 % at 4 x 1024)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from revlib_xla.fit.gpu import _on_fake_host
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        tokens = torch.zeros(1, 2048, dtype=torch.int64)
-
-    def make(strategy):
-        cfg = load_config(
-            None,
-            [
-                "model.name=llama-1b",
-                "model.overrides={n_layers: 4}",
-                "data.seq_len=2048",
-                "data.batch_size=1",
-                f"strategy.activations={strategy}",
-                "strategy.precision=bf16",
-                "chip.name=h100",
-            ],
-        )
-        model = build_model(cfg, "meta")
-        _on_fake_host(model, mode)
-        return model
-
-    def step(model):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model.loss(tokens).backward()
-
-    plain = _fake_rise(mode, step, make("none"), tokens)
-    planned = make("plan")
+    mode, tokens = _fake_tokens(1, 2048)
+    step = _fake_cli_step(tokens, "bf16")
+    plain = _fake_rise(mode, step, _fake_cli_model(mode, tokens, "none", "bf16"), tokens)
+    planned = _fake_cli_model(mode, tokens, "plan", "bf16")
     with mode:
         step(planned)  # measured and planned at the first step (budget auto: an H100 less the state)
     assert _fake_rise(mode, step, planned, tokens) <= plain
-    checkpointable = planned.planned
-    low, high = checkpointable.min_memory() * 1.02, checkpointable.no_checkpoint_memory()
-    for budget in (low, (low + high) / 2, high):
-        checkpointable.compute_sequence(budget)
-        assert _fake_rise(mode, step, planned, tokens) <= budget
+    _, budgets = _from_smallest_to_no_recomputation(planned.planned, 1.02)
+    _assert_budgets_kept(mode, step, planned, planned.planned, tokens, budgets)
 
 
 @pytest.mark.slow
@@ -176,37 +225,17 @@ def test_hf_plan_keeps_its_budget_at_llama_3_2_1b_width():
     auto stays at the plain model's peak or below. Before: +18 % and +23 % (the tied head's weight gradient, which
     autograd holds until the input embedding's backward, 0.5 GiB, was not counted)."""
     require_transformers()
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from revlib_xla.hf import memory_efficient
 
-    from revlib_xla.fit.gpu import _on_fake_host
-    from revlib_xla.hf import chunked_loss, memory_efficient, model_from_config
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        tokens = torch.zeros(1, 2048, dtype=torch.int64)
-
-    def make():
-        model = model_from_config("llama-3.2-1b", num_hidden_layers=4, device="meta", dtype=torch.bfloat16)
-        model.config.use_cache = False
-        _on_fake_host(model, mode)
-        return model.train()
-
-    def step(model):
-        with mode:
-            model(input_ids=tokens, labels=tokens).loss.backward()
-
-    plain = _fake_rise(mode, step, make(), tokens)
-    transformers_checkpointing = make()
-    transformers_checkpointing.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    chunked_loss(transformers_checkpointing)
-    theirs = _fake_rise(mode, step, transformers_checkpointing, tokens)
-    planned = memory_efficient(make(), "plan")
+    mode, tokens = _fake_tokens(1, 2048)
+    step = _fake_hf_step(mode, tokens)
+    plain = _fake_rise(mode, step, _fake_hf_model(mode, torch.bfloat16), tokens)
+    theirs = _fake_rise(mode, step, _transformers_checkpointing(_fake_hf_model(mode, torch.bfloat16)), tokens)
+    planned = memory_efficient(_fake_hf_model(mode, torch.bfloat16), "plan")
     step(planned)
     assert _fake_rise(mode, step, planned, tokens) <= plain
     checkpointable = planned.revlib_xla_conversion.runner.checkpointable
-    for budget in (theirs, checkpointable.min_memory() * 1.02):
-        checkpointable.compute_sequence(budget)
-        assert _fake_rise(mode, step, planned, tokens) <= budget
+    _assert_budgets_kept(mode, step, planned, checkpointable, tokens, (theirs, checkpointable.min_memory() * 1.02))
 
 
 @pytest.mark.slow
@@ -225,33 +254,16 @@ def test_hf_plan_keeps_its_budget_at_llama_3_2_1b_width_for_short_batches(dtype,
     gradient holds more than transformers' loss at these lengths, and each stage's input kept by the executor
     where nothing is recomputed)."""
     require_transformers()
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from revlib_xla.hf import memory_efficient
 
-    from revlib_xla.fit.gpu import _on_fake_host
-    from revlib_xla.hf import memory_efficient, model_from_config
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        tokens = torch.zeros(batch, seq, dtype=torch.int64)
-
-    def make():
-        model = model_from_config("llama-3.2-1b", num_hidden_layers=4, device="meta", dtype=dtype)
-        model.config.use_cache = False
-        _on_fake_host(model, mode)
-        return model.train()
-
-    def step(model):
-        with mode:
-            model(input_ids=tokens, labels=tokens).loss.backward()
-
-    plain = _fake_rise(mode, step, make(), tokens)
-    planned = memory_efficient(make(), "plan")
+    mode, tokens = _fake_tokens(batch, seq)
+    step = _fake_hf_step(mode, tokens)
+    plain = _fake_rise(mode, step, _fake_hf_model(mode, dtype), tokens)
+    planned = memory_efficient(_fake_hf_model(mode, dtype), "plan")
     assert _fake_rise(mode, step, planned, tokens) <= plain
     checkpointable = planned.revlib_xla_conversion.runner.checkpointable
-    low, high = checkpointable.min_memory() * 1.01, checkpointable.no_checkpoint_memory()
-    for budget in (low, (low + high) / 2, high):
-        checkpointable.compute_sequence(budget)
-        assert _fake_rise(mode, step, planned, tokens) <= budget
+    _, budgets = _from_smallest_to_no_recomputation(checkpointable, 1.01)
+    _assert_budgets_kept(mode, step, planned, checkpointable, tokens, budgets)
 
 
 @pytest.mark.slow
@@ -262,36 +274,21 @@ def test_hf_plan_runs_transformers_flops_near_their_bytes_and_fewer_above():
     torch's non-reentrant checkpoint stops), within that budget; at 25 % above, fewer. Before: the executor ran its
     recomputations whole on fake tensors (+4 %), and priced stages by the time of dispatching fake operations."""
     require_transformers()
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    from revlib_xla.fit.gpu import _on_fake_host
-    from revlib_xla.hf import chunked_loss, memory_efficient, model_from_config
+    from revlib_xla.hf import memory_efficient
 
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        tokens = torch.zeros(1, 2048, dtype=torch.int64)
-
-    def make():
-        model = model_from_config("llama-3.2-1b", num_hidden_layers=4, device="meta", dtype=torch.bfloat16)
-        model.config.use_cache = False
-        _on_fake_host(model, mode)
-        return model.train()
-
-    def step(model):
-        with mode:
-            model(input_ids=tokens, labels=tokens).loss.backward()
+    mode, tokens = _fake_tokens(1, 2048)
+    step = _fake_hf_step(mode, tokens)
 
     def flops(model):
-        with mode, FlopCounterMode(display=False) as counter:
-            model(input_ids=tokens, labels=tokens).loss.backward()
+        with FlopCounterMode(display=False) as counter:
+            step(model)
         return counter.get_total_flops()
 
-    theirs_model = make()
-    theirs_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    chunked_loss(theirs_model)
+    theirs_model = _transformers_checkpointing(_fake_hf_model(mode, torch.bfloat16))
     theirs, theirs_flops = _fake_rise(mode, step, theirs_model, tokens), flops(theirs_model)
-    planned = memory_efficient(make(), "plan")
+    planned = memory_efficient(_fake_hf_model(mode, torch.bfloat16), "plan")
     step(planned)
     checkpointable = planned.revlib_xla_conversion.runner.checkpointable
     checkpointable.compute_sequence(1.05 * theirs)
@@ -316,43 +313,13 @@ def test_cli_plan_keeps_its_budget_and_goes_below_plain_at_llama_1b_width(precis
     loss does not keep), so the smallest budget was 20-29 % above the plain model's peak at 4 x 512 and 2 x 2048 in
     float32; and a schedule that recomputes nothing, run as autograd's plain run, held the tied head's gradient
     through the backward (above its budget by 0.8 GiB at 1 x 512)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from revlib_xla.fit.gpu import _on_fake_host
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
-        tokens = torch.zeros(batch, seq, dtype=torch.int64)
-
-    def make(strategy):
-        cfg = load_config(
-            None,
-            [
-                "model.name=llama-1b",
-                "model.overrides={n_layers: 4}",
-                f"data.seq_len={seq}",
-                f"data.batch_size={batch}",
-                f"strategy.activations={strategy}",
-                f"strategy.precision={precision}",
-                "chip.name=h100",
-            ],
-        )
-        model = build_model(cfg, "meta")
-        _on_fake_host(model, mode)
-        return model
-
-    def step(model):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            model.loss(tokens).backward()
-
-    plain = _fake_rise(mode, step, make("none"), tokens)
-    planned = make("plan")
+    mode, tokens = _fake_tokens(batch, seq)
+    step = _fake_cli_step(tokens, precision)
+    plain = _fake_rise(mode, step, _fake_cli_model(mode, tokens, "none", precision), tokens)
+    planned = _fake_cli_model(mode, tokens, "plan", precision)
     with mode:
         step(planned)
     assert _fake_rise(mode, step, planned, tokens) <= plain
-    checkpointable = planned.planned
-    low, high = checkpointable.min_memory() * 1.01, checkpointable.no_checkpoint_memory()
+    low, budgets = _from_smallest_to_no_recomputation(planned.planned, 1.01)
     assert low < plain
-    for budget in (low, (low + high) / 2, high):
-        checkpointable.compute_sequence(budget)
-        assert _fake_rise(mode, step, planned, tokens) <= budget
+    _assert_budgets_kept(mode, step, planned, planned.planned, tokens, budgets)
