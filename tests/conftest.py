@@ -73,19 +73,24 @@ def max_rel_err(a, b):
 
 class SeededUnits(torch.nn.Module):
     """The plain modules ``units`` run in turn, unit ``i`` drawing its random numbers as unit ``i`` of an engine
-    call does (``Checkpointable``'s stages, ``OffloadModel``'s checkpointed slices; see revlib_xla.recompute): from
-    generators seeded with ``derive_seed(seed, i)``, ``seed`` drawn once per forward from torch's global generator.
-    With plain autograd, this is the reference with the masks the engine draws."""
+    call does (``Checkpointable``'s stages, ``OffloadModel``'s checkpointed slices; see revlib_xla.recompute): by
+    default (``random_numbers() == "plain"`` on cpu and cuda) from torch's global generators, as the plain model
+    draws; else from generators seeded with ``derive_seed(seed, i)``, ``seed`` drawn once per forward from torch's
+    global generator. With plain autograd, this is the reference with the masks the engine draws."""
 
     def __init__(self, units):
         super().__init__()
         self.units = torch.nn.ModuleList(units)
 
     def forward(self, x):
-        from revlib_xla.recompute import rng_scope
+        from revlib_xla.recompute import plain_random_numbers, rng_scope
 
-        seed = backends.draw_seed()
         device = next(iter(backends.tensors_in(x))).device
+        if plain_random_numbers(device):
+            for unit in self.units:
+                x = unit(x)
+            return x
+        seed = backends.draw_seed()
         for i, unit in enumerate(self.units):
             with rng_scope(device) as reseed:
                 reseed(backends.derive_seed(seed, i))

@@ -227,7 +227,8 @@ def build_hf_lm(
             model,
             s.activations,
             budget=budget if s.activations == "plan" and budget is not None else "auto",
-            beta=s.beta,
+            # momentum's beta where the run sets one (the config's default, 0.9, is the native MomentumNet's)
+            **({"beta": s.beta} if s.activations == "momentum" and "beta" in s.model_fields_set else {}),
             fewbit=s.fewbit,
             exact=None if s.exact else False,  # (plan: no streams; the config refuses exact=false with it)
         )

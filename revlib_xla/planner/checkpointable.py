@@ -36,7 +36,6 @@ step: a chain in, a schedule out) and :func:`~revlib_xla.planner.run_schedule` (
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -61,8 +60,31 @@ __all__ = ["Checkpointable", "SavedAs", "atomic", "flatten_sequential"]
 logger = logging.getLogger("revlib_xla.checkpointable")  # its name before it moved under planner/
 
 
-def _signature(x: Any) -> tuple[tuple[tuple[int, ...], torch.dtype, str], ...]:
+Signature = tuple[tuple[tuple[int, ...], torch.dtype, str], ...]
+
+
+def _signature(x: Any) -> Signature:
     return tuple((tuple(t.shape), t.dtype, t.device.type) for t in tensor_leaves(x))
+
+
+def _covers(big: Signature, small: Signature) -> bool:
+    """Whether every tensor of an input of signature ``small`` is, dimension by dimension, at most the size of the
+    same tensor in ``big`` (same dtypes and devices): whatever a schedule holds for ``big`` bounds what it holds
+    for ``small``."""
+    return len(big) == len(small) and all(
+        b[1:] == s[1:] and len(b[0]) == len(s[0]) and all(x >= y for x, y in zip(b[0], s[0]))
+        for b, s in zip(big, small)
+    )
+
+
+def _elements(signature: Signature) -> int:
+    total = 0
+    for shape, _, _ in signature:
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
 
 
 class SavedAs(nn.Module):
@@ -170,9 +192,11 @@ class Checkpointable(nn.Module):
         self.sequence: Schedule | None = None
         self.measurements: list[StageMeasurement] = []
         self.tpu_hbm_bytes: int | None = None
-        self._signature: tuple[tuple[tuple[int, ...], torch.dtype, str], ...] | None = None
+        self._signature: Signature | None = None
         self._sample: Any = None
         self._runnable: Schedule | None = None  # the last schedule checked against the chain
+        # the plans made for each input signature met (see _plan_for), and the signature each was measured at
+        self._plans: dict[Signature, dict[str, Any]] = {}
         if input is not None:
             self.measure(input)
             self.compute_sequence()
@@ -355,12 +379,7 @@ class Checkpointable(nn.Module):
                 x = stage(x)
             return x
         if self._signature is not None and _signature(x) != self._signature:
-            warnings.warn(
-                f"Checkpointable: input {_signature(x)} differs from the measured "
-                f"{self._signature}; measuring and planning again",
-                stacklevel=2,
-            )
-            self.chain = None
+            self._plan_for(_signature(x))
         if self.chain is None:
             self.measure(x)
         if self.sequence is None:
@@ -380,6 +399,35 @@ class Checkpointable(nn.Module):
                         x = stage(x)
             return x
         return run_schedule(self, sequence, x)
+
+    #: what a plan for one input signature consists of (a subclass that measures more adds its attributes)
+    plan_state: tuple[str, ...] = ("chain", "measurements", "sequence", "_signature", "_sample", "_runnable")
+
+    def _plan_for(self, signature: Signature) -> None:
+        """Make the plan for inputs of ``signature`` the current one: the one made for it before; else that of the
+        smallest input met whose every tensor is at least as large (:func:`_covers`: its schedule holds no more for
+        this one, so the budget is kept, without measuring again: a padding collator's batch lengths); else none,
+        and the forward measures and plans this shape (a larger one than any met). The current plan is kept for its
+        own signature."""
+        if self._signature is not None and self.chain is not None:
+            self._plans[self._signature] = {name: getattr(self, name) for name in self.plan_state}
+        entry = self._plans.get(signature)
+        if entry is None:
+            covering = [sig for sig in self._plans if _covers(sig, signature)]
+            if covering:
+                source = min(covering, key=_elements)
+                entry = dict(self._plans[source], _signature=signature)
+                self._plans[signature] = entry
+                logger.info("Checkpointable: input %s runs the plan made for %s", signature, source)
+        if entry is None:
+            logger.info(
+                "Checkpointable: input %s is larger than those planned for; measuring and planning it", signature
+            )
+            self.chain = None
+            self.sequence = None
+            return
+        for name, value in entry.items():
+            setattr(self, name, value)
 
     def _stack_layers(self) -> Checkpointable:
         """What :func:`revlib_xla.reversible.stacking.stack_layers` does for a Checkpointable: its scanned runs'

@@ -4,7 +4,13 @@ backward pass (the reversible core, ``Checkpointable``'s executor, ``OffloadMode
 A unit (a reversible layer, a planned stage, an offloaded slice) that is recomputed must compute what its first run
 computed. Three things can differ between the two runs, and each is handled here:
 
-* **Random numbers.** A call draws one seed from torch's global generator (:func:`backends.draw_seed`, one atomic
+* **Random numbers**, two ways (:func:`random_numbers`). ``"plain"`` (the default, on devices whose random
+  operators take generators: cpu, cuda): each unit's first run draws from torch's global generators exactly as the
+  plain model draws (nothing else is drawn), its random state is captured just before, and a recomputation runs
+  from that state with the global generators put back after it (as ``torch.utils.checkpoint`` does): dropout masks,
+  losses and the generators' state after a step equal the plain model's, so a seeded run and a resumed one continue
+  as the plain model's do. Another thread drawing from the global generators during a recomputation would share its
+  numbers. ``"own"``: a call draws one seed from torch's global generator (:func:`backends.draw_seed`, one atomic
   draw), and unit ``i`` runs under ``derive_seed(seed, i)``, in its first run and in every recomputation. Within
   :func:`rng_scope` the random operators of the running thread are handed generators that the scope owns (a
   dispatch rule that only that thread sees, below autograd), so nothing seeds, saves or restores the process-global
@@ -51,6 +57,9 @@ from .. import backends
 from .buffers import RecomputeState, SavedBuffers, owned_buffers
 
 __all__ = [
+    "random_numbers",
+    "drawing",
+    "plain_random_numbers",
     "rng_scope",
     "checkpoint",
     "CallReplay",
@@ -74,6 +83,42 @@ _install_lock = threading.Lock()
 _installed: list[Any] = []  # [dispatch key or None, libraries kept alive]
 
 
+_RANDOM_NUMBERS = ["plain"]
+RANDOM_NUMBERS = ("plain", "own")
+
+
+def random_numbers(mode: str | None = None) -> str:
+    """How the engines that recompute (the reversible core, ``Checkpointable``, ``OffloadModel``, the exact momentum
+    stack) draw random numbers, process-wide: ``"plain"`` (default: the plain model's numbers, from torch's global
+    generators, each recomputation replaying its unit's captured state) or ``"own"`` (generators of the engine's own,
+    seeded from one draw per call: no other thread can change a recomputation's numbers, but they are not the plain
+    model's). Returns the mode in force before; with no argument, changes nothing. On xla, whose random operators
+    take no generator, units are seeded as in ``"own"`` either way."""
+    before = _RANDOM_NUMBERS[0]
+    if mode is not None:
+        if mode not in RANDOM_NUMBERS:
+            raise ValueError(
+                f"revlib_xla.recompute.random_numbers: {mode!r}; choose one of {', '.join(RANDOM_NUMBERS)}"
+            )
+        _RANDOM_NUMBERS[0] = mode
+    return before
+
+
+@contextlib.contextmanager
+def drawing(mode: str) -> Iterator[None]:
+    """:func:`random_numbers` ``mode`` within the block."""
+    before = random_numbers(mode)
+    try:
+        yield
+    finally:
+        random_numbers(before)
+
+
+def plain_random_numbers(device: backends.DeviceLike) -> bool:
+    """Whether units on ``device`` draw the plain model's random numbers now (:func:`random_numbers`)."""
+    return _RANDOM_NUMBERS[0] == "plain" and backends.takes_generators(device)
+
+
 def _ignore(seed: int | None) -> None:
     pass
 
@@ -86,9 +131,10 @@ class _Frame:
     """One active :func:`rng_scope` of a thread: its generators (one per device, made at the first draw there),
     the current unit's seed, and the user's generators it has started again for a recomputation."""
 
-    __slots__ = ("device_seed", "forks", "gens", "moved", "owned", "record", "replay", "seed")
+    __slots__ = ("device_seed", "forks", "gens", "moved", "owned", "plain", "record", "replay", "seed")
 
-    def __init__(self, device: torch.device, record: GeneratorRecord | None, replay: bool) -> None:
+    def __init__(self, device: torch.device, record: GeneratorRecord | None, replay: bool, plain: bool = False) -> None:
+        self.plain = plain  # random operators keep torch's global generators (the seed is only the unit's key)
         self.gens: dict[torch.device, torch.Generator | None] = {}
         self.owned: set = set()
         self.device_seed = backends.DeviceSeed.capture(device)  # xla: the device is seeded per unit instead
@@ -111,7 +157,7 @@ class _Frame:
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """The scope's generator for ``device`` (``None``: leave the operator as it is)."""
-        if self.seed is None:
+        if self.seed is None or self.plain:
             return None
         if device in self.gens:
             return self.gens[device]
@@ -301,7 +347,11 @@ def _register_rules(rules: Any, key: Any) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def rng_scope(
-    device: backends.DeviceLike, active: bool = True, record: GeneratorRecord | None = None, replay: bool = False
+    device: backends.DeviceLike,
+    active: bool = True,
+    record: GeneratorRecord | None = None,
+    replay: bool = False,
+    plain: bool = False,
 ) -> Iterator[Reseed]:
     """Yield ``reseed(seed)``: from then on, random operators of this thread draw from generators owned by the
     scope and seeded with ``seed``. One ``reseed`` per unit; given ``None``, or with ``active=False``, it does
@@ -313,12 +363,18 @@ def rng_scope(
     A device whose random operators cannot be handed generators (xla: a per-device seed inside the graph) is
     seeded by ``reseed`` itself, and its state put back at exit: replayed, but process-global, so two threads must
     not share such a device.
+
+    ``plain``: random operators keep torch's global generators (the caller captures and restores their state,
+    :class:`CallReplay`); ``reseed``'s argument only names the unit whose own generators are recorded or replayed.
     """
     if not active:
         yield _ignore
         return
     dev = device.device if isinstance(device, Tensor) else torch.device("cpu" if device is None else device)
     key = _install()
+    if key is None and plain:
+        yield _ignore
+        return
     if key is None:
         saved = backends.RngState.capture(dev)
         try:
@@ -326,7 +382,9 @@ def rng_scope(
         finally:
             saved.restore()
         return
-    frame = _Frame(dev, record, replay)
+    frame = _Frame(dev, record, replay, plain)
+    if plain:
+        frame.device_seed = None
     frames = _frames()
     frames.append(frame)
     try:
@@ -392,9 +450,11 @@ def checkpoint(function: Callable[..., Any], *args: Any, preserve_rng_state: boo
 
 
 class CallReplay:
-    """What one engine call's forward captured for its recomputations: one seed (unit ``i`` runs under
-    ``derive_seed(seed, i)``; ``None`` with ``preserve_rng=False``, then units draw from the global generators
-    and recomputations draw other numbers), the autocast state, and the user's generators met in each unit.
+    """What one engine call's forward captured for its recomputations: how units draw random numbers
+    (:func:`random_numbers`: with ``"plain"``, each unit's random state just before its first run; with ``"own"``,
+    one seed, unit ``i`` running under ``derive_seed(seed, i)``; ``preserve_rng=False``: neither, units draw from
+    the global generators and recomputations draw other numbers), the autocast state, and the user's generators met
+    in each unit.
 
     Every engine takes these from here: ``Checkpointable`` and ``OffloadModel`` enter a scope per unit
     (:meth:`first_run`, :meth:`rerun`); the reversible core enters one :meth:`scope` for its whole forward, and one
@@ -402,19 +462,57 @@ class CallReplay:
 
     def __init__(self, device: backends.DeviceLike, preserve_rng: bool = True) -> None:
         self.device = device
-        self.seed = backends.draw_seed() if preserve_rng else None
+        #: the plain model's random numbers, each unit's state captured (see random_numbers)
+        self.plain = preserve_rng and plain_random_numbers(device)
+        self.seed = backends.draw_seed() if preserve_rng and not self.plain else None
+        #: whether recomputations draw their first run's numbers
+        self.preserves = preserve_rng
         self.autocast = backends.AutocastState.capture(device)
         self.record: GeneratorRecord = {}
+        self.states: dict[int, backends.RngState] = {}  # plain: each unit's random state before its first run
 
     def unit_seed(self, unit: int) -> int | None:
-        """The seed unit ``unit`` runs under, in its first run and in every recomputation."""
+        """The seed unit ``unit`` runs under, in its first run and in every recomputation (plain: the unit itself,
+        the key of its captured state)."""
+        if self.plain:
+            return unit
         return None if self.seed is None else backends.derive_seed(self.seed, unit)
 
     def scope(self, replay: bool = False) -> contextlib.AbstractContextManager[Reseed]:
         """An :func:`rng_scope` for several units of this call (``reseed(self.unit_seed(i))`` before unit ``i``):
         the first runs (recording the user's generators), or with ``replay=True`` recomputations (starting them
         again where each unit found them). Autocast is not entered: see :meth:`rerun`."""
+        if self.plain:
+            return self._plain_scope(replay)
         return rng_scope(self.device, self.seed is not None, self.record, replay)
+
+    @contextlib.contextmanager
+    def _plain_scope(self, replay: bool) -> Iterator[Reseed]:
+        """Plain random numbers: ``reseed(unit)`` captures the global generators' state before the unit's first run
+        (which then draws from them as the plain model does), or for a unit run before (a recomputation, a forward
+        phase run again) starts them at that state; at exit they are put back where the scope found them if any unit
+        was run again there."""
+        device = backends.as_device(self.device)
+        now = backends.RngState.capture(device)
+        again = [False]
+        with rng_scope(device, True, self.record, replay, plain=True) as frame_reseed:
+
+            def reseed(unit: int | None) -> None:
+                if unit is None:
+                    return
+                frame_reseed(unit)
+                state = self.states.get(unit)
+                if state is None and not replay:
+                    self.states[unit] = backends.RngState.capture(device)
+                elif state is not None:
+                    again[0] = True
+                    state.restore()
+
+            try:
+                yield reseed
+            finally:
+                if again[0]:
+                    now.restore()
 
     @contextlib.contextmanager
     def first_run(self, unit: int) -> Iterator[None]:

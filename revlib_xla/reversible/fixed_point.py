@@ -183,6 +183,12 @@ class StreamGuard:
         fits = (self.packed[:, 0] > -self.limit) & (self.packed[:, 1] < self.limit)
         return torch.where(fits.all(), 0.0, float("nan"))
 
+    def finite(self) -> bool:
+        """Read the extremes (after :meth:`close`): whether every recorded value was finite."""
+        if self.packed is None:
+            return True
+        return bool(torch.isfinite(self.packed).all())
+
     def judge(self, previous: bool = False) -> None:
         """Read the extremes; raise :class:`FixedStreamError` for the first layer at fault (``previous``: the
         forward is an earlier one, whose outputs were made NaN instead)."""

@@ -81,13 +81,20 @@ def check_plan(
     locals_: list[Any] = []
     active, device = plan.call.seed is not None, x0.device
     generators: dict[Any, Any] = {}
+    plain = plan.call.plain  # the plain model's random numbers: each layer's state captured here, put back after
+    start = backends.RngState.capture(device) if plain else None
+    states: dict[int, backends.RngState] = {}
 
     @contextlib.contextmanager
     def as_in_the_forward(i: int, copies: dict[str, Tensor] | None, replay: bool = True) -> Iterator[None]:
         """Layer ``i``'s random numbers, own generators and buffers as its forward met them (the buffers left as
         they were after), as the backward's recomputation has them."""
-        with preserved(plan.buffers_of(i, copies)), rng_scope(device, active, generators, replay) as reseed:
-            reseed(plan.seed_of(i))
+        with preserved(plan.buffers_of(i, copies)), rng_scope(device, active or plain, generators, replay, plain) as r:
+            r(plan.seed_of(i))
+            if plain and i not in states:
+                states[i] = backends.RngState.capture(device)
+            elif plain:
+                states[i].restore()
             yield
 
     fixed = plan.fixed
@@ -127,6 +134,8 @@ def check_plan(
         end = rebuild_check.rebuild_error(a0, a1, x0, x1)
     finally:
         rewind(generators)  # the blocks' own generators as they were
+        if start is not None:
+            start.restore()  # torch's generators too: the check draws nothing the plain model would not
     values = torch.stack([*replays, *locals_, end]).cpu().tolist()
     replays, locals_, end = values[:n], values[n : 2 * n], values[-1]
     for i in range(n):
@@ -138,7 +147,7 @@ def check_plan(
                 f"cache it appends to (a transformers KV cache: pass use_cache=False when training) or Python's "
                 f"random. Make its output depend only on its input, arguments, parameters, buffers and torch's random "
                 f"numbers (a torch.Generator of its own included), or use memory_mode=MemoryModes.no_savings."
-                + (" With random ops (dropout), keep preserve_rng_state=True." if plan.call.seed is None else "")
+                + ("" if plan.call.preserves else " With random ops (dropout), keep preserve_rng_state=True.")
             )
         if not locals_[i] <= tol:
             raise ReversibleError(

@@ -342,14 +342,17 @@ class PlannedSequence(nn.Sequential):
         """The forward's stream range check: read now and raised (an eager device outside data parallelism), or,
         where a read would cost the step (a lazy device) or leave the other processes of the group that decides
         together waiting (:func:`revlib_xla._rebuild_check.agreeing_group`), the outputs made NaN if it failed (no
-        read; the guard is kept for :func:`stream_range_error`)."""
+        read; the guard is kept for :func:`stream_range_error`). A value that is not finite (a block's float16
+        overflow under autocast, say) makes the outputs NaN on every device, as it makes the plain model's loss NaN:
+        a gradient scaler then skips the step; :func:`stream_range_error` names the layer."""
         guard.close()
         poison = guard.poison()
         if poison is None:
             return x0, x1
         if not (backends.is_tracing_lazily(x0) or rebuild_check.agreeing_group(plan.params) is not None):
-            guard.judge()
-            return x0, x1
+            if guard.finite():
+                guard.judge()
+                return x0, x1
         self.__dict__["_last_guard"] = guard
         return x0 + poison.to(x0.dtype), x1 + poison.to(x1.dtype)
 
@@ -410,7 +413,7 @@ class PlannedSequence(nn.Sequential):
                 self._verified,
                 self.__dict__.setdefault("_rebuild_pending", []),  # models pickled before it existed: created here
                 fused=self.fused_optimizer is not None,
-                replays_random=plan.call.seed is not None,
+                replays_random=plan.call.preserves,
                 autocast=cast[0] if cast else None,
                 group=rebuild_check.agreeing_group(plan.params),  # data parallel: the processes decide together
             )

@@ -57,11 +57,19 @@ def test_strategies_apply_to_the_transformers_model_and_the_spec_counts_it():
         ("momentum", lambda m: m.lm.revlib_xla_conversion.net is not None),
     ]:
         assert check(build_model(load_config(SMOKE, [*base, f"strategy={strategy}"]), "cpu")), strategy
-    for strategy in ("reversible", "momentum"):  # strategy.exact: fixed-point streams (default) or floating-point
-        exact = build_model(load_config(SMOKE, [*base, f"strategy={strategy}"]), "cpu").lm.revlib_xla_conversion.net
-        floating = build_model(load_config(SMOKE, [*base, f"strategy={strategy}", "strategy.exact=false"]), "cpu")
-        assert exact.exact_format(torch.float32) is not None and exact.exact is None, strategy
-        assert floating.lm.revlib_xla_conversion.net.exact is False, strategy
+    # strategy.exact: reversible's fixed-point streams (default) or floating-point; momentum is exact by construction
+    exact = build_model(load_config(SMOKE, [*base, "strategy=reversible"]), "cpu").lm.revlib_xla_conversion.net
+    floating = build_model(load_config(SMOKE, [*base, "strategy=reversible", "strategy.exact=false"]), "cpu")
+    assert exact.exact_format(torch.float32) is not None and exact.exact is None
+    assert floating.lm.revlib_xla_conversion.net.exact is False
+    with pytest.raises(StrategyError, match="'momentum' is exact by construction.*exact=False applies to"):
+        build_model(load_config(SMOKE, [*base, "strategy=momentum", "strategy.exact=false"]), "cpu")
+    # momentum's beta: the transformers form's default (2**-6) unless the run sets one
+    assert (
+        build_model(load_config(SMOKE, [*base, "strategy=momentum"]), "cpu").lm.revlib_xla_conversion.net.beta == 2**-6
+    )
+    set_beta = build_model(load_config(SMOKE, [*base, "strategy=momentum", "strategy.beta=0.25"]), "cpu")
+    assert set_beta.lm.revlib_xla_conversion.net.beta == 0.25
     with pytest.raises(HFConversionError, match="exact= applies to strategy='reversible' and 'momentum', not 'plan'"):
         memory_efficient(model_from_config("gpt2-tiny"), "plan", exact=False)
     meta = build_model(load_config(SMOKE, [*base, "strategy=plan"]), "meta")

@@ -1,6 +1,7 @@
 """What a recomputed forward sees again, in the three engines that recompute (the reversible core,
-``Checkpointable``, ``OffloadModel(checkpoint_activation=True)``): the forward's random numbers, even while other
-threads draw from torch's global generators, and the forward's buffers (blocks with their own state, such as
+``Checkpointable``, ``OffloadModel(checkpoint_activation=True)``): the forward's random numbers (by default the plain
+model's, drawn from torch's global generators; with ``random_numbers("own")`` the engine's own, even while other
+threads draw from torch's global generators), and the forward's buffers (blocks with their own state, such as
 ``spectral_norm``'s power iteration), so that gradients and buffers after the step are the plain model's.
 
 References are plain autograd on a copy of the same modules (``memory_mode=no_savings`` for the reversible core),
@@ -18,7 +19,7 @@ from conftest import max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
-from revlib_xla import backends
+from revlib_xla import backends, recompute
 
 WIDTH = 8
 STEPS = 60
@@ -150,11 +151,12 @@ def _checked_steps(model, engine, seed, steps, failures):
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
+@recompute.drawing("own")
 def test_threads_replay_their_own_random_numbers(engine):
-    """Two threads train their own model while a third draws from torch's global generator: every recomputation
-    draws its forward's numbers and every step's gradients are plain autograd's with the forward's masks (the
-    engines reseeded or restored the process-global generator per layer, so another thread's draws changed the
-    recomputation's masks)."""
+    """With the engines' own random numbers: two threads train their own model while a third draws from torch's
+    global generator: every recomputation draws its forward's numbers and every step's gradients are plain
+    autograd's with the forward's masks (the engines reseeded or restored the process-global generator per layer,
+    so another thread's draws changed the recomputation's masks)."""
     failures, stop = [], threading.Event()
 
     def noise():
@@ -181,12 +183,35 @@ def test_threads_replay_their_own_random_numbers(engine):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("mode", recompute.RANDOM_NUMBERS)
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_single_thread_replays_masks(engine):
-    """The same check without threads: the recomputation draws the forward's masks and the gradients match."""
+def test_single_thread_replays_masks(engine, mode):
+    """The same check without threads, for both ways of drawing: the recomputation draws the forward's masks and
+    the gradients match."""
     failures = []
-    _train(_build(engine, 3), engine, 3, 3, failures)
+    with recompute.drawing(mode):
+        _train(_build(engine, 3), engine, 3, 3, failures)
     assert not failures, failures
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_by_default_a_step_draws_the_plain_models_random_numbers(engine):
+    """The default: from the same generator state, a step of each engine draws the dropout masks the plain model
+    draws (so its gradients equal the plain model's, with no mask given), and leaves torch's generator where the
+    plain model leaves it, over several steps."""
+    model = _build(engine, 0)
+    plain = _plain_copy(model)
+    x = torch.randn(4, ENGINES[engine][1], dtype=torch.float64)
+    for step in range(3):
+        states = []
+        for m in (model, plain):
+            torch.manual_seed(100 + step)
+            m.zero_grad(set_to_none=True)
+            m(x).square().sum().backward()
+            states.append(torch.get_rng_state())
+        assert torch.equal(states[0], states[1]), step
+        for p, q in zip(model.parameters(), plain.parameters()):
+            assert max_rel_err(p.grad, q.grad) <= 1e-12, step
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -295,9 +320,11 @@ def test_python_random_in_a_block_is_reported(engine):
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
+@recompute.drawing("own")
 def test_a_step_takes_one_seed_from_the_global_generator(engine):
-    """A training step draws one seed from torch's global generator and otherwise leaves it alone: its dropout masks
-    come from generators of its own, and nothing is reseeded or restored."""
+    """With the engines' own random numbers, a training step draws one seed from torch's global generator and
+    otherwise leaves it alone: its dropout masks come from generators of its own, and nothing is reseeded or
+    restored."""
     model = _build(engine, 0)
     x = torch.randn(4, ENGINES[engine][1], dtype=torch.float64)
     torch.manual_seed(11)

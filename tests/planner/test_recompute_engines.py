@@ -2,11 +2,12 @@
 the reversible core, ``Checkpointable`` and ``OffloadModel(checkpoint_activation=True)``.
 
 One stateful random block (dropout, and BatchNorm in training mode, whose forward updates its running statistics)
-is trained through each of them, with and without CPU bfloat16 autocast. Each must give the plain model's outputs,
-gradients and running statistics under the same random numbers, and leave torch's global generator where the plain
-model leaves it. The plain model draws its random numbers as the engines do (conftest.SeededUnits: one seed per
-forward from the global generator, unit ``i`` under ``derive_seed(seed, i)``); for the reversible core that is
-``memory_mode=no_savings`` (plain autograd through the same layers).
+is trained through each of them, with and without CPU bfloat16 autocast, in both ways of drawing random numbers
+(``revlib_xla.recompute.random_numbers``). Each must give the plain model's outputs, gradients and running statistics
+under the same random numbers, and leave torch's global generator where the plain model leaves it. By default
+(``"plain"``) the plain model is the modules themselves; with ``"own"`` it draws as the engines then do
+(conftest.SeededUnits: one seed per forward from the global generator, unit ``i`` under ``derive_seed(seed, i)``).
+For the reversible core the reference is ``memory_mode=no_savings`` (plain autograd through the same layers).
 """
 
 import copy
@@ -17,6 +18,7 @@ from conftest import SeededUnits, max_rel_err
 from torch import nn
 
 import revlib_xla as revlib
+from revlib_xla import recompute
 
 WIDTH = 8
 UNITS = 3
@@ -50,11 +52,18 @@ def _reversible(dtype):
     return model, reference
 
 
+def _plain(units):
+    """The plain model of ``units``, drawing random numbers as the engines do in the mode in force."""
+    if recompute.random_numbers() == "own":
+        return SeededUnits(copy.deepcopy(units))
+    return nn.Sequential(*copy.deepcopy(units))
+
+
 def _checkpointable(dtype):
     model = revlib.Checkpointable(nn.Sequential(*[_block(WIDTH) for _ in range(UNITS)]).to(dtype))
     model.measure(torch.randn(4, WIDTH, dtype=dtype))  # runs every stage: must leave the running statistics alone
     model.compute_sequence(model.min_memory() * 1.02)  # the tightest plan: most stages are recomputed
-    return model, SeededUnits(copy.deepcopy(list(model.stages)))
+    return model, _plain(list(model.stages))
 
 
 def _offload(dtype):
@@ -64,7 +73,7 @@ def _offload(dtype):
         num_slices=UNITS,
         checkpoint_activation=True,
     )
-    return model, SeededUnits(copy.deepcopy(list(model.model_slices)))
+    return model, _plain(list(model.model_slices))
 
 
 ENGINES = {"reversible": _reversible, "checkpointable": _checkpointable, "offload_model": _offload}
@@ -99,9 +108,15 @@ def _step(model, x, autocast_dtype, seed):
     return out.detach(), torch.get_rng_state()
 
 
+@pytest.fixture(params=recompute.RANDOM_NUMBERS)
+def mode(request):
+    with recompute.drawing(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, setting):
+def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, setting, mode):
     dtype, autocast_dtype, tolerances = SETTINGS[setting]
     tol = tolerances[engine]
     torch.manual_seed(0)
@@ -133,11 +148,11 @@ def test_a_stateful_random_block_recomputes_as_the_plain_model_runs(engine, sett
 def _checkpointable_measured_in_step(dtype):
     """Measured and planned by its first call, inside the step's autocast region."""
     model = revlib.Checkpointable(nn.Sequential(*[_block(WIDTH) for _ in range(UNITS)]).to(dtype))
-    return model, SeededUnits(copy.deepcopy(list(model.stages)))
+    return model, _plain(list(model.stages))
 
 
 @pytest.mark.parametrize("engine", [*ENGINES, "checkpointable_measured_in_step"])
-def test_under_autocast_with_the_backward_in_the_region_every_parameter_gets_its_gradient(engine):
+def test_under_autocast_with_the_backward_in_the_region_every_parameter_gets_its_gradient(engine, mode):
     """Autocast caches its weight casts for the whole region, and torch <= 2.9 caches one made under no_grad without
     its autograd history: a later run with autograd in the region reuses it and the weight gets no gradient,
     silently. The engines run modules without autograd inside the region (Checkpointable's measuring first call,

@@ -304,7 +304,11 @@ class Scale(nn.Module):
 
 def test_a_value_beyond_the_grid_is_refused_naming_the_layer():
     """A block output beyond 2**31 / (layers + 1) would wrap the integers around: the forward refuses it, naming the
-    layer and its magnitude, before any backward; NaN and infinity are named as such; the input too."""
+    layer and its magnitude, before any backward. NaN and infinity make the outputs NaN, as they make the plain
+    model's (a gradient scaler then skips the step; the gradients are not finite either), and
+    stream_range_error names the layer (or the input) as such."""
+    from revlib_xla.reversible import stream_range_error
+
     model = ReversibleSequential(nn.Linear(4, 4), Scale(1e12), nn.Linear(4, 4), split_dim=-1)
     x = torch.randn(3, 8, requires_grad=True)
     with pytest.raises(
@@ -312,12 +316,17 @@ def test_a_value_beyond_the_grid_is_refused_naming_the_layer():
     ):
         model(x)
     model[1].block.factor = float("nan")
-    with pytest.raises(FixedStreamError, match=r"layer 1 \('0-1': Scale\) produced NaN or infinite values"):
-        model(x)
-    with torch.no_grad(), pytest.raises(FixedStreamError, match="NaN or infinite"):
-        model(x)  # the plain path is guarded alike
-    with pytest.raises(FixedStreamError, match="the input produced NaN or infinite values"):
-        ReversibleSequential(nn.Linear(4, 4), split_dim=-1)(torch.full((2, 8), float("inf")))
+    out = model(x)
+    assert out.isnan().all()
+    out.sum().backward()
+    assert not torch.isfinite(x.grad).all()
+    error = stream_range_error(model)
+    assert error is not None and re.search(r"layer 1 \('0-1': Scale\) produced NaN or infinite values", str(error))
+    with torch.no_grad():
+        assert model(x).isnan().all()  # the plain path alike
+    inf = ReversibleSequential(nn.Linear(4, 4), split_dim=-1)
+    assert inf(torch.full((2, 8), float("inf"))).isnan().all()
+    assert "the input produced NaN or infinite values" in str(stream_range_error(inf))
     assert issubclass(FixedStreamError, ReversibleError)
     assert fixed_point.GRID.range_in_values(3) == pytest.approx(2.0**31 / 4)
 
