@@ -444,6 +444,7 @@ class ExactMomentumStack(nn.Module):
         """Bytes the forward keeps for the backward for a hidden state of ``elements`` elements, all layers."""
         return (len(self.blocks) - 1) * kept_bytes_per_layer(elements, self.momentum.bits)
 
+    @torch.compiler.disable  # torch.compile runs the stack eagerly, as one graph break (its engine reads the range)
     def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         params = [list(b.parameters()) for b in self.blocks]
         records = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for ps in params for p in ps))
