@@ -13,14 +13,19 @@ forward's (MacKay et al. 2018 store recurrent states in fixed point for the same
 decoded to floating point, and the rounding is differentiated straight through, so plain autograd over the same
 fixed-point function (``MemoryModes.no_savings``) is the reference for the memory-saving backward.
 
-The grid: ``int64`` counting ``2**-32``. Measured against the alternatives (``bench/results/exact_streams-*.md``):
+The grid: ``int64`` counting ``2**-F``. On an eager device ``F`` follows the input's scale
+(:meth:`FixedPoint.for_values`, a block floating-point exponent chosen per forward: the input's largest magnitude
+``2**-30`` of the streams' range), so neither small activations (1e-8) lose precision nor large ones range; on a lazy
+device (XLA), where choosing it would read the input, ``F = 32`` (:data:`GRID`). Measured against the alternatives at
+``F = 32`` (``bench/results/exact_streams-*.md``):
 
 * the function: a block output is rounded to 2.3e-10 absolute. A float32 stream rounds every sum to 6e-8 relative
   (1.2e-9 at a stream value of 0.02, the scale of Llama's embeddings); a bfloat16 one to 4e-3 relative. The
   fixed-point stream also adds without rounding, so it is closer to exact arithmetic than a float32 stream wherever
   the stream's values exceed about 2e-3 (and within 1.2e-10 absolute below).
-* the range: up to 2**31 (2.1e9) for a stream's value; a block output may reach 2**31 / (layers + 1) (6.5e7 at 32
-  layers), far beyond any trained residual stream (Llama's largest activations are in the thousands). Beyond it, the
+* the range: a stream and a block output each below ``2**62`` units (2**30, 1.1e9, at ``F = 32``), checked
+  exactly: each layer records the extremes of what it adds and of the stream it leaves, so no sum can wrap around
+  (far beyond any trained residual stream: Llama's largest activations are in the thousands). Beyond it, the
   forward raises naming the layer (:class:`StreamGuard`); it never wraps around.
 * the bytes: 8 per stream element (float32 streams: 4; bfloat16: 2). A reversible stack keeps two streams whatever
   its depth, so this is a constant, not a per-layer cost.
@@ -33,6 +38,7 @@ emulated on GPUs and TPUs, where 64-bit integer addition is cheap.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -88,9 +94,21 @@ class FixedPoint:
     def range_in_values(self, addends: int) -> float:
         return self.bound(addends) * self.unit
 
+    @classmethod
+    def for_values(cls, *values: Tensor, headroom: int = 30) -> FixedPoint:
+        """The grid for streams that start as ``values`` (read: an eager device only): their largest magnitude at
+        ``2**-headroom`` of the streams' range (2**62 units), so that the stack may grow it ``2**headroom`` times."""
+        largest = max((float(v.detach().abs().amax()) for v in values if v.numel()), default=0.0)
+        exponent = math.frexp(largest)[1] if 0.0 < largest < math.inf else 1
+        bound = 1000 if any(v.dtype == torch.float64 for v in values) else 100  # 2.0**F within the work dtype
+        return cls(fraction_bits=max(-bound, min(bound, 62 - headroom - exponent)))
 
-#: The format of the reversible streams.
+
+#: The format of the reversible streams on lazy devices (and the default :meth:`ReversibleSequential.exact_format`).
 GRID = FixedPoint()
+
+#: every value in a stream, and every value added to one, stays below this many units: no sum of two can wrap
+LIMIT = 2.0**62
 
 
 class _Encode(torch.autograd.Function):
@@ -133,26 +151,27 @@ def branch_gradient(dstream: Tensor, shape: torch.Size, dtype: torch.dtype) -> T
 
 
 class StreamGuard:
-    """The range check of one forward: every value added into a stream (the input, each block's output) must fit
-    the grid (:meth:`FixedPoint.bound`) and be finite. Each layer records the extremes of what it adds (one
-    reduction, no synchronization). On an eager device alone, :meth:`judge` reads them all at once after the forward
+    """The range check of one forward: every value added into a stream (the input, each block's output) and every stream
+    a layer leaves must stay below :data:`LIMIT` units and be finite, so that no sum wraps around (both terms below
+    2**62, their sum below 2**63). Each layer records the extremes of what it adds and of the stream it leaves (two
+    reductions, no synchronization). On an eager device alone, :meth:`judge` reads them all at once after the forward
     and raises :class:`FixedStreamError` naming the first layer at fault. Where reading would cost the step (a lazy
-    device, XLA: the read runs or waits for the step's graph) or would leave other processes waiting (a
-    data-parallel group: one rank raising while the others enter the gradient all-reduce), nothing is read:
-    :meth:`poison` turns the forward's outputs into NaN where the check failed, so that a stream that overflowed can
-    only show as a non-finite loss, never as a finite wrong number, and :meth:`judge` names the layer when asked
-    afterwards (:func:`revlib_xla.reversible.stream_range_error`)."""
+    device, XLA: the read runs or waits for the step's graph) or would leave other processes waiting (a data-parallel
+    group: one rank raising while the others enter the gradient all-reduce), nothing is read: :meth:`poison` turns the
+    forward's outputs into NaN where the check failed, so that a stream that overflowed can only show as a non-finite
+    loss, never as a finite wrong number, and :meth:`judge` names the layer when asked afterwards
+    (:func:`revlib_xla.reversible.stream_range_error`)."""
 
     def __init__(self, grid: FixedPoint, layers: int, describe) -> None:
         self.grid = grid
-        self.limit = grid.bound(layers)
+        self.limit = LIMIT
         self.describe = describe  # layer index -> words (-1: the input)
         self.where: list[int] = []
         self.extremes: list[Tensor] = []
         self.packed: Tensor | None = None  # (len(where), 2), once the forward is over (see close)
 
     def record(self, where: int, scaled: Tensor) -> None:
-        """``scaled``: the values in units of the grid, before the conversion to integers."""
+        """``scaled``: the values in units of the grid, before the conversion to integers (or an integer stream)."""
         if scaled.numel() == 0:
             return
         if backends.is_tracing_lazily(scaled):  # (torch_xla 2.9's aminmax crashes inside a compiled loop's body)
@@ -164,7 +183,7 @@ class StreamGuard:
 
     def record_many(self, where: Sequence[int], extremes: Tensor) -> None:
         """Extremes already reduced (a compiled loop's per-iteration outputs): ``extremes[k]`` is ``(lo, hi)`` of
-        ``where[k]``."""
+        ``where[k]`` (each layer's addend, then the stream it leaves)."""
         self.where.extend(where)
         self.extremes.append(extremes.float())  # one piece (a compiled program that does not grow with depth)
 
@@ -195,8 +214,9 @@ class StreamGuard:
         if self.packed is None:
             return
         values = self.packed.cpu().tolist()
+        limit = self.limit
         for where, (lo, hi) in zip(self.where, values):
-            if lo > -self.limit and hi < self.limit:
+            if lo > -limit and hi < limit:
                 continue
             what = self.describe(where)
             when = " (in an earlier forward, whose outputs were made NaN: see StreamGuard)" if previous else ""
@@ -210,11 +230,11 @@ class StreamGuard:
             largest = max(abs(lo), abs(hi)) * self.grid.unit
             raise FixedStreamError(
                 f"ReversibleSequential: {what} produced a value of magnitude {largest:.3g}{when}, beyond what the "
-                f"exact (fixed-point) streams hold without overflowing: {self.limit * self.grid.unit:.3g} per "
-                f"value added at this depth (a grid of 2**-{self.grid.fraction_bits} in "
-                f"{str(self.grid.dtype).removeprefix('torch.')}). The activations are diverging: lower the learning "
-                f"rate or normalize the block's output; or pass exact=False for floating-point streams (checked, not "
-                f"exact)."
+                f"exact (fixed-point) streams hold without overflowing: {limit * self.grid.unit:.3g} (a grid of "
+                f"2**-{self.grid.fraction_bits} in {str(self.grid.dtype).removeprefix('torch.')}, set from the "
+                f"input's magnitude on an eager device: the stack grew its input over 2**30 times). The activations "
+                f"are diverging: lower the learning rate or normalize the block's output; or pass exact=False for "
+                f"floating-point streams (checked, not exact)."
             )
 
 
@@ -246,6 +266,8 @@ def couple(
     del scaled
     stream = stream.add_(x0_stream) if stream.shape == x0_stream.shape else x0_stream + stream  # (in place: one
     # stream-sized integer tensor less)
+    if guard is not None:
+        guard.record(where, stream)  # the stream it leaves: with both terms below 2**62, no sum wraps
     if torch.is_grad_enabled() and (f.requires_grad or (x0 is not None and x0.requires_grad)):
         carrier = x0 if x0 is not None else torch.zeros((), dtype=dtype, device=f.device)
         return _Couple.apply(carrier, f, stream, grid), stream

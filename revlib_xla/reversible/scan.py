@@ -305,7 +305,8 @@ class _Run:
             (y0, y1), extremes = self.loop(body, (x0, x1), self._xs(layout))
         _check_seeded(seeds, self.draws)
         if fixed is not None and plan.guard is not None and isinstance(extremes, torch.Tensor):
-            plan.guard.record_many(range(len(plan.layers)), extremes.reshape(-1, 2))
+            # per layer two rows: what it added, and the stream it left
+            plan.guard.record_many([i for i in range(len(plan.layers)) for _ in range(2)], extremes.reshape(-1, 2))
         return y0, y1
 
     def _slices(self, i: int) -> dict[str, Tensor]:

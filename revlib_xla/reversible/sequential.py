@@ -236,6 +236,7 @@ class ReversibleSequential(PlannedSequence):
         out_dtype = x0.dtype
         plan, arg_tensors = self._plan(x0, args, kwargs, layerwise_args_kwargs)
         x0, x1 = to_streams(plan, x0, x1)
+        plan.fixed = eager_grid(plan.fixed, x0, x1)
         s0 = s1 = None
         inputs = (x0, x1)  # (exact streams: what the rebuild check keeps, and encodes when it compares)
         if plan.fixed is not None:  # the values x0, x1 carry the gradients, the streams s0, s1 the exact bits
@@ -310,6 +311,7 @@ class ReversibleSequential(PlannedSequence):
         out_dtype = y0.dtype
         plan, arg_tensors = self._plan(y0, args, kwargs, layerwise_args_kwargs)
         y0, y1 = to_streams(plan, y0, y1)
+        plan.fixed = eager_grid(plan.fixed, y0, y1, headroom=0)  # the output is the largest the streams were
         if plan.fixed is not None:  # the output's values on the grid (exact from the streams, not from rounded values)
             y0, y1 = plan.fixed.encode(y0), plan.fixed.encode(y1)
         for i in reversed(range(len(plan.layers))):
@@ -321,6 +323,15 @@ class ReversibleSequential(PlannedSequence):
         return (y0, y1) if two_stream else torch.cat([y0, y1], self.split_dim)
 
 
+def eager_grid(grid: _fixed.FixedPoint | None, *values: Tensor, headroom: int = 30) -> _fixed.FixedPoint | None:
+    """The exact streams' grid for streams that start as ``values``: on an eager device, the one that follows their
+    scale (:meth:`~revlib_xla.reversible.fixed_point.FixedPoint.for_values`: one read of their largest magnitude);
+    where they cannot be read without costing the step (a lazy device) or have no values (fake tensors), ``grid``."""
+    if grid is None or not values or not backends.holds_data(values[0]) or backends.is_tracing_lazily(values[0]):
+        return grid
+    return _fixed.FixedPoint.for_values(*values, headroom=headroom)
+
+
 class LayerWalk:
     """A :class:`ReversibleSequential`'s layers run one at a time (:meth:`layer`) with plain autograd from two
     streams; :meth:`streams` gives their current values in the input's dtype. The same function as the sequence's
@@ -330,7 +341,7 @@ class LayerWalk:
     def __init__(self, net: ReversibleSequential, x0: Tensor, x1: Tensor) -> None:
         self.blocks = cast(list[ReversibleModule], list(net._modules.values()))
         self.dtype = x0.dtype
-        self.grid = net.exact_format(x0.dtype)
+        self.grid = eager_grid(net.exact_format(x0.dtype), x0, x1)  # the forward's grid for these streams
         self.value_dtype = torch.promote_types(x0.dtype, torch.float32)
         self.x0, self.x1 = x0, x1
         self.s0: Tensor | None = None

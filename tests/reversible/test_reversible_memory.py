@@ -260,7 +260,8 @@ def test_tpu_v5e_default_peak_counts_weights_prefetched_into_vmem(v5e):
     lo, hi = (v5e[("default", TPU_BATCHES[0], depth)] for depth in TPU_DEPTHS)
     for result in (lo, hi):
         vmem = hlo_liveness.live_peak(result.buffer_assignment, memory_space=1).bytes
-        assert 0 <= _peak_beyond_arguments_and_outputs(result) - vmem <= 4096  # (constants)
+        # (constants, and the range check's extremes: two (lo, hi) pairs per layer, its addend's and its stream's)
+        assert 0 <= _peak_beyond_arguments_and_outputs(result) - vmem <= 8192
     per_layer = (_peak_beyond_arguments_and_outputs(hi) - _peak_beyond_arguments_and_outputs(lo)) / (
         TPU_DEPTHS[1] - TPU_DEPTHS[0]
     )
