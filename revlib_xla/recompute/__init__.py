@@ -211,16 +211,30 @@ def _device_of(args: Sequence[Any], kwargs: dict[str, Any]) -> torch.device:
 def redispatch_below(op: Any, keyset: Any, key: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     """``op`` below the rule's key. Under a Python dispatch mode or on Python tensor subclasses (FakeTensorMode
     while torch.compile traces, a TorchDispatchMode) the operator is dispatched again from the start, where the
-    scope's key would send it back to the rule endlessly: there it runs with the key excluded (what it calls inside
-    then draws as outside a scope; the random operator itself was handled here)."""
+    scope's key would send it back to the rule endlessly: there it runs with the key excluded. What it calls inside
+    (an attention kernel's decomposition drawing its dropout, under the attention cache's mode) then draws from
+    torch's global generator, which for that call holds the state of the scope's own generator (and gets its own
+    back after), so it draws what the scope's generator would, and the global stream is left as it was."""
     python = torch._C._len_torch_dispatch_stack() > 0 or any(
         isinstance(a, Tensor) and torch._C._dispatch_keys(a).has(torch._C.DispatchKey.Python)
         for a in (*args, *kwargs.values())
     )
     if not python:
         return op.redispatch(keyset.remove(key), *args, **kwargs)
+    frames = getattr(_local, "frames", None)
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)]
+    own = frames[-1].generator(tensors[0].device) if frames and tensors and backends.holds_data(tensors[0]) else None
+    glob = backends.default_generator(tensors[0].device) if own is not None else None
     with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-        return op.redispatch(keyset.remove(key), *args, **kwargs)
+        if own is None or glob is None:
+            return op.redispatch(keyset.remove(key), *args, **kwargs)
+        outside = glob.get_state()
+        glob.set_state(own.get_state())
+        try:
+            return op.redispatch(keyset.remove(key), *args, **kwargs)
+        finally:
+            own.set_state(glob.get_state())
+            glob.set_state(outside)
 
 
 def _handing(op: Any, position: int, kwarg_only: bool, key: Any) -> Callable:
