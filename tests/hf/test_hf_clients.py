@@ -247,3 +247,62 @@ def test_trainer_resume_with_dropout_continues_as_the_uninterrupted_run(strategy
     assert all(torch.equal(whole[k], resumed[k]) for k in whole), [
         k for k in whole if not torch.equal(whole[k], resumed[k])
     ]
+
+
+# -- the whole road at a real width ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_fine_tuning_road_at_llama_3_2_1bs_width(tmp_path):
+    """At Llama-3.2-1B's width and vocabulary (hidden 2048, vocabulary 128256; 2 layers, float32, 1 x 16 tokens):
+    convert with momentum, add LoRA (PEFT), take AdamW steps on the adapters only, merge them (``merge_and_unload``),
+    generate with the KV cache (what generation without it gives: the model's own function), save, and load in a
+    fresh process with ``revlib_xla.hf.from_pretrained``: the same logits; plain transformers refuses the folder."""
+    import subprocess
+    import sys
+    import textwrap
+
+    torch.manual_seed(0)
+    model = model_from_config("llama-3.2-1b", num_hidden_layers=2, dtype=torch.float32).train()
+    model.config.use_cache = False
+    memory_efficient(model, "momentum")
+    peft_model = lora(model)
+    _nonzero_lora(peft_model)
+    ids = torch.randint(0, 128256, (1, 16), generator=torch.Generator().manual_seed(4))
+    trainable = [p for p in peft_model.parameters() if p.requires_grad]
+    frozen = {n: p.detach().clone() for n, p in peft_model.named_parameters() if not p.requires_grad}
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    losses = []
+    for _ in range(3):
+        loss = peft_model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(p, frozen[n]) for n, p in peft_model.named_parameters() if not p.requires_grad)
+    merged = peft_model.merge_and_unload().eval()
+    assert merged.revlib_xla_conversion.strategy == "momentum"
+    prompt = ids[:, :6]
+    with torch.no_grad():
+        cached = merged.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=True)
+        uncached = merged.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, use_cache=False)
+        logits = merged(ids, use_cache=False).logits
+    assert torch.equal(cached, uncached)
+    merged.save_pretrained(tmp_path / "model")
+    torch.save({"ids": ids, "logits": logits}, tmp_path / "want.pt")
+    code = f"""
+        import torch, transformers
+        path = {str(tmp_path / "model")!r}
+        try:
+            transformers.AutoModelForCausalLM.from_pretrained(path)
+            print("PLAIN LOADED")
+        except ValueError:
+            print("PLAIN REFUSED")
+        from revlib_xla.hf import from_pretrained
+        model = from_pretrained(path).eval()
+        saved = torch.load({str(tmp_path / "want.pt")!r})
+        with torch.no_grad():
+            print("EQUAL", bool(torch.equal(model(saved["ids"], use_cache=False).logits, saved["logits"])))
+    """
+    run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "PLAIN REFUSED" in run.stdout and "EQUAL True" in run.stdout, run.stdout
