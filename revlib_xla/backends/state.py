@@ -27,6 +27,13 @@ class RngState:
         dev = as_device(device)
         return cls(dev, torch.get_rng_state(), backend_for(dev).get_rng_state(dev))
 
+    def bytes_on(self, device: DeviceLike) -> int:
+        """Bytes this state holds in the memory of ``device``'s tensors (the CPU generator's 5,056 on the CPU; on
+        an accelerator both states are host tensors: none)."""
+        dev = as_device(device)
+        held = (t for t in (self.cpu, self.accel) if isinstance(t, torch.Tensor))
+        return sum(t.nbytes for t in held if t.device == dev)
+
     def restore(self) -> None:
         if self.cpu is not None:
             torch.set_rng_state(self.cpu)

@@ -249,12 +249,20 @@ class Checkpointable(nn.Module):
         """Bytes outside the chain's model that stay alive through the backward phase.
 
         Eager (cpu, cuda): the model's output (the caller holds it) and its gradient (autograd holds it until the
-        whole backward returns). Measured on XLA: 0. There lifetimes follow the compiled program's dataflow: the
-        output dies once the loss's gradient has been computed from it and that gradient once the last stage's
-        backward has consumed it, both already counted by the chain (its ``L`` and ``B`` operations). A step that
-        also returns the output keeps it for the whole program, outside this count."""
+        whole backward returns), and on the CPU each stage's captured random state (the plain model's random
+        numbers: :meth:`~revlib_xla.recompute.CallReplay.held_bytes`). Measured on XLA: 0. There lifetimes follow
+        the compiled program's dataflow: the output dies once the loss's gradient has been computed from it and
+        that gradient once the last stage's backward has consumed it, both already counted by the chain (its ``L``
+        and ``B`` operations). A step that also returns the output keeps it for the whole program, outside this
+        count."""
         chain = self._need_chain("held_during_backward")
-        return 0.0 if self._sample is not None else 2 * chain.cw[-1]
+        return 0.0 if self._sample is not None else 2 * chain.cw[-1] + self.random_state_bytes()
+
+    def random_state_bytes(self) -> int:
+        """Bytes of the device's memory a call holds for its stages' random numbers to replay
+        (:meth:`~revlib_xla.recompute.CallReplay.held_bytes`: 5,056 per stage on the CPU, none elsewhere)."""
+        device = next((t.device for t in self.parameters()), torch.device("cpu"))
+        return CallReplay.held_bytes(device, len(self.stages), self.preserve_rng_state)
 
     def min_memory(self) -> float:
         """The smallest mem_limit any schedule fits in (bytes)."""

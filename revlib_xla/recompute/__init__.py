@@ -485,6 +485,15 @@ class CallReplay:
         self.record: GeneratorRecord = {}
         self.states: dict[int, backends.RngState] = {}  # plain: each unit's random state before its first run
 
+    @staticmethod
+    def held_bytes(device: backends.DeviceLike, units: int, preserve_rng: bool = True) -> int:
+        """Bytes of ``device``'s memory that a call of ``units`` units holds for its recomputations' random numbers
+        from its forward to the end of its backward: with ``"plain"`` random numbers, one captured state per unit
+        (:meth:`backends.RngState.bytes_on`); else none (a seed is a Python integer)."""
+        if not (preserve_rng and plain_random_numbers(device)):
+            return 0
+        return units * backends.RngState.capture(device).bytes_on(device)
+
     def unit_seed(self, unit: int) -> int | None:
         """The seed unit ``unit`` runs under, in its first run and in every recomputation (plain: the unit itself,
         the key of its captured state)."""

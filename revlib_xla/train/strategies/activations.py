@@ -34,11 +34,12 @@ __all__ = ["PlannedLM", "CHECKPOINT", "REVERSIBLE", "MOMENTUM", "EXACT", "SCAN",
 
 class _LossInside(Checkpointable):
     """The LM's Checkpointable, whose output (the logits) goes straight into :meth:`PlannedLM.loss`: no caller keeps
-    it through the backward; autograd holds its gradient until the backward phase returns."""
+    it through the backward; autograd holds its gradient until the backward phase returns (and, on the CPU, the
+    stages' captured random states: :meth:`Checkpointable.random_state_bytes`)."""
 
     def held_during_backward(self) -> float:
         chain = self._need_chain("held_during_backward")
-        return 0.0 if self._sample is not None else float(chain.cw[-1])
+        return 0.0 if self._sample is not None else float(chain.cw[-1] + self.random_state_bytes())
 
 
 class PlannedLM(nn.Module):
