@@ -26,6 +26,7 @@ from .tracing import execution_forbidden
 from .xla import host_annotations, host_placement_executes, runtime_type, xla_available
 
 __all__ = [
+    "host_memory_available",
     "DeviceLike",
     "as_device",
     "backend_for",
@@ -419,6 +420,24 @@ def device_name(device: DeviceLike) -> tuple[str, int] | None:
     backend does not say."""
     dev = as_device(device)
     return backend_for(dev).device_name(dev)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to a new allocation now (Linux: ``MemAvailable`` of /proc/meminfo; else the
+    free physical pages), or ``None`` where the system does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def free_memory(device: DeviceLike) -> int | None:

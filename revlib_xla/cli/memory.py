@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategies",
         help="comma-separated strategies to compare; default: config (the config as written), none, checkpoint, "
         "reversible, plan, plan+fewbit, plan+fewbit+offload, reversible+offload, reversible+offload+bf16, "
-        "reversible+fused; also: reversible+offload+bf16+scan",
+        "reversible+fused; on a GPU (--gpu) also reversible+offload+bf16+stream (each gradient to the host as the "
+        "backward produces it: eager devices only); also: reversible+offload+bf16+scan",
     )
     parser.add_argument(
         "--gpu",
@@ -48,10 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.seq_len=2048")
 
 
-def _chosen(args: argparse.Namespace) -> list:
-    from ..fit.strategies import DEFAULT_COMPARISON, strategy
+def _chosen(args: argparse.Namespace, gpu: bool = False) -> list:
+    from ..fit.strategies import DEFAULT_COMPARISON, GPU_COMPARISON, strategy
 
-    names = args.strategies.split(",") if args.strategies else ["config", *DEFAULT_COMPARISON]
+    default = GPU_COMPARISON if gpu else DEFAULT_COMPARISON
+    names = args.strategies.split(",") if args.strategies else ["config", *default]
     try:
         return [strategy(name) for name in names if name.strip()]
     except ValueError as exc:
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(
                     f"--chips {args.chips}: --gpu sizes the step for one GPU; give --chip too to size a TPU slice"
                 )
-            _run_gpu(args, gpu, chosen)
+            _run_gpu(args, gpu, _chosen(args, gpu=True))
             return 0
     if args.chip:
         try:
@@ -181,5 +183,5 @@ def run(args: argparse.Namespace) -> int:
             )
     if gpu is not None:
         print()
-        _run_gpu(args, gpu, chosen)
+        _run_gpu(args, gpu, _chosen(args, gpu=True))
     return 0

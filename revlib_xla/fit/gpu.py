@@ -9,8 +9,8 @@ the second, the steady state, is the one counted. What makes it the GPU's step r
 
 * the config's ``chip.name`` is the GPU's (``plan``'s auto budget is that GPU's memory less the parameters,
   gradients and optimizer state);
-* AdamW runs its ``foreach`` implementation, torch's default on cuda (on the host it steps one weight at a time);
-  its temporaries are the size of all gradients;
+* AdamW's step runs as ``optim.implementation`` chooses on cuda (``auto``: torch's fused kernel, no temporaries;
+  ``foreach``, torch's own default there, makes temporaries the size of all gradients);
 * with ``strategy.offload.optimizer`` the optimizer state and float32 master weights live in host memory (the
   ``host`` column) and the device's part of the step is the forward and backward.
 
@@ -69,6 +69,8 @@ class GpuStep:
     host: int
     allocated: int | None = None
     notes: tuple[str, ...] = ()
+    #: the peak of each phase (forward, backward, optimizer step; the device's bytes), in the step's order
+    phases: tuple[tuple[str, int], ...] = ()
 
     def report(self, chip: Chip, label: str = "", batch: int = 0) -> FitReport:
         """As a :class:`~revlib_xla.fit.report.FitReport` row for ``chip`` (``fits``: the peak within its memory)."""
@@ -87,6 +89,7 @@ class GpuStep:
             host=self.host,
             source=GPU_SOURCE,
             notes=self.notes,
+            phases=self.phases,
         )
 
 
@@ -122,7 +125,12 @@ def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def _device_part_only(optimizer: Any) -> Iterator[None]:
-    """Within the block an offloaded optimizer's step does nothing on the device: it updates host state."""
+    """Within the block an offloaded optimizer's step does nothing on the device: it updates host state; streamed
+    gradients are freed as they arrive and not sent (:meth:`revlib_xla.optim.HostOptimizer.gradients_dropped`)."""
+    if getattr(optimizer, "stream", None) is not None:
+        with optimizer.gradients_dropped():
+            yield
+        return
     optimizer.step = lambda *args, **kwargs: None
     try:
         yield
@@ -144,6 +152,7 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
     from ..memory import allocator_peak
     from ..planner import InfeasibleBudget
     from ..train import strategy as train_strategy
+    from ..train.strategies.optimizer import implementation_flags, step_implementation
     from .strategies import _does_not_fit
 
     mode: Any = FakeTensorMode(allow_non_fake_inputs=True) if fake else contextlib.nullcontext()
@@ -157,9 +166,11 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
         with mode, warnings.catch_warnings():
             warnings.filterwarnings("ignore", category=UserWarning)
             optimizer = train_strategy.build_optimizer(cfg, model)
-            for group in optimizer.param_groups:
-                group["foreach"] = True  # torch's AdamW default on cuda
-            step = train_strategy.make_step(cfg, model, optimizer)
+            flags = implementation_flags(step_implementation(cfg, "cuda"))  # what the step runs on cuda
+            for group in optimizer.param_groups if not cfg.strategy.offload.optimizer else []:
+                group.update({"foreach": None, "fused": None, **flags})
+            report = train_strategy.StepReport()
+            step = train_strategy.make_step(cfg, model, optimizer, report)
             tokens = torch.zeros(cfg.data.batch_size, cfg.data.seq_len, dtype=torch.int64)
             step(tokens)  # the optimizer state exists from here on (and the plan is measured)
             params = list(model.parameters())
@@ -167,8 +178,10 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
             offloaded = bool(cfg.strategy.offload.optimizer)
             tracker = StorageTracker()
             tracker.track(model, tokens, *([] if offloaded else state))
+            report.on_phase = tracker.phase
             with tracker, _device_part_only(optimizer) if offloaded else contextlib.nullcontext():
                 step(tokens)
+            report.on_phase = None
             if not fake:
                 with _device_part_only(optimizer) if offloaded else contextlib.nullcontext():
                     rise = allocator_peak(step, tokens).increase
@@ -183,6 +196,9 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
     if offloaded:
         masters = getattr(optimizer, "host", None)
         host = tensor_bytes(state) + (tensor_bytes(masters) if masters is not None else tensor_bytes(params))
+        step_bytes = getattr(optimizer, "host_step_bytes", None)
+        if step_bytes is not None:  # the gradients on the host until the step: one, or all of them (streamed)
+            host += step_bytes()
     return GpuStep(
         peak=tracker.peak("cpu"),
         parameters=tensor_bytes(params),
@@ -192,6 +208,7 @@ def estimate_step(cfg: Any, fake: bool = True) -> GpuStep:
         host=host,
         allocated=allocated,
         notes=plan_notes(model),
+        phases=tuple(tracker.phase_peaks("cpu").items()),
     )
 
 

@@ -99,6 +99,18 @@ class FitReport:
     error: str | None = None
     #: what the row's step decided that its figures alone do not say (the planner's schedule), printed under the table
     notes: tuple[str, ...] = ()
+    #: the peak of each phase of the step (forward, backward, optimizer step), bytes, where they are known (the GPU
+    #: estimate; the TPU compiler plans one program and does not say)
+    phases: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase that sets the peak, with each phase's peak: ``"optimizer step (forward 20.1 GiB, backward 35.2
+        GiB, optimizer step 59.9 GiB)"``; ``"-"`` where phases are not known."""
+        if not self.phases:
+            return "-"
+        top = max(self.phases, key=lambda item: item[1])[0]
+        return f"{top} (" + ", ".join(f"{name} {format_bytes(n)}" for name, n in self.phases) + ")"
 
     @property
     def fits(self) -> bool:
@@ -125,6 +137,7 @@ class FitReport:
             "gradients+activations+temporaries": fmt(self.temporaries),
             "host": fmt(self.host),
             "total": fmt(self.total) if self.total is not None else ">= " + format_bytes(self.at_least),
+            "peak in": self.peak_phase,
             "fits": "NO: the compiler rejects it"
             if self.error
             else ("yes" if self.fits else "NO") + f" ({format_bytes(self.chip.usable_bytes)})",

@@ -75,6 +75,19 @@ STRATEGIES: dict[str, Strategy] = {
             "the host (ZeRO-Offload's mixed precision); the loss in chunks (strategy.loss_chunk=auto)",
         ),
         Strategy(
+            "reversible+offload+bf16+stream",
+            (
+                "strategy.activations=reversible",
+                "strategy.offload.optimizer=true",
+                "strategy.offload.gradients=true",
+                "strategy.precision=bf16",
+                "strategy.param_dtype=bf16",
+            ),
+            "reversible+offload+bf16 with each gradient sent to the host as the backward produces it (no full set "
+            "of gradients on the device); AdamW steps the float32 masters there, each weight as soon as its "
+            "gradient is whole where no global-norm clipping needs them all",
+        ),
+        Strategy(
             "reversible+offload+bf16+scan",
             (
                 "strategy.activations=reversible",
@@ -120,6 +133,9 @@ DEFAULT_COMPARISON = (
     "reversible+offload+bf16",
     "reversible+fused",
 )
+#: The strategies compared on a GPU: the same, and the gradients streamed to the host, which needs an eager device
+#: (on XLA a gradient exists only once the traced step runs)
+GPU_COMPARISON = (*DEFAULT_COMPARISON[:-1], "reversible+offload+bf16+stream", DEFAULT_COMPARISON[-1])
 
 
 def strategy(name: str) -> Strategy:

@@ -175,6 +175,8 @@ class StorageTracker:
         self._current: dict[str, int] = {}
         self._peak: dict[str, int] = {}
         self._mode: Any = None
+        self._phase: dict[str, int] | None = None  # the current phase's peaks, per device kind
+        self._phases: dict[str, dict[str, int]] = {}
 
     @staticmethod
     def _size(storage: Any, device: torch.device) -> int:
@@ -210,6 +212,22 @@ class StorageTracker:
         for kind, level in self._current.items():
             if level > self._peak.get(kind, 0):
                 self._peak[kind] = level
+            if self._phase is not None and level > self._phase.get(kind, 0):
+                self._phase[kind] = level
+
+    def phase(self, name: str | None) -> None:
+        """From now on (until the next call) the levels reached also count towards phase ``name``'s peak (a phase
+        entered again keeps its largest: each micro-batch's forward, say); ``None``: no phase."""
+        if name is None:
+            self._phase = None
+            return
+        self._phase = self._phases.setdefault(name, {})
+        self._update_peak()
+
+    def phase_peaks(self, device: backends.DeviceLike = "cpu") -> dict[str, int]:
+        """Each phase's peak on devices of ``device``'s kind (bytes), in the order the phases were first entered."""
+        kind = backends.as_device(device).type
+        return {name: peaks.get(kind, 0) for name, peaks in self._phases.items()}
 
     def track(self, *objs: Any) -> None:
         """Count the storages of the tensors in ``objs`` (tensors and nested containers of them, with their

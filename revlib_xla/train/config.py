@@ -77,6 +77,7 @@ class OffloadConfig(_Section):
 
     params: bool = False
     optimizer: bool = False
+    gradients: bool = False  # with optimizer: each gradient to the host as the backward produces it
     activations: bool = False
 
 
@@ -156,6 +157,10 @@ class OptimConfig(_Section):
     min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
     grad_clip: float = Field(default=1.0, ge=0.0)
     grad_accum_steps: int = Field(default=1, ge=1)
+    #: how AdamW's step runs on the device: auto (torch's fused kernel on cuda: no temporaries; torch's default
+    #: elsewhere), fused, foreach (torch's default on cuda: temporaries the size of every gradient at once) or
+    #: for-loop (one weight at a time)
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
 
     @field_validator("betas")
     @classmethod
@@ -250,6 +255,13 @@ class RunConfig(_Section):
             )
         if s.param_dtype == "bf16":
             _check_bf16_weights(s)
+        if s.offload.gradients and (not s.offload.optimizer or s.offload.params):
+            raise ValueError(
+                "strategy.offload.gradients=true hands each gradient to the host optimizer as the backward produces "
+                "it, which is strategy.offload.optimizer=true with strategy.offload.params=false (offloaded "
+                "parameters' gradients are host tensors already); set strategy.offload.optimizer=true, or remove "
+                "strategy.offload.gradients"
+            )
         if self.model.scan:
             _check_scan(self)
         if s.fused_optimizer and o.grad_accum_steps > 1:

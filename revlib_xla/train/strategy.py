@@ -92,6 +92,7 @@ __all__ = [
     "layer_ndims",
     "make_step",
     "StepReport",
+    "PHASES",
     "lr_at",
     "set_lr",
     "LanguageModel",
@@ -203,6 +204,18 @@ class StepReport:
     ``optim.grad_clip`` or ``train.nonfinite=skip``; else ``None``."""
     skipped: bool = False
     """``train.nonfinite=skip``: the loss or the gradient norm was NaN or inf, and the update was not applied."""
+    on_phase: Callable[[str], None] | None = None
+    """Called as the step enters each of its phases (:data:`PHASES`: each micro-batch's forward and backward, then
+    the optimizer step with its clipping): what measures the memory of each (``revlib-xla memory``'s estimate,
+    the training log on cuda)."""
+
+    def phase(self, name: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name)
+
+
+#: A training step's phases, in order (:attr:`StepReport.on_phase`)
+PHASES = ("forward", "backward", "optimizer step")
 
 
 def make_step(
@@ -225,7 +238,7 @@ def make_step(
     skip = cfg.train.nonfinite == "skip"  # (refused with strategy.fused_optimizer by the config)
     report = report if report is not None else StepReport()
     # bfloat16 device gradients are summed over micro-batches in float32 on the host, not rounded at each addition
-    host = optimizer if isinstance(optimizer, HostOptimizer) and optimizer.accumulates_on_host else None
+    host = optimizer if isinstance(optimizer, HostOptimizer) and optimizer.gradients_on_host else None
 
     def scope() -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -241,13 +254,18 @@ def make_step(
         total: Tensor | None = None
         for index, micro in enumerate(tokens.chunk(accum)):
             with no_sync() if no_sync is not None and index < accum - 1 else contextlib.nullcontext():
+                report.phase("forward")
                 with scope():
                     loss = lm_loss(model, micro) / accum
+                report.phase("backward")
+                if host is not None:  # streamed gradients are stepped as they arrive where nothing needs them all
+                    host.backward_starts(final=index == accum - 1 and not (clip > 0 or skip))
                 loss.backward()
             if host is not None and accum > 1:
                 host.accumulate()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
+        report.phase("optimizer step")
         norm: Tensor | None = None
         limit = clip if clip > 0 else math.inf  # skip needs the norm: clipping to inf scales by 1 (exactly)
         if (clip > 0 or skip) and host is not None:

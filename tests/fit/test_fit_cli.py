@@ -130,17 +130,21 @@ def test_plan_without_torch_xla_says_what_to_install_and_what_works(capsys, monk
 def test_memory_help_lists_the_strategies_the_table_prints(capsys):
     """``memory --help`` named 7 strategies where the table printed 10: its default list is the table's rows, and
     with the rest it names every strategy ``--strategies`` accepts."""
-    from revlib_xla.fit.strategies import DEFAULT_COMPARISON, STRATEGIES
+    from revlib_xla.fit.strategies import DEFAULT_COMPARISON, GPU_COMPARISON, STRATEGIES
 
     with pytest.raises(SystemExit):
         main(["memory", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    found = re.search(r"to compare; default: (.*?); also: (.*?)(?: \(|$| --| -h| key=value)", text)
+    found = re.search(
+        r"to compare; default: (.*?); on a GPU \(--gpu\) also (\S+) \(.*?\); also: (.*?)(?: \(|$| --| -h| key=value)",
+        text,
+    )
     assert found, text
     default = [name.split(" (")[0] for name in found.group(1).split(", ")]
-    also = found.group(2).split(", ")
+    gpu_only, also = found.group(2), found.group(3).split(", ")
     assert default == ["config", *DEFAULT_COMPARISON]
-    assert sorted(default + also) == sorted(STRATEGIES)
+    assert sorted(GPU_COMPARISON) == sorted([*DEFAULT_COMPARISON, gpu_only])
+    assert sorted(default + [gpu_only] + also) == sorted(STRATEGIES)
 
 
 def test_a_stopped_sizing_deletes_its_temporary_folder_and_stops_its_compiler(tmp_path):

@@ -6,17 +6,27 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import nn
 
-from ...optim.host import HostOptimizer
+from ...optim.host import HostOptimizer, master_dtype
 from ..config import RunConfig
 from .base import Piece, Refusal, language_model, register
 from .sizing import model_config
 
-__all__ = ["HostOptimizerState", "adamw", "layer_ndims", "lr_at", "set_lr", "FUSED"]
+__all__ = [
+    "HostOptimizerState",
+    "adamw",
+    "step_implementation",
+    "implementation_flags",
+    "layer_ndims",
+    "lr_at",
+    "set_lr",
+    "FUSED",
+]
 
 
 def layer_ndims(model: nn.Module) -> dict[int, int]:
@@ -42,21 +52,68 @@ def _groups(params: list[nn.Parameter], weight_decay: float, ndims: list[int]) -
 
 
 def adamw(cfg: RunConfig, params: list[nn.Parameter], ndims: list[int] | None = None) -> torch.optim.Optimizer:
-    """AdamW of ``optim.*`` over ``params`` (``ndims``: their dimensions per layer; default their own)."""
+    """AdamW of ``optim.*`` over ``params`` (``ndims``: their dimensions per layer; default their own), its step
+    run as ``optim.implementation`` says for their device (:func:`step_implementation`)."""
     o = cfg.optim
     ndims = [p.ndim for p in params] if ndims is None else ndims
-    return torch.optim.AdamW(_groups(params, o.weight_decay, ndims), lr=o.lr, betas=o.betas, eps=o.eps)
+    device = params[0].device.type if params else "cpu"
+    flags = implementation_flags(step_implementation(cfg, device, params))
+    return torch.optim.AdamW(_groups(params, o.weight_decay, ndims), lr=o.lr, betas=o.betas, eps=o.eps, **flags)
+
+
+def step_implementation(cfg: RunConfig, device_type: str, params: list[nn.Parameter] | None = None) -> str:
+    """How AdamW's step runs over parameters on ``device_type``: ``optim.implementation``, with ``auto`` resolved:
+    torch's fused kernel on cuda (each weight updated in one kernel, no temporaries; torch's own default there,
+    ``foreach``, makes temporaries the size of every gradient at once: at llama-8b 30 GiB on top of the state),
+    torch's default elsewhere (``default``: one weight at a time on the host; traced into the step on XLA).
+    Sharded (DTensor) parameters keep torch's default."""
+    chosen = cfg.optim.implementation
+    if chosen != "auto":
+        return chosen
+    if device_type != "cuda":
+        return "default"
+    from torch.distributed.tensor import DTensor
+
+    return "default" if any(isinstance(p, DTensor) for p in params or []) else "fused"
+
+
+def implementation_flags(implementation: str) -> dict[str, bool]:
+    """AdamW's keyword arguments for a :func:`step_implementation`."""
+    return {
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for-loop": {"foreach": False},
+        "default": {},
+    }[implementation]
 
 
 class HostOptimizerState(HostOptimizer):
     """:func:`adamw` of ``cfg`` over ``params`` with its state and float32 master weights in host memory
     (``strategy.offload.optimizer``): :class:`revlib_xla.optim.HostOptimizer` (see there for the host step and
-    ``annotate``). ``ndims``: the parameters' dimensions per layer (:func:`layer_ndims`; default their own)."""
+    ``annotate``). ``ndims``: the parameters' dimensions per layer (:func:`layer_ndims`; default their own). With
+    ``strategy.offload.gradients`` each gradient goes to the host as the backward produces it (``shared``: the
+    tied parameters, whose gradient arrives in parts)."""
 
     def __init__(
-        self, cfg: RunConfig, params: list[nn.Parameter], annotate: bool, ndims: list[int] | None = None
+        self,
+        cfg: RunConfig,
+        params: list[nn.Parameter],
+        annotate: bool,
+        ndims: list[int] | None = None,
+        shared: Collection[int] = (),
     ) -> None:
-        super().__init__(params, lambda inner: adamw(cfg, inner, ndims), annotate=annotate)
+        o, streamed = cfg.optim, cfg.strategy.offload.gradients
+        accumulated = o.grad_accum_steps > 1 and any(p.dtype != master_dtype(p.dtype) for p in params)
+        waiting = o.grad_clip > 0 or cfg.train.nonfinite == "skip"  # every gradient, until the global norm
+        kept = "sums" if accumulated else "all" if streamed and waiting else "one"
+        super().__init__(
+            params,
+            lambda inner: adamw(cfg, inner, ndims),
+            annotate=annotate,
+            stream_gradients=streamed,
+            shared=shared,
+            kept_gradients=kept,
+        )
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
