@@ -16,7 +16,7 @@ FIND_LINKS := $(if $(wildcard $(WHEELS)/*.whl),--find-links $(WHEELS))
 # pytest on two workers, each taking whole files (the module-scoped fixtures are built once).
 PYTEST_N := -m pytest -n 2 --dist loadfile -q
 
-.PHONY: venv venv-newer docs lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check clean
+.PHONY: venv venv-newer docs lint strip-notebooks typecheck test test-all test-slow test-fast test-newer demo bench gpu-wheels gpu-check gpu-8b clean
 
 # What the linters and the type checker read (README code blocks are run by tests/project/test_readme.py instead).
 LINT_PATHS := revlib_xla tests bench kernels colab docs/_hooks
@@ -116,6 +116,11 @@ GPU_CHECK_OUT ?= $(if $(filter 1,$(GPU_CHECK_DRY)),runs/gpu-check-dry/results,be
 gpu-check: $(if $(filter 1,$(GPU_CHECK_DRY)),venv)
 	$(if $(filter 1,$(GPU_CHECK_DRY)),$(PY) bench/gpu_check.py --dry,$(GPU_PYTHON) bench/gpu_check.py --wheels $(GPU_WHEELS)) \
 		--out-dir $(GPU_CHECK_OUT) $(if $(GPU_CHECK_PACK),--pack $(GPU_CHECK_PACK))
+
+# `make gpu-8b` on the GPU machine (after gpu-check, or with GPU_WHEELS for pydantic): llama-8b with
+# gpu_configs/llama-8b-24gb.yaml under a 24 GiB limit (~3 minutes), bench/results/gpu_8b-cuda-<device>.md.
+gpu-8b:
+	$(GPU_PYTHON) bench/gpu_8b.py $(if $(wildcard $(GPU_WHEELS)),--wheels $(GPU_WHEELS)) --out-dir $(GPU_CHECK_OUT)
 
 clean:
 	rm -rf $(VENV) $(NEWER_VENV) build *.egg-info .gpu-site

@@ -48,9 +48,10 @@ GPU_FOOTNOTE = (
     "Figures for one GPU, " + GPU_SOURCE + ": the steady-state step of `revlib-xla train` run on fake tensors "
     "(nothing allocated), every tensor storage live at once counted. total = that peak; parameters, optimizer "
     "state, inputs = their bytes; gradients+activations+temporaries = the rest of the peak (buffers in inputs+other); "
-    "host = an offloaded optimizer's state and float32 master weights. Not counted: the CUDA context and library "
-    "workspaces (a few hundred MiB) and the caching allocator's reserve above what it hands out (fragmentation: "
-    "`revlib-xla train` logs it as reserved_bytes); leave headroom for them."
+    "host = an offloaded optimizer's state, float32 master weights and the gradients it keeps until the step; peak "
+    "in = the phase (forward, backward, optimizer step) that sets the peak, with each phase's. Not counted: the "
+    "CUDA context and library workspaces (a few hundred MiB) and the caching allocator's reserve above what it "
+    "hands out (fragmentation: `revlib-xla train` logs it as reserved_bytes); leave headroom for them."
 )
 
 

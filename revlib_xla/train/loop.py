@@ -61,7 +61,7 @@ from .checkpoint import (
 from .config import RunConfig, dump_config
 from .data import BatchSampler, SamplerState, eval_batches, load_data
 from .distributed import SilentLogger, distribute, join_processes, launched_rank, per_process_step, whole_state
-from .metrics import MetricsLogger, cut_back, start_peak, step_memory
+from .metrics import MetricsLogger, PhasePeaks, cut_back, start_peak, step_memory
 from .rundir import RunLock, prepare_out_dir, remove_stale_temporaries, set_aside
 from .strategy import (
     StepReport,
@@ -260,6 +260,8 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
     model.train()
     optimizer = build_optimizer(cfg, model)
     report = StepReport()
+    phases = PhasePeaks(compute_device(model))
+    report.on_phase = phases.mark if phases.on else None  # each phase's peak in the log, where the allocator says
     step_fn = per_process_step(make_step(cfg, model, optimizer, report), processes)
     ckpt_dir = out / "checkpoints"
     config_yaml = dump_config(cfg)
@@ -410,7 +412,8 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
             if done % cfg.train.log_every == 0 or done == start + 1 or last or stop.signal:
                 value = float(loss)
                 losses[done] = value
-                logger.step(done, value, lr, time.perf_counter() - window_start, step_memory(device), since)
+                memory = step_memory(device, phases.take())
+                logger.step(done, value, lr, time.perf_counter() - window_start, memory, since)
                 since, window_start = 0, time.perf_counter()
                 check(unchecked)
                 start_peak(device)
@@ -419,6 +422,7 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                 logger.eval(done, val_losses[done])
                 window_start = time.perf_counter()
                 start_peak(device)  # the evaluation's memory is not a training step's
+                phases.take()
             if crash_after is not None and done == crash_after:
                 break
             periodic = cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0

@@ -5,8 +5,9 @@ FLOPs utilisation (MFU) on the configured chip, and the device memory its alloca
 (cuda; accelerators served by ``torch.accelerator``): ``peak_bytes``, the most bytes allocated at once during the
 steps since the last record (what a step needs: weights, gradients, optimizer state and its activations at their
 peak), ``reserved_bytes``, the most the allocator held from the device meanwhile (allocated or cached: what the
-device must have), and ``memory_bytes``, what stays allocated between steps (weights, gradients kept, optimizer
-state). The progress bar shows the peak.
+device must have), ``memory_bytes``, what stays allocated between steps (weights, gradients kept, optimizer
+state), and ``phase_peak_bytes``, the peak of each phase of those steps (``forward``, ``backward``, ``optimizer
+step``: which one to make smaller). The progress bar shows the peak.
 MFU = (training FLOPs per token, :func:`revlib_xla.models.llama.train_flops_per_token`) x tokens per second /
 (the peak dense bf16 FLOP/s of the chips the run is on: :func:`revlib_xla.train.strategy.peak_flops`); ``null`` and
 not shown where no peak is known (the CPU).
@@ -25,7 +26,7 @@ import torch
 
 from .. import backends
 
-__all__ = ["MetricsLogger", "StepMemory", "cut_back", "device_memory", "step_memory", "start_peak"]
+__all__ = ["MetricsLogger", "PhasePeaks", "StepMemory", "cut_back", "device_memory", "step_memory", "start_peak"]
 
 
 def device_memory(device: torch.device) -> int | None:
@@ -43,6 +44,44 @@ class StepMemory:
     peak: int
     reserved: int | None
     between: int
+    #: the peak of each phase of the steps (forward, backward, optimizer step), where :class:`PhasePeaks` measured it
+    phases: dict[str, int] | None = None
+
+
+class PhasePeaks:
+    """The device-memory peak of each phase of the training steps (``StepReport.on_phase`` calls :meth:`mark` as
+    the step enters each), where the device's allocator keeps statistics (cuda; elsewhere nothing is measured):
+    at each phase's start the allocator's peak so far is the phase before's, and its statistics start again.
+    :meth:`take` gives the peaks since the last take; since the statistics restart at every phase, the steps' own
+    peak is the largest of them (:func:`step_memory` with ``phases``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.backend = backends.backend_for(device)
+        self.on = self.backend.allocator_statistics(device)
+        self.current: str | None = None
+        self.peaks: dict[str, int] = {}
+        self.reserved: int | None = None
+
+    def mark(self, name: str | None) -> None:
+        if not self.on:
+            return
+        if self.current is not None:
+            peak = self.backend.max_memory_allocated(self.device)
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
+        reserved = self.backend.max_memory_reserved(self.device)
+        if reserved is not None:
+            self.reserved = max(self.reserved or 0, reserved)
+        self.backend.reset_peak_memory_stats(self.device)
+        self.current = name
+
+    def take(self) -> PhasePeaks:
+        """Close the current phase; the peaks so far are kept in the returned copy, and this one starts again."""
+        self.mark(None)
+        taken = PhasePeaks.__new__(PhasePeaks)
+        taken.__dict__.update(self.__dict__, peaks=dict(self.peaks))
+        self.peaks, self.reserved = {}, None
+        return taken
 
 
 def start_peak(device: torch.device) -> None:
@@ -52,17 +91,21 @@ def start_peak(device: torch.device) -> None:
         found.reset_peak_memory_stats(device)
 
 
-def step_memory(device: torch.device) -> StepMemory | None:
+def step_memory(device: torch.device, phases: PhasePeaks | None = None) -> StepMemory | None:
     """The memory of the steps since :func:`start_peak` (:class:`StepMemory`), or ``None`` where the device's
-    allocator reports none (cpu; XLA, whose compiler plans memory: see ``revlib-xla memory``)."""
+    allocator reports none (cpu; XLA, whose compiler plans memory: see ``revlib-xla memory``). ``phases``: what a
+    :class:`PhasePeaks` took of the same steps (its restarts of the statistics are folded in)."""
     found = backends.backend_for(device)
     if not found.allocator_statistics(device):
         return None
-    return StepMemory(
-        peak=found.max_memory_allocated(device),
-        reserved=found.max_memory_reserved(device),
-        between=found.memory_allocated(device),
-    )
+    peak, reserved = found.max_memory_allocated(device), found.max_memory_reserved(device)
+    by_phase = None
+    if phases is not None and phases.peaks:
+        by_phase = dict(phases.peaks)
+        peak = max(peak, *by_phase.values())
+        if reserved is not None and phases.reserved is not None:
+            reserved = max(reserved, phases.reserved)
+    return StepMemory(peak=peak, reserved=reserved, between=found.memory_allocated(device), phases=by_phase)
 
 
 class MetricsLogger:
@@ -127,6 +170,7 @@ class MetricsLogger:
             "peak_bytes": None if memory is None else memory.peak,
             "reserved_bytes": None if memory is None else memory.reserved,
             "memory_bytes": None if memory is None else memory.between,
+            "phase_peak_bytes": None if memory is None else memory.phases,
         }
         self._write(record)
         if self.bar is not None:

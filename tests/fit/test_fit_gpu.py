@@ -170,29 +170,31 @@ def test_each_phase_has_its_peak_and_the_optimizer_step_makes_no_second_set_of_g
     assert dict(foreach.phases)["optimizer step"] >= held + grads - 64 * 1024
 
 
-def test_the_composed_strategy_fits_llama_8b_at_2048_tokens_on_a_24_gib_gpu_in_under_20_gib(capsys):
-    """``revlib-xla memory --gpu l4`` at Llama-3-8B's full size (32 layers, vocabulary 128256), batch 1 x 2048,
-    bfloat16: the reversible layers with bfloat16 weights on the device, each gradient streamed to the host and
-    AdamW's float32 masters and moments there, at most 20 GiB on the device, its peak in the backward; the plain
-    model's step needs over 100 GiB. Fake tensors: nothing is allocated (a few seconds per row)."""
+def test_the_composed_config_fits_llama_8b_at_2048_tokens_on_a_24_gib_gpu_in_under_20_gib(capsys):
+    """``revlib-xla memory --gpu l4 --config gpu_configs/llama-8b-24gb.yaml`` at Llama-3-8B's full size (32 layers,
+    vocabulary 128256), batch 1 x 2048, bfloat16: the reversible layers with bfloat16 weights on the device, each
+    gradient streamed to the host and AdamW's float32 masters and moments there: at most 20 GiB on the device, its
+    peak in the backward. The same config keeping every activation (strategy none: the reversible layers' part)
+    does not fit. Fake tensors: nothing is allocated (a few seconds per row)."""
     from revlib_xla.cli import main
 
-    args = ["model.name=llama-8b", "data.seq_len=2048", "data.batch_size=1", "strategy.precision=bf16"]
-    code = main(["memory", "--gpu", "l4", "--strategies", f"none,{STREAM}", *args])
+    config = str(ROOT / "gpu_configs" / "llama-8b-24gb.yaml")
+    code = main(["memory", "--gpu", "l4", "--config", config, "--strategies", "config,none"])
     out = capsys.readouterr().out
     assert code == 0
+    assert out.startswith("llama-8b, seq_len 2048, precision bf16, on one l4 (24.00 GiB)")
     rows = {}
     header = next(line for line in out.splitlines() if line.startswith("strategy "))
     columns = [c.strip() for c in header.split("  ") if c.strip()]
     for line in out.splitlines():
         cells = [c.strip() for c in line.split("  ") if c.strip()]
-        if cells and cells[0] in ("none", STREAM):
+        if cells and cells[0] in ("config", "none"):
             rows[cells[0]] = dict(zip(columns, cells))
-    composed, plain = rows[STREAM], rows["none"]
+    composed, plain = rows["config"], rows["none"]
     assert _units(composed["total"]) <= 20 * 2**30 and composed["fits"] == "yes (24.00 GiB)"
     assert composed["peak in"].startswith("backward (forward ")
     assert _units(composed["parameters"]) == pytest.approx(8.03e9 * 2, rel=0.01)  # bfloat16 weights
     # on the host: float32 masters and two moments (12 bytes a weight) and, for the global norm (optim.grad_clip
     # 1.0), every bfloat16 gradient until the step
     assert _units(composed["host"]) == pytest.approx(8.03e9 * 14, rel=0.02)
-    assert _units(plain["total"]) > 100 * 2**30 and plain["fits"] == "NO (24.00 GiB)"
+    assert _units(plain["total"]) > 24 * 2**30 and plain["fits"] == "NO (24.00 GiB)"

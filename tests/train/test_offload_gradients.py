@@ -197,3 +197,26 @@ def test_offload_gradients_refuses_several_processes(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(StrategyError, match=r"offload.gradients=true .*torchrun"):
         build_optimizer(cfg, model)
+
+
+def test_a_host_without_the_memory_is_refused_before_anything_is_allocated(monkeypatch):
+    """The host optimizer says what it needs of the host (float32 masters, AdamW's two moments, the gradients it
+    keeps there at once) before it allocates them, where the host lacks it; with just enough it is built."""
+    from revlib_xla import backends
+    from revlib_xla.optim.host import HostMemoryError, HostOptimizer
+
+    cfg = load_config(None, [*TINY, *STREAM])  # clipping: every bfloat16 gradient waits on the host
+    model = build_model(cfg, "cpu")
+    params = list(model.parameters())
+    weights = sum(p.numel() for p in params)
+    largest = max(p.numel() for p in params)
+    needed = weights * 4 * 3 + weights * 2 + largest * 4
+    monkeypatch.setattr(backends, "host_memory_available", lambda: needed - 1)
+    with pytest.raises(StrategyError, match=r"needs .* of host memory \(float32 master weights .*available.*"):
+        build_optimizer(cfg, model)
+    with pytest.raises(HostMemoryError) as raised:
+        HostOptimizer(params, lambda ps: torch.optim.AdamW(ps), stream_gradients=True)
+    assert raised.value.needed == needed and raised.value.available == needed - 1
+    monkeypatch.setattr(backends, "host_memory_available", lambda: needed)
+    opt = build_optimizer(cfg, model)
+    assert opt.host_state_bytes() + opt.host_step_bytes() == needed

@@ -73,7 +73,11 @@ def _resumes_unscanned(scanned_dir, common):
     assert groups[0] == groups[1]
 
 
-@pytest.mark.parametrize("strategy", [[], BF16_WEIGHTS, SCAN], ids=["fp32", "bf16-weights", "scan"])
+@pytest.mark.parametrize(
+    "strategy",
+    [[], BF16_WEIGHTS, [*BF16_WEIGHTS, "strategy.offload.gradients=true"], SCAN],
+    ids=["fp32", "bf16-weights", "bf16-streamed-gradients", "scan"],
+)
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("xla", marks=pytest.mark.slow)])
 def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind, strategy):
     """bf16-weights: the checkpoint holds the float32 master weights (not their bfloat16 rounding), so the resumed
@@ -97,7 +101,7 @@ def test_a_killed_and_resumed_run_ends_with_bit_identical_weights(tmp_path, kind
     if strategy == SCAN:
         _resumes_unscanned(tmp_path / "killed", common)
     if (
-        strategy == BF16_WEIGHTS
+        strategy[: len(BF16_WEIGHTS)] == BF16_WEIGHTS
     ):  # the final checkpoints hold the float32 masters, equal, and the weights are their rounding
         final = [
             load_file(tmp_path / run / "checkpoints/step_00000006/model.safetensors") for run in ("whole", "killed")
@@ -275,3 +279,51 @@ def test_each_logged_step_records_its_peak_and_reserved_bytes(tmp_path, monkeypa
         record = logger.step(1, 2.0, 1e-3, 0.5, StepMemory(peak=3 * 2**30, reserved=4 * 2**30, between=2**30))
         assert logger.bar.postfix and "peak=3.00GiB" in logger.bar.postfix
     assert (record["peak_bytes"], record["reserved_bytes"], record["memory_bytes"]) == (3 * 2**30, 4 * 2**30, 2**30)
+
+
+def test_the_log_gives_each_phases_peak_where_the_allocator_keeps_statistics(monkeypatch):
+    """PhasePeaks over an allocator that keeps statistics (cuda's calls, counted here): each phase's peak is the
+    allocator's peak between its start and the next phase's, the statistics restart at every phase, and the steps'
+    peak is the largest phase's (the allocator's own peak, read at the end, covers only the last phase)."""
+    from revlib_xla.train import metrics
+
+    class Allocator:
+        allocated = peak = 0
+
+        def allocator_statistics(self, device):
+            return True
+
+        def max_memory_allocated(self, device):
+            return self.peak
+
+        def max_memory_reserved(self, device):
+            return self.peak + 10
+
+        def memory_allocated(self, device):
+            return self.allocated
+
+        def reset_peak_memory_stats(self, device):
+            self.peak = self.allocated
+
+        def to(self, level):
+            self.allocated = level
+            self.peak = max(self.peak, level)
+
+    allocator = Allocator()
+    monkeypatch.setattr(metrics.backends, "backend_for", lambda device: allocator)
+    phases = metrics.PhasePeaks(torch.device("cpu"))
+    metrics.start_peak(torch.device("cpu"))
+    for forward, backward, step in ((50, 90, 70), (60, 80, 100)):  # two steps
+        phases.mark("forward")
+        allocator.to(forward)
+        allocator.to(20)
+        phases.mark("backward")
+        allocator.to(backward)
+        allocator.to(30)
+        phases.mark("optimizer step")
+        allocator.to(step)
+        allocator.to(10)
+    memory = metrics.step_memory(torch.device("cpu"), phases.take())
+    assert memory.phases == {"forward": 60, "backward": 90, "optimizer step": 100}
+    assert memory.peak == 100 and memory.reserved == 110 and memory.between == 10
+    assert phases.take().peaks == {}  # taken: the next window starts empty
