@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     from ..sharding import ShardingError, resolve_mesh
     from ..units import format_bytes
 
+    if args.max_batch and args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: the largest batch --max-batch tries (>= 1)")
     if args.chips is not None:
         if args.chips < 1:
             raise UsageError(f"--chips {args.chips}: the number of chips the run is split over (>= 1)")

@@ -12,8 +12,9 @@ A checkpoint is a directory ``<out_dir>/checkpoints/step_<N>/`` holding
 * ``state.pt``: the step, the data sampler's position, the random states (torch's CPU generator, the device's,
   numpy's, Python's) and the last metrics;
 * ``config.yaml``: the resolved run configuration;
-* ``manifest.json``: the byte size of each file above, written last: a checkpoint is whole when every file it lists
-  has its recorded size (:func:`checkpoint_problem`).
+* ``manifest.json``: the byte size and SHA-256 of each file above, written last: a checkpoint is whole when every
+  file it lists has its recorded size, and, where a run resumes from it, its recorded digest (a byte changed in
+  place, the size kept, is found: :func:`checkpoint_problem` with ``verify=True``).
 
 Saving is atomic: everything is written into a temporary directory, each file and the directory are flushed to
 disk (fsync), and the directory is renamed into place; only then is the ``latest`` pointer (a text file naming the
@@ -32,6 +33,7 @@ that is not.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
@@ -320,7 +322,9 @@ def save_checkpoint(
         _write(tmp / "config.yaml", lambda p: Path(p).write_text(config_yaml))
         shutil.copymode(tmp / "config.yaml", tmp / "model.safetensors")  # safetensors writes 0600, not the umask's
         sizes = {file: (tmp / file).stat().st_size for file in _FILES}
-        _write(tmp / MANIFEST, lambda p: Path(p).write_text(json.dumps({"bytes": sizes}, indent=1) + "\n"))
+        digests = {file: _sha256(tmp / file) for file in _FILES}
+        manifest = json.dumps({"bytes": sizes, "sha256": digests}, indent=1) + "\n"
+        _write(tmp / MANIFEST, lambda p: Path(p).write_text(manifest))
         _fsync(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted attempt
             shutil.rmtree(final)
@@ -359,16 +363,27 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_problem(path: str | os.PathLike[str], verify: bool = False) -> str | None:
     """Why the checkpoint directory ``path`` is not whole (a missing directory or file, a file shorter or longer
-    than its manifest records, an empty file), or ``None`` when it is. A checkpoint written before manifests
-    existed is whole when its files are present and not empty."""
+    than its manifest records, an empty file; with ``verify``, a file whose SHA-256 is not the one recorded when it
+    was written: changed in place), or ``None`` when it is. A checkpoint written before manifests existed is whole
+    when its files are present and not empty; one written before digests were recorded is checked by size."""
     ckpt = Path(path)
     if not ckpt.is_dir():
         return "the directory does not exist"
     try:
-        recorded = json.loads((ckpt / MANIFEST).read_text())["bytes"] if (ckpt / MANIFEST).is_file() else None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        manifest = json.loads((ckpt / MANIFEST).read_text()) if (ckpt / MANIFEST).is_file() else None
+        recorded = None if manifest is None else manifest["bytes"]
+        digests = None if manifest is None else manifest.get("sha256")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} cannot be read ({type(exc).__name__}: {exc})"
     for file in _FILES:
         if not (ckpt / file).is_file():
@@ -378,6 +393,10 @@ def checkpoint_problem(path: str | os.PathLike[str]) -> str | None:
             return f"{file} has {size} bytes, {recorded.get(file)} were written"
         if recorded is None and size == 0 and file != "config.yaml":
             return f"{file} is empty"
+    if verify and digests:
+        for file in _FILES:
+            if file in digests and _sha256(ckpt / file) != digests[file]:
+                return f"{file} is not what was written (its SHA-256 differs from the manifest's: changed on disk)"
     return None
 
 
@@ -435,7 +454,7 @@ def find_resumable(
     elif (root / LATEST).exists():
         skipped.append(f"{LATEST}: empty or unreadable")
     for path in candidates:
-        problem = checkpoint_problem(path)
+        problem = checkpoint_problem(path, verify=True)
         if problem is None:
             try:
                 return path, load_checkpoint(path, model, optimizer), skipped

@@ -103,7 +103,10 @@ class StrategyConfig(_Section):
     def _budget(cls, value: str | int) -> str | int:
         if value == "auto":
             return value
-        parse_bytes(value, "strategy.budget")  # a ValueError names the units
+        try:
+            parse_bytes(value, "strategy.budget")  # a ValueError names the units
+        except ValueError as exc:  # said after the key and value already: not twice
+            raise ValueError(str(exc).removeprefix(f"strategy.budget={value!r}: ")) from None
         return value
 
     @field_validator("fewbit")
@@ -224,6 +227,9 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(default=50, ge=0)
     keep_checkpoints: int = Field(default=3, ge=1)
     resume: bool = True
+    #: resume even where the seed, the data, the batch, the sequence length or the precision differ from the run that
+    #: wrote the checkpoint (refused otherwise: the result would match neither run)
+    resume_changed: bool = False
     progress: bool = True
     nonfinite: Literal["stop", "skip"] = "stop"  # a NaN/inf loss or gradient norm: stop the run, or skip the step
 

@@ -182,9 +182,26 @@ def evaluate(cfg: RunConfig, model: torch.nn.Module, batches: list[torch.Tensor]
         model.train(was_training)
 
 
-def _config_changes(ckpt: Path, cfg: RunConfig) -> str:
-    """The ``model.*`` and ``strategy.*`` keys whose values differ between the run that wrote ``ckpt`` (its
-    ``config.yaml``) and ``cfg``, as ``key: then -> now``; empty when they agree or it cannot be read."""
+#: the settings a resumed run must share with the run that wrote its checkpoint, beside the model and the strategy
+#: (which the checkpoint's shapes check): what decides the batches and their numbers
+TRAJECTORY = (
+    "train.seed",
+    "data.kind",
+    "data.path",
+    "data.hf_dataset",
+    "data.token_dtype",
+    "data.seq_len",
+    "data.batch_size",
+    "optim.grad_accum_steps",
+    "strategy.precision",
+)
+
+
+def _config_changes(
+    ckpt: Path, cfg: RunConfig, sections: tuple[str, ...] = ("model", "strategy"), keys: tuple[str, ...] = ()
+) -> str:
+    """The keys of ``sections`` (or only ``keys`` of them) whose values differ between the run that wrote ``ckpt``
+    (its ``config.yaml``) and ``cfg``, as ``key: then -> now``; empty when they agree or it cannot be read."""
     import yaml
 
     def flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -201,15 +218,34 @@ def _config_changes(ckpt: Path, cfg: RunConfig) -> str:
         return ""
     now = cfg.model_dump(mode="json")
     changed = []
-    for section in ("model", "strategy"):
+    for section in sections:
         a, b = (
             flat(then.get(section, {}) if isinstance(then, dict) else {}, f"{section}."),
             flat(now[section], f"{section}."),
         )
         changed += [
-            f"{key}: {a.get(key)!r} -> {b.get(key)!r}" for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)
+            f"{key}: {a.get(key)!r} -> {b.get(key)!r}"
+            for key in sorted(set(a) | set(b))
+            if a.get(key) != b.get(key) and (not keys or key in keys)
         ]
     return ", ".join(changed)
+
+
+def _refuse_a_changed_run(found: Path, cfg: RunConfig) -> str:
+    """The :data:`TRAJECTORY` settings that differ from the run that wrote ``found``: a :class:`CheckpointMismatch`
+    naming them and the ways out, unless ``train.resume_changed`` (then the changes, to say in the log)."""
+    changes = _config_changes(found, cfg, ("train", "data", "optim", "strategy"), TRAJECTORY)
+    if not changes or cfg.train.resume_changed:
+        return changes
+    out = str(cfg.train.out_dir).rstrip("/")
+    raise CheckpointMismatch(
+        f"train.out_dir={out}: its checkpoint {found.name} was written by a run with other settings ({changes}); "
+        f"resuming with them would mix two runs (the result matches neither). Resume with the run's own settings, "
+        f"give this run its own train.out_dir=..., start over in {out} with train.resume=false (the earlier run's "
+        f"files are moved aside), or set train.resume_changed=true to continue from it with the new settings",
+        found,
+        "other settings",
+    )
 
 
 def _mismatch(exc: CheckpointMismatch, cfg: RunConfig) -> CheckpointMismatch:
@@ -296,6 +332,9 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
                     + "); starting from step 0 would overwrite them. Set train.resume=false to start over (the "
                     "earlier run's files are moved aside), or give another train.out_dir"
                 )
+        changed = _refuse_a_changed_run(found, cfg)
+        if changed:
+            notes.append(f"train.resume_changed=true: resumed from {found.name} with other settings ({changed})")
         for line in skipped:
             warnings.warn(f"resume: passed over checkpoint {line}", stacklevel=2)
         start = restored.step
@@ -344,10 +383,14 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
         kept = f"the last checkpoint, {last_ckpt}, holds finite weights" if last_ckpt else "no checkpoint was written"
         overflow = stream_range_error(model)  # exact reversible streams that overflowed make the loss NaN
         why = f" ({overflow})" if overflow is not None else ""
-        return DivergedError(
-            f"step {step}: {what}{why}; the run stopped ({kept}). Lower optim.lr (or give optim.warmup_steps, "
-            f"optim.grad_clip) and resume, or set train.nonfinite=skip to skip such steps"
+        advice = (
+            "the weights themselves went bad: resume from it with a lower optim.lr (or optim.warmup_steps, "
+            "optim.grad_clip)"
+            if skip
+            else "Lower optim.lr (or give optim.warmup_steps, optim.grad_clip) and resume, or set "
+            "train.nonfinite=skip to skip such steps"
         )
+        return DivergedError(f"step {step}: {what}{why}; the run stopped ({kept}). {advice}")
 
     def check(entries: list[tuple[int, torch.Tensor, torch.Tensor | None]]) -> None:
         """Raise :class:`DivergedError` for the first of ``entries`` whose loss or gradient norm is not finite."""

@@ -52,6 +52,7 @@ def test_operations_are_written_compressed():
         (["--gpu", "v5e"], "--gpu: unknown GPU chip 'v5e'; choose one of h100"),
         (["--strategies", "none,magic"], "--strategies: unknown strategy 'magic'; choose from config, none"),
         (["model.name=llama-99b"], "llama-99b"),
+        (["--gpu", "h100", "--max-batch", "--limit", "0"], "--limit 0: the largest batch --max-batch tries (>= 1)"),
     ],
 )
 def test_memory_bad_input_is_one_line_with_exit_2(capsys, argv, message):

@@ -54,6 +54,8 @@ def test_a_dumped_config_loads_back_equal(tmp_path):
         (["strategy.fewbit=7"], r"strategy.fewbit=7: must be 0 \(off\) or 1, 2, 3 or 4 bits"),
         (["strategy.budget=8GiB"], r"strategy.budget='8GiB' .* only to strategy.activations=plan"),
         (["strategy=plan", "strategy.budget=lots"], r"strategy.budget=.*expected a number of bytes"),
+        # the key and value once (they were said twice)
+        (["strategy=plan", "strategy.budget=0"], r"^strategy.budget=0: must be a positive, finite number of bytes"),
         (
             ["strategy.fused_optimizer=true", "optim.grad_accum_steps=2", "optim.grad_clip=0"],
             r"fused_optimizer=true .* optim.grad_accum_steps=2",

@@ -3,6 +3,7 @@ warning naming them) for the newest whole one, never silently restarting from st
 that goes NaN stops the run and keeps finite checkpoints (or, opted in, skips the step); nothing left behind."""
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -70,6 +71,16 @@ def _truncate(path, keep=0.5):
     path.write_bytes(data[: int(len(data) * keep)])
 
 
+def _flip(path, where=0.5, count=1):
+    """``count`` bytes in the middle of ``path`` changed in place: its size stays (issue 39, case 1: resumed
+    silently when the manifest held byte sizes only)."""
+    data = bytearray(path.read_bytes())
+    at = int(len(data) * where)
+    for k in range(count):
+        data[at + k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 BREAKS = {
     # case 1: a broken `latest`
     "latest names a missing directory": lambda c: (c / "latest").write_text("step_00000009\n"),
@@ -79,6 +90,9 @@ BREAKS = {
     "truncated weights": lambda c: _truncate(c / "step_00000004" / "model.safetensors"),
     "empty optimizer file": lambda c: (c / "step_00000004" / "optimizer.pt").write_bytes(b""),
     "optimizer file cut by 1 byte": lambda c: _truncate(c / "step_00000004" / "optimizer.pt", keep=0.9999),
+    # a byte changed in place, the size kept
+    "two bytes of the weights flipped": lambda c: _flip(c / "step_00000004" / "model.safetensors", 0.9, 2),
+    "one byte of the optimizer state flipped": lambda c: _flip(c / "step_00000004" / "optimizer.pt", 0.95),
 }
 
 
@@ -130,6 +144,8 @@ def test_resume_passes_over_each_kind_of_broken_checkpoint_naming_it(saved_twice
         "truncated weights": "step_00000004: model.safetensors has",
         "empty optimizer file": "step_00000004: optimizer.pt has 0 bytes",
         "optimizer file cut by 1 byte": "step_00000004: optimizer.pt has",
+        "two bytes of the weights flipped": "step_00000004: model.safetensors is not what was written (its SHA-256",
+        "one byte of the optimizer state flipped": "step_00000004: optimizer.pt is not what was written",
     }[broken]
     assert len(skipped) == 1 and skipped[0].startswith(named), skipped
     assert ck.latest_checkpoint(root) in (None, root / "step_00000004")
@@ -389,3 +405,43 @@ def test_an_unknown_chip_is_said_before_anything_is_built_or_announced(tmp_path,
         "revlib-xla train: error: chip.name='V5E' is not a known chip (did you mean 'v5e'?); choose one of v4, v5e, "
         "v5p, v6e, h100, h200, a100-40gb, a100-80gb, l4, t4\n"
     )
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ("train.seed=7", "train.seed: 0 -> 7"),
+        ("data.batch_size=2", "data.batch_size: 4 -> 2"),
+        ("data.seq_len=8", "data.seq_len: 16 -> 8"),
+        ("strategy.precision=bf16", "strategy.precision: 'fp32' -> 'bf16'"),
+    ],
+)
+def test_resuming_with_a_changed_seed_batch_length_or_precision_is_refused_by_name(
+    four_steps, tmp_path, capsys, change, said
+):
+    """Issue 39, case 2: a resumed run with another seed (or batch, sequence length, precision) mixed two runs
+    without a word, its final config.yaml saying the new seed. Refused, naming the change and the ways out; with
+    train.resume_changed=true it continues from the checkpoint, and the log says with what."""
+    out = _copy(four_steps, tmp_path)
+    with pytest.raises(ck.CheckpointMismatch, match=r"other settings \(" + re.escape(said) + r"\).*mix two runs"):
+        train(_cfg(out, "train.steps=6", change))
+    assert _steps_logged(out) == [1, 2, 3, 4, 5]  # nothing was trained or written
+    done = train(_cfg(out, "train.steps=6", change, "train.resume_changed=true"))
+    assert done.start_step == 4 and done.final_step == 6
+    assert (
+        "train.resume_changed=true: resumed from step_00000004 with other settings (" + said in capsys.readouterr().out
+    )
+
+
+def test_skip_gives_up_on_steps_that_stay_nan_without_advising_what_is_set(tmp_path, monkeypatch):
+    """Issue 39, case 7: when train.nonfinite=skip gives up (every step NaN), the error advised setting
+    train.nonfinite=skip, which was set; it names the steps and advises a lower learning rate instead."""
+    from revlib_xla.train.loop import MAX_SKIPPED_IN_A_ROW, DivergedError
+
+    real = strategy.lm_loss
+    monkeypatch.setattr(strategy, "lm_loss", lambda model, tokens: real(model, tokens) * float("nan"))
+    with pytest.raises(DivergedError) as raised:
+        train(_cfg(tmp_path, f"train.steps={MAX_SKIPPED_IN_A_ROW + 2}", "train.nonfinite=skip"))
+    message = str(raised.value)
+    assert f"{MAX_SKIPPED_IN_A_ROW} steps in a row" in message and "lower optim.lr" in message, message
+    assert "set train.nonfinite=skip" not in message, message
