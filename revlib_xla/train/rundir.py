@@ -1,10 +1,12 @@
 """The run directory (``train.out_dir``) of ``revlib-xla train``: one run at a time, and nothing a dead run left.
 
-* :class:`RunLock`: ``<out_dir>/run.lock`` names the process that runs there (host, process id, the process's start
-  time). It is created exclusively, so of two runs started on one ``out_dir`` the second refuses with
-  :class:`RunDirError` naming the first. A lock whose process is gone (on this host: no process has that id, or one
-  with another start time has it now) is stale: it is taken over, and said so. A lock written on another host
-  cannot be checked from here; the error says how to remove it once that run is known to be over.
+* :class:`RunLock`: ``<out_dir>/run.lock``, held with an exclusive ``flock`` (which the kernel lets go when the
+  process ends, however it ends: taking over a dead run's lock is the kernel's, atomic, not a judgement), names the
+  process that runs there (host, process id, start time) for the message of the second run on one ``out_dir``,
+  which refuses with :class:`RunDirError` naming the first. A lock file a dead run left (no ``flock`` on it) is taken
+  over, and said so; one whose process still runs but holds no ``flock`` (an earlier version's) or that was written
+  on another host is refused. Where the file system has no ``flock``, the file is created exclusively and a holder
+  judged by its process id (on this host: gone, or another process with that id now).
 * :func:`remove_stale_temporaries`: the temporary checkpoint directories (``.tmp-step_<N>-<pid>``) and pointer files
   (``.latest-<pid>``) that a killed save leaves behind; under the lock, no other run is writing them.
 * :func:`set_aside`: what an earlier run left (checkpoints, ``metrics.jsonl``, TensorBoard events), moved to
@@ -78,6 +80,7 @@ class RunLock:
         self.path = Path(out_dir) / LOCK
         self.taken_over: str | None = None  # the stale lock this run replaced, for a message
         self._held = False
+        self._fd: int | None = None
         self._me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _start_time(os.getpid())}
 
     def _holder(self) -> dict[str, object] | None:
@@ -90,9 +93,60 @@ class RunLock:
             return {}
 
     def acquire(self) -> None:
+        """Take the lock: an exclusive ``flock`` on ``run.lock`` (the kernel lets it go when the process ends, however
+        it ends, so a dead run's lock needs no judging), holding this process's name for the messages of the runs it
+        refuses. Where the file system has no ``flock``, the file's exclusive creation instead, and a holder judged
+        by its process id."""
+        try:
+            import fcntl
+        except ImportError:  # not POSIX
+            return self._acquire_by_creation()
+        for _ in range(5):
+            fd = self._open(os.O_CREAT | os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                self._refuse(self._holder() or {})
+            except OSError:  # no flock on this file system
+                os.close(fd)
+                return self._acquire_by_creation()
+            try:  # the file locked is the one at the path (not one a releasing run unlinked meanwhile)
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            holder = self._holder()
+            if holder:  # written by a run that held no flock (an earlier version), or on another host
+                try:
+                    self._refuse_or_clear(holder, clear=False)
+                except RunDirError:
+                    os.close(fd)
+                    raise
+                self.taken_over = f"process {holder.get('pid')} on {holder.get('host')} (no longer running)"
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(self._me) + "\n").encode(), 0)
+            self._fd, self._held = fd, True
+            return None
+        raise RunDirError(f"{self.path}: could not take the run lock (another run keeps taking it)")
+
+    def _open(self, flags: int) -> int:
+        try:
+            return os.open(self.path, flags, 0o644)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            raise RunDirError(
+                f"train.out_dir={str(self.path.parent)!r}: its run lock {self.path} cannot be written "
+                f"({exc.strerror or exc}); give a writable train.out_dir"
+            ) from None
+
+    def _acquire_by_creation(self) -> None:
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                fd = self._open(os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 holder = self._holder()
                 if holder is None:  # released meanwhile
@@ -101,26 +155,32 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self._me) + "\n")
-            self._held = True
+            self._fd, self._held = None, True
             return
         raise RunDirError(f"{self.path}: could not take the run lock (another run keeps taking it)")
 
-    def _refuse_or_clear(self, holder: dict[str, object]) -> None:
+    def _refuse(self, holder: dict[str, object]) -> None:
+        who = f"process {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
+        raise RunDirError(
+            f"train.out_dir={str(self.path.parent)!r} is in use by another run ({who}, lock {self.path}); "
+            f"two runs in one directory overwrite each other's checkpoints. Give this run another "
+            f"train.out_dir, or wait for that run to end"
+        )
+
+    def _refuse_or_clear(self, holder: dict[str, object], clear: bool = True) -> None:
         host, pid, started = holder.get("host"), holder.get("pid"), holder.get("started")
         who = f"process {pid} on {host}"
         if host == self._me["host"] and isinstance(pid, int):
             if _alive(pid, started if isinstance(started, str) else None):  # this process too: a run in a thread
-                raise RunDirError(
-                    f"train.out_dir={str(self.path.parent)!r} is in use by another run ({who}, lock {self.path}); "
-                    f"two runs in one directory overwrite each other's checkpoints. Give this run another "
-                    f"train.out_dir, or wait for that run to end"
-                )
+                self._refuse(holder)
         elif holder:
             raise RunDirError(
                 f"train.out_dir={str(self.path.parent)!r} is locked by {who} ({self.path}), which cannot be checked "
                 f"from {self._me['host']}; give this run another train.out_dir, or, once that run is over, delete "
                 f"{self.path}"
             )
+        if not clear:
+            return
         # the holder is gone (or the lock is unreadable: a crash while writing it): stale, replace it
         stale = self.path.with_name(f"{LOCK}.stale-{os.getpid()}")
         try:
@@ -131,11 +191,21 @@ class RunLock:
         self.taken_over = f"{who} (no longer running)" if holder else "an unreadable lock"
 
     def release(self) -> None:
-        if self._held:
-            self._held = False
-            holder = self._holder()
-            if holder and holder.get("pid") == os.getpid() and holder.get("host") == self._me["host"]:
-                self.path.unlink(missing_ok=True)
+        if not self._held:
+            return
+        self._held = False
+        fd, self._fd = self._fd, None
+        if fd is not None:  # unlink while still holding the flock, then let it go
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    self.path.unlink()
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+            return
+        holder = self._holder()
+        if holder and holder.get("pid") == os.getpid() and holder.get("host") == self._me["host"]:
+            self.path.unlink(missing_ok=True)
 
     def __enter__(self) -> RunLock:
         self.acquire()

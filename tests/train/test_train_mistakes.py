@@ -3,6 +3,7 @@ warning naming them) for the newest whole one, never silently restarting from st
 that goes NaN stops the run and keeps finite checkpoints (or, opted in, skips the step); nothing left behind."""
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -445,3 +446,73 @@ def test_skip_gives_up_on_steps_that_stay_nan_without_advising_what_is_set(tmp_p
     message = str(raised.value)
     assert f"{MAX_SKIPPED_IN_A_ROW} steps in a row" in message and "lower optim.lr" in message, message
     assert "set train.nonfinite=skip" not in message, message
+
+
+def test_two_runs_taking_over_a_stale_lock_at_once_leave_one_holder(tmp_path):
+    """Issue 39, case 3: with a dead run's lock in place, two restarts raced: both ended up holding the lock (the
+    second deleted the first's fresh lock as stale). The lock is a flock now: the first takes it over (said so),
+    the second is refused naming the first; once the first releases it, the next one takes it."""
+    from revlib_xla.train.rundir import LOCK, RunDirError, RunLock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    first, second = RunLock(tmp_path), RunLock(tmp_path)
+    first.acquire()
+    assert first.taken_over == f"process {dead.pid} on {socket.gethostname()} (no longer running)"
+    with pytest.raises(RunDirError, match=rf"in use by another run \(process {os.getpid()} on"):
+        second.acquire()
+    assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()  # the first's lock, intact
+    first.release()
+    assert not (tmp_path / LOCK).exists()
+    second.acquire()
+    second.release()
+
+
+def test_a_killed_runs_lock_is_let_go_by_the_kernel(tmp_path):
+    """A run killed with SIGKILL while holding the lock: its flock goes with the process; the next run takes the
+    lock (the file it left says who held it)."""
+    from revlib_xla.train.rundir import LOCK, RunLock
+
+    script = (
+        "import sys, time\n"
+        "from revlib_xla.train.rundir import RunLock\n"
+        f"RunLock({str(tmp_path)!r}).acquire()\n"
+        "print('held', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        from revlib_xla.train.rundir import RunDirError
+
+        with pytest.raises(RunDirError, match=rf"process {holder.pid} on"):
+            RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (tmp_path / LOCK).exists()
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    assert lock.taken_over is not None and str(holder.pid) in lock.taken_over
+    lock.release()
+
+
+def test_a_read_only_out_dir_is_one_line(tmp_path, capsys, monkeypatch):
+    """Issue 39, case 6: an existing train.out_dir where the run lock cannot be written gave an OSError traceback."""
+    import errno
+
+    from revlib_xla.train import rundir
+
+    real_open = os.open
+
+    def read_only(path, flags, *args):
+        if str(path).endswith(rundir.LOCK):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(rundir.os, "open", read_only)
+    args = ["train", "--config", "tpu_configs/cpu-smoke.yaml", *TINY, f"train.out_dir={tmp_path}", "train.steps=1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Read-only file system" in err and "give a writable train.out_dir" in err, err
