@@ -46,6 +46,7 @@ import torch
 
 from .. import backends
 from ..reversible import stream_range_error
+from ..reversible.fixed_point import FixedStreamError
 from ..sharding import apply_mesh
 from .checkpoint import (
     Checkpoint,
@@ -384,8 +385,8 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
         overflow = stream_range_error(model)  # exact reversible streams that overflowed make the loss NaN
         why = f" ({overflow})" if overflow is not None else ""
         advice = (
-            "the weights themselves went bad: resume from it with a lower optim.lr (or optim.warmup_steps, "
-            "optim.grad_clip)"
+            "Skipping did not help (the weights themselves went bad): lower optim.lr (or give optim.warmup_steps, "
+            "optim.grad_clip) and resume"
             if skip
             else "Lower optim.lr (or give optim.warmup_steps, optim.grad_clip) and resume, or set "
             "train.nonfinite=skip to skip such steps"
@@ -422,18 +423,30 @@ def _train(cfg: RunConfig, out: Path, lock: RunLock | None, crash_after: int | N
             done = step + 1
             lr = lr_at(cfg, step)
             set_lr(optimizer, lr)
-            loss = step_fn(sampler.next_batch())
+            overflow = None
+            try:
+                loss = step_fn(sampler.next_batch())
+            except FixedStreamError as exc:  # a value beyond the exact streams' range: the step has no numbers
+                if not skip:
+                    raise diverged(done, f"the exact reversible streams overflowed ({exc})") from None
+                optimizer.zero_grad(set_to_none=True)
+                loss, overflow = torch.tensor(float("nan")), str(exc)
+                report.skipped, report.grad_norm = True, None
             backends.sync(device)
             if skip and report.skipped:
                 skipped_steps.append(done)
                 in_a_row += 1
-                logger.message(
-                    f"step {done}: the loss is {_describe(float(loss))}, the gradient norm "
-                    f"{_describe(float(report.grad_norm)) if report.grad_norm is not None else 'not computed'}: "
-                    f"update skipped (train.nonfinite=skip)"
+                what = (
+                    f"the exact reversible streams overflowed ({overflow})"
+                    if overflow is not None
+                    else f"the loss is {_describe(float(loss))}, the gradient norm "
+                    f"{_describe(float(report.grad_norm)) if report.grad_norm is not None else 'not computed'}"
                 )
+                logger.message(f"step {done}: {what}: update skipped (train.nonfinite=skip)")
                 if in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                    raise diverged(done, f"{in_a_row} steps in a row had a NaN or inf loss or gradient norm")
+                    raise diverged(
+                        done, f"{in_a_row} steps in a row had a NaN or inf loss or gradient norm, or overflowed"
+                    )
             elif skip:
                 in_a_row = 0
             else:

@@ -516,3 +516,24 @@ def test_a_read_only_out_dir_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Read-only file system" in err and "give a writable train.out_dir" in err, err
+
+
+@pytest.mark.parametrize("nonfinite", ["stop", "skip"])
+def test_an_exact_stream_overflow_goes_through_train_nonfinite(tmp_path, capsys, nonfinite):
+    """Issue 39, case 4: with optim.lr=1e6 the reversible stack's exact streams overflow at step 2, and the run
+    ended in a raw FixedStreamError traceback naming no step, even under skip. ``stop``: a DivergedError naming the
+    step, the layer and the checkpoint state; ``skip``: the step's update dropped and said so, until the skips in a
+    row give up."""
+    from revlib_xla.train.loop import MAX_SKIPPED_IN_A_ROW, DivergedError
+
+    cfg = _cfg(tmp_path, "strategy=reversible", "optim.lr=1e6", "train.steps=12", f"train.nonfinite={nonfinite}")
+    with pytest.raises(DivergedError) as raised:
+        train(cfg)
+    message = str(raised.value)
+    if nonfinite == "stop":
+        assert re.match(r"step \d+: the exact reversible streams overflowed \(ReversibleSequential: layer ", message)
+        assert "the run stopped" in message and "train.nonfinite=skip" in message, message
+    else:
+        assert f"{MAX_SKIPPED_IN_A_ROW} steps in a row" in message, message
+        said = capsys.readouterr().out
+        assert re.search(r"step \d+: the exact reversible streams overflowed \(.*\): update skipped", said), said
