@@ -249,6 +249,11 @@ def forward_fixed(
             )
     if not f.dtype.is_floating_point:
         raise ReversibleError(f"{plan.describe(i)} returned a {f.dtype} tensor; a block must return floating point")
+    if f.device != s0.device:
+        raise ReversibleError(
+            f"{plan.describe(i)}: coupling its output (on {f.device}) with the other stream (on {s0.device}) "
+            f"failed: a reversible block must return its output on its input's device"
+        )
     return _fixed.couple(fixed, s0, f, dtype, guard, i, x0)
 
 

@@ -618,6 +618,24 @@ def test_inplace_first_op_in_block():
         model(torch.randn(3, 8, requires_grad=True))
 
 
+class _OnAnotherDevice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x).to("meta")
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_block_returning_its_output_on_another_device_is_named(exact):
+    """Issue 39, case 6: with exact streams such a block gave a bare RuntimeError from the next layer ('Tensor on
+    device cpu is not on the expected device meta!'), naming no layer; the floating-point streams named it."""
+    model = ReversibleSequential(_OnAnotherDevice(), nn.Linear(4, 4), split_dim=-1, exact=exact)
+    with pytest.raises(revlib.ReversibleError, match=r"layer 0 \('0-0': _OnAnotherDevice\): coupling its output"):
+        model(torch.randn(3, 8))
+
+
 def test_inplace_change_of_saved_output_or_argument():
     model = ReversibleSequential(*[TakesArgs(4) for _ in range(2)], split_dim=-1)
     x = torch.randn(2, 3, 8, requires_grad=True)
