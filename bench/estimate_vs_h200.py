@@ -96,8 +96,8 @@ def main() -> None:
         "|---|---|---|",
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
         "",
-        "- `none` between steps: the estimate is 0.5 % below the H200's (the allocator's own few hundred KB of "
-        "scalars, the sampler's batch).",
+        "- `none` between steps: the estimate is 0.5 % (70 MB) below the H200's: what the estimate does not "
+        "count (cuBLAS's workspace, which torch allocates through its caching allocator, and the batch).",
         "- `plan` between steps: the H200's 43.79 GB (29 GB more than `none`) was the planner's measurement under "
         "PyTorch's MemTracker keeping a whole step's activations alive, fixed since "
         "(tests/memory/test_memory_between_steps.py, on the CPU's allocator); the estimate is what should stay. Not "
