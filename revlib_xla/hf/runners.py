@@ -19,7 +19,7 @@ from torch import nn
 from .. import backends
 from .._tree import detached, tree_leaves
 from ..planner import Chain
-from ..planner.checkpointable import Checkpointable, _signature
+from ..planner.checkpointable import Checkpointable, _signature, agreed_chain
 from ..planner.sizing import measure_chain
 from ..reversible import ReversibleSequential
 from ..reversible.exact_momentum import ExactMomentumStack, reference_values
@@ -241,7 +241,7 @@ class LayerCheckpointable(Checkpointable):
         if measured.chain.cw[0] != measured.chain.cw[1]:
             return super().measure(sample_input)
         self.measurements = measured.measurements * n
-        self.chain = _repeated(measured.chain, n)
+        self.chain = agreed_chain(_repeated(measured.chain, n))  # every process plans from the first's
         self._signature = _signature(sample_input)
         self._sample = detached(sample_input) if measured.lazy else None
         self.sequence = None

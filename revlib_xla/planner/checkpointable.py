@@ -215,10 +215,15 @@ class Checkpointable(nn.Module):
 
     def measure(self, sample_input: Any) -> Chain:
         """Measure every stage on ``sample_input`` (times on the device, sizes in bytes) and build the chain
-        (:func:`~revlib_xla.planner.measure_chain`). Invalidates the current schedule."""
+        (:func:`~revlib_xla.planner.measure_chain`). Invalidates the current schedule.
+
+        Under several processes (torch.distributed initialized) every process plans from the first process's chain
+        (:func:`agreed_chain`): measured times differ from process to process, and two processes whose schedules
+        recompute in different orders issue FSDP2's collectives in different orders and wait for each other for
+        ever. Every process must then measure together (the same input shape at the same step)."""
         measured = measure_chain(self.stages, sample_input, self.stage_options, self.sizing())
         self.measurements = measured.measurements
-        self.chain = measured.chain
+        self.chain = agreed_chain(measured.chain)
         self._signature = _signature(sample_input)
         self._sample = detached(sample_input) if measured.lazy else None  # XLA device data: what fit_to_tpu traces
         self.sequence = None
@@ -464,6 +469,21 @@ def _scanned(stages: list[nn.Module], options: Any, saved_dtypes: Sequence[torch
         return scan_runs(stages)
     except ScanUnsupported as why:
         raise ValueError(f"Checkpointable(scan=True): {why}. Pass scan=False to run the stages one by one") from None
+
+
+def agreed_chain(chain: Chain) -> Chain:
+    """``chain`` as the first process measured it, where torch.distributed runs several processes (a broadcast of
+    the measured costs; the solver is deterministic, so every process then plans the same schedule); ``chain``
+    itself otherwise."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return chain
+    box = [chain if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    agreed = box[0]
+    assert isinstance(agreed, Chain)
+    return agreed
 
 
 def _recomputes_nothing(schedule: Schedule) -> bool:
