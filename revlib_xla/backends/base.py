@@ -143,6 +143,10 @@ class Backend:
     #: Bytes the allocator rounds each allocation up to a multiple of (cuda's caching allocator: 512), as tensor
     #: storage counts (:class:`revlib_xla.memory.StorageTracker`) count them.
     allocation_granularity: int = 1
+    #: Whether AdamW's step runs best as torch's fused kernel on the family (one kernel per weight, no temporaries;
+    #: torch's own default there, ``foreach``, makes temporaries the size of every gradient): what
+    #: ``optim.implementation=auto`` picks.
+    fused_adamw: bool = False
     #: Order in which :func:`revlib_xla.backends.default_device` prefers families that have hardware here.
     preference: int = 0
     #: The ``torch.distributed`` backend that reduces the family's tensors across processes (``gloo`` on the host,

@@ -27,6 +27,7 @@ class CudaBackend(Backend):
     statistics_source = "torch.cuda.max_memory_allocated"
     allocation_granularity = 512
     process_group_backend: str | None = "nccl"
+    fused_adamw = True
 
     def __init__(self) -> None:
         self._side_streams: dict[torch.device, torch.cuda.Stream] = {}

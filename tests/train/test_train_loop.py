@@ -19,7 +19,7 @@ from revlib_xla.cli import main
 from revlib_xla.train.checkpoint import latest_checkpoint
 from revlib_xla.train.config import load_config
 from revlib_xla.train.loop import train
-from revlib_xla.train.strategy import language_model
+from revlib_xla.train.strategy import PHASES, language_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # On the CPU wherever the machine has a GPU too (train.device=auto would pick it: the models below are compared
@@ -268,10 +268,14 @@ def test_each_logged_step_records_its_peak_and_reserved_bytes(tmp_path, monkeypa
         train(cfg)
     records = [r for r in _records(tmp_path) if r["kind"] == "train"]
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert len(resets) == 5  # before the first step, after each record, after the final checkpoint
+    # before the first step, after each record, after the final checkpoint; and the phases' own (PhasePeaks): at
+    # each phase's start (3 a step) and where each record takes them
+    assert len(resets) == 5 + 3 * len(PHASES) + 3
     logits = 4 * 16 * 256 * 4  # batch x positions x vocabulary, float32: alive at each step's peak
     for r in records:
         assert r["peak_bytes"] >= r["memory_bytes"] + logits and r["reserved_bytes"] is None
+        assert list(r["phase_peak_bytes"]) == list(PHASES)
+        assert r["peak_bytes"] == max(r["phase_peak_bytes"].values())  # the step's peak is its largest phase's
     # AdamW's state (two moments per weight) exists from the first step's end on: what stays between steps grows
     assert records[1]["memory_bytes"] == records[2]["memory_bytes"] > records[0]["memory_bytes"] - 1
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ... import backends
 from ...optim.host import HostOptimizer, master_dtype
 from ..config import RunConfig
 from .base import Piece, Refusal, language_model, register
@@ -70,7 +71,7 @@ def step_implementation(cfg: RunConfig, device_type: str, params: list[nn.Parame
     chosen = cfg.optim.implementation
     if chosen != "auto":
         return chosen
-    if device_type != "cuda":
+    if not backends.backend_for(torch.device(device_type)).fused_adamw:
         return "default"
     from torch.distributed.tensor import DTensor
 
