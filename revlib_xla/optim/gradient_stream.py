@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Collection, Sequence
 
 import torch
@@ -102,6 +103,7 @@ class GradientStream:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._work, name="revlib_xla gradient stream", daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._queue.put, None)  # the thread ends with the stream
         return self._queue
 
     # -- the host side -----------------------------------------------------------------------------------------
@@ -165,7 +167,3 @@ class GradientStream:
             assert self._thread is not None
             self._thread.join()
             self._queue = self._thread = None
-
-    def __del__(self) -> None:
-        if getattr(self, "_queue", None) is not None:
-            self._queue.put(None)  # type: ignore[union-attr]
