@@ -66,8 +66,6 @@ class GradientStream:
         self.whole_at_once = [id(p) not in shared for p in self.params]
         #: the host gradients (the device's dtype for one part, a float32 sum for several), by parameter index
         self.grads: list[Tensor | None] = [None] * len(self.params)
-        #: the parts each gradient has had since it was last taken
-        self.parts = [0] * len(self.params)
         self.final = False
         self.on_whole: Callable[[int], None] | None = None
         self.drop = False  # sizing an eager device's step: the gradient is freed, nothing sent
@@ -133,7 +131,6 @@ class GradientStream:
             if total.dtype != self.dtypes[i]:
                 total = total.to(self.dtypes[i])
             self.grads[i] = total.add_(grad)
-        self.parts[i] += 1
         if self.final and self.whole_at_once[i] and self.on_whole is not None:
             self.on_whole(i)
 
@@ -148,14 +145,13 @@ class GradientStream:
     def take(self, i: int) -> Tensor | None:
         """The host gradient of parameter ``i`` in its master's dtype, and forget it (the tensor is the caller's
         to scale in place); ``None`` where none arrived."""
-        grad, self.grads[i], self.parts[i] = self.grads[i], None, 0
+        grad, self.grads[i] = self.grads[i], None
         return None if grad is None else grad.to(self.dtypes[i])
 
     def clear(self) -> None:
         """Forget every gradient (``zero_grad``)."""
         self.wait()
         self.grads = [None] * len(self.params)
-        self.parts = [0] * len(self.params)
 
     def remove(self) -> None:
         """Remove the hooks and stop the host thread."""
